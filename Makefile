@@ -1,0 +1,41 @@
+# `make demo` and `make test` set everything up on a fresh machine: a virtual environment in
+# .venv with the CPU build of torch (pinned, so pip does not pull a multi-GB CUDA build), then
+# this package in editable mode. Override TORCH_SPEC to pick another build.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test gpu-test lint format bench clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -m pip install --quiet "pytest>=7" "ruff>=0.5"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/torchoffload demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+
+# On a GPU machine whose python3 already has torch with CUDA (no venv):
+gpu-test:
+	PYTHONPATH=. $(PYTHON) -m pytest -q -m gpu
+
+bench:
+	PYTHONPATH=. $(PYTHON) benchmarks/activations.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

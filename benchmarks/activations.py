@@ -1,0 +1,219 @@
+"""Activation offloading on a GPT-style stack: step time and peak memory against peers and the
+link bound.
+
+    python benchmarks/activations.py                 # the three shapes of the issue, on CUDA
+    python benchmarks/activations.py --shapes tiny   # a smoke run (works on CPU)
+
+Rows per shape: no offloading, torch's save_on_cpu(pin_memory=True), full activation
+checkpointing (non-reentrant, every block), torchoffload.offload_activations. The link bound is
+max(t_fwd, B/bw_d2h) + max(t_bwd, B/bw_h2d), with t_fwd and t_bwd measured without offloading, B
+the bytes offload_activations moved per step, and bw the pinned copy bandwidth measured in this
+run. Medians over --steps timed steps after --warmup steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchoffload import PinnedPool, offload_activations  # noqa: E402
+from torchoffload.models import BlockStack  # noqa: E402
+
+SHAPES = {
+    "issue": [(4096, 8, 4, 2048), (2048, 12, 8, 2048), (1024, 16, 8, 1024)],
+    "tiny": [(128, 2, 2, 64)],
+}
+GIB = 1 << 30
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            self.a.record()
+        else:
+            self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.b.record()
+            self.b.synchronize()
+            self.ms = self.a.elapsed_time(self.b)
+        else:
+            self.ms = (time.perf_counter() - self.t) * 1e3
+
+
+def copy_bandwidth(nbytes: int = GIB, reps: int = 5) -> tuple[float, float]:
+    """Pinned host <-> device copy bandwidth in GB/s (median), each direction alone."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = []
+    for src, dst in ((dev, host), (host, dev)):
+        times = []
+        for _ in range(reps + 1):
+            with Timer(dev.device) as t:
+                dst.copy_(src, non_blocking=True)
+            times.append(t.ms)
+        out.append(nbytes / (statistics.median(times[1:]) * 1e-3) / 1e9)
+    return out[0], out[1]
+
+
+def run_mode(model, x, mode, pool, steps, warmup, device, phases=False):
+    """Median ms/step (one timer around forward + backward, no sync inside the step) and peak
+    memory. With ``phases``, forward and backward are timed separately instead (a sync between
+    them), which is how t_fwd and t_bwd of the link bound are measured."""
+    layers = model.layers
+
+    def forward():
+        h = x
+        for layer in layers:
+            h = checkpoint(layer, h, use_reentrant=False) if mode == "checkpoint" else layer(h)
+        return h.float().pow(2).mean()
+
+    stats = None
+    times, fwd_times, bwd_times = [], [], []
+    is_cuda = device.type == "cuda"
+    for i in range(warmup + steps):
+        if i == warmup and is_cuda:
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.reset_peak_memory_stats()
+        if mode == "save_on_cpu":
+            ctx = torch.autograd.graph.save_on_cpu(pin_memory=is_cuda)
+        elif mode == "offload_activations":
+            ctx = offload_activations(pool=pool)
+        else:
+            ctx = contextlib.nullcontext()
+        if phases:
+            with Timer(device) as fwd, ctx:
+                loss = forward()
+            with Timer(device) as bwd:
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+            if i >= warmup:
+                fwd_times.append(fwd.ms)
+                bwd_times.append(bwd.ms)
+        else:
+            with Timer(device) as step:
+                with ctx:
+                    loss = forward()
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+            if i >= warmup:
+                times.append(step.ms)
+        del loss
+        if mode == "offload_activations":
+            stats = ctx.stats()
+    peak = torch.cuda.max_memory_allocated() if is_cuda else 0
+    if phases:
+        return {"fwd_ms": statistics.median(fwd_times), "bwd_ms": statistics.median(bwd_times)}
+    return {"ms": statistics.median(times), "peak": peak, "stats": stats}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="issue")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--modes",
+        default="none,save_on_cpu,checkpoint,offload_activations",
+        help="comma-separated; 'none' is always run (the baseline)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write raw results here")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    modes = ["none"] + [m for m in args.modes.split(",") if m != "none"]
+    pool = PinnedPool(48 * GIB if device.type == "cuda" else 1 * GIB, slab_bytes=1 * GIB)
+    if device.type == "cuda":
+        d2h, h2d = copy_bandwidth()
+        gpu = torch.cuda.get_device_name()
+    else:
+        d2h = h2d = float("nan")
+        gpu = "cpu"
+    print(
+        f"# {datetime.date.today()} {gpu}, torch {torch.__version__}, {dtype}; "
+        f"pinned copy bandwidth d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s"
+    )
+    rows = []
+    for hidden, nlayers, batch, seq in SHAPES[args.shapes]:
+        torch.manual_seed(0)
+        model = BlockStack(hidden, nlayers, heads=max(1, hidden // 128)).to(device, dtype)
+        x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
+        shape = f"h{hidden} L{nlayers} b{batch} s{seq}"
+        results = {m: run_mode(model, x, m, pool, args.steps, args.warmup, device) for m in modes}
+        results["none"].update(
+            run_mode(model, x, "none", pool, args.steps, args.warmup, device, phases=True)
+        )
+        base = results.get("none")
+        off = results.get("offload_activations")
+        bound = None
+        if base and off and device.type == "cuda":
+            b = off["stats"].offloaded_bytes
+            bound = max(base["fwd_ms"], b / d2h / 1e6) + max(base["bwd_ms"], b / h2d / 1e6)
+        if base:
+            print(f"{shape}: t_fwd {base['fwd_ms']:.1f} ms, t_bwd {base['bwd_ms']:.1f} ms")
+        for m in modes:
+            r = results[m]
+            moved = r["stats"].offloaded_bytes if r["stats"] else 0
+            rows.append(
+                {
+                    "shape": shape,
+                    "mode": m,
+                    "ms": r["ms"],
+                    "peak_gib": r["peak"] / GIB,
+                    "x_none": r["ms"] / base["ms"] if base else float("nan"),
+                    "x_bound": r["ms"] / bound if bound else float("nan"),
+                    "offloaded_gib": moved / GIB,
+                    "bound_ms": bound or float("nan"),
+                    "prefetch": (
+                        f"{r['stats'].prefetch_hits}/{r['stats'].prefetch_misses}"
+                        f"/{r['stats'].resident_hits}"
+                        if r["stats"]
+                        else ""
+                    ),
+                }
+            )
+        del model, x, results
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    header = (
+        f"| {'shape':<22} | {'mode':<20} | {'ms/step':>8} | "
+        f"{'peak GiB':>8} | {'x none':>6} | {'x bound':>7} | {'bound ms':>8} | "
+        f"{'offl GiB':>8} | {'hit/miss/res':>12} |"
+    )
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        print(
+            f"| {r['shape']:<22} | {r['mode']:<20} | {r['ms']:>8.1f} | "
+            f"{r['peak_gib']:>8.2f} | {r['x_none']:>6.2f} | "
+            f"{r['x_bound']:>7.2f} | {r['bound_ms']:>8.1f} | {r['offloaded_gib']:>8.2f} | "
+            f"{r['prefetch']:>12} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"d2h": d2h, "h2d": h2d, "gpu": gpu, "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from torchoffload.models import GPT, GPTConfig
+
+# cuBLAS reads this when its first handle is created: deterministic GEMMs for GPU parity tests.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+SMALL = GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33)
+
+
+def train_steps(model, batches, ctx_factory=None, lr=1e-2, autocast=None):
+    """Train ``model`` on ``batches``; return per-step losses and grads and the final params."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for tokens in batches:
+        ctx = ctx_factory() if ctx_factory is not None else None
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            if ctx is not None:
+                with ctx:
+                    loss = model.loss(tokens)
+            else:
+                loss = model.loss(tokens)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    la, ga, pa = a
+    lb, gb, pb = b
+    for x, y in zip(la, lb, strict=True):
+        assert torch.equal(x, y), (x, y)
+    for step_a, step_b in zip(ga, gb, strict=True):
+        for x, y in zip(step_a, step_b, strict=True):
+            assert x.dtype == y.dtype and torch.equal(x, y)
+    for x, y in zip(pa, pb, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.fixture
+def small_gpt():
+    def make(dtype=torch.float32, config=SMALL):
+        torch.manual_seed(0)
+        return GPT(config).to(dtype)
+
+    return make
+
+
+@pytest.fixture
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, SMALL.vocab, (4, 33), generator=g) for _ in range(3)]
+
+
+def clone_model(m):
+    return copy.deepcopy(m)

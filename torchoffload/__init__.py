@@ -1,0 +1,20 @@
+"""torchoffload: train and run PyTorch models with less accelerator memory by moving tensors to
+pinned host memory and back while compute continues.
+
+Importing the package is cheap: it pulls in nothing beyond torch.
+"""
+
+from torchoffload._pool import PinnedPool, PoolExhaustedError, PoolStats, default_pool
+from torchoffload.activations import ActivationStats, no_offload, offload_activations
+
+__all__ = [
+    "ActivationStats",
+    "PinnedPool",
+    "PoolExhaustedError",
+    "PoolStats",
+    "default_pool",
+    "no_offload",
+    "offload_activations",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from torchoffload.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Copy streams, events and the device<->host protocol shared by every engine.
+
+Everything about *when* a copy may start and when memory may be reused lives here, so that the
+engines above deal in tensors and events, not in stream rules. On a device without streams (the
+CPU, used by CI) the same calls run synchronously and every event is ``None`` ("complete").
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["CopyEngine", "compute_device", "copy_engine"]
+
+# Note: [The compute stream is read at every call]
+# The stream a tensor is produced and consumed on is whatever stream is current *at that moment*
+# on the calling thread: the user may switch streams, and autograd runs each backward node on the
+# stream its forward ran on, from a worker thread. So every entry point below reads
+# `current_stream(device)` before entering a side-stream context, and nothing caches it. Where a
+# stream has to be remembered, it is the stream a *specific allocation* was made on (see
+# `CopyEngine.release_after`), which is a property of that memory, not of the engine.
+#
+# Note: [D2H protocol]
+# 1. The copy stream waits on the compute stream, so the copy reads the finished producer.
+# 2. The copy goes into a pool block with non_blocking=True and a "stored" event is recorded.
+# 3. The device source must stay allocated until "stored" has completed. The caller keeps its
+#    own reference (no `record_stream`) and drops it either when `event.query()` says so, or
+#    right after making the stream the source was allocated on wait on "stored"
+#    (`release_after`): the caching allocator reuses a freed block in that stream's order, so
+#    any later kernel that reuses the memory runs after the copy. No host sync either way.
+#
+# Note: [H2D protocol]
+# 1. The destination is allocated on the compute stream (the caching allocator ties a block to
+#    the stream it was allocated on, and frees it in that stream's order).
+# 2. The copy stream waits on the compute stream (the block may have been freed by kernels still
+#    queued there) and on the buffer's "stored" event: a reload, prefetched or on demand, never
+#    reads a host buffer whose D2H has not completed.
+# 3. The copy runs on the copy stream and records "ready"; the compute stream waits on "ready"
+#    before the tensor is used, and before it is dropped if it never is (a prefetch whose
+#    consumer did not run), or its block could be reused while the copy still writes to it.
+# 4. The host buffer goes back to the pool with "ready" as its guard (Note: [Event-guarded
+#    reuse] in _pool.py).
+
+
+def compute_device(device: torch.device | str | int | None = None) -> torch.device:
+    """The device whose tensors are offloaded: the given one, else the current accelerator, else
+    the CPU (where the same logic runs synchronously, for testing)."""
+    if device is None:
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if acc is None:
+            return torch.device("cpu")
+        return torch.device(acc.type, torch.accelerator.current_device_index())
+    dev = torch.device(device)
+    if dev.type not in ("cpu", "meta") and dev.index is None:
+        dev = torch.device(dev.type, torch.get_device_module(dev.type).current_device())
+    if dev.type == "meta":
+        raise ValueError("cannot offload from the meta device")
+    return dev
+
+
+class CopyEngine:
+    """Copy streams and the D2H/H2D protocol for one device. Use `copy_engine(device)`.
+
+    ``use_streams=False`` queues the copies on the compute stream instead (still asynchronous to
+    the host, but serialised with compute).
+    """
+
+    def __init__(self, device: torch.device, *, use_streams: bool = True):
+        self.device = device
+        # Test hook: spin the copy stream this many cycles before each copy, to provoke races.
+        self.debug_delay_cycles = 0
+        self.synchronous = device.type == "cpu"
+        self.use_streams = use_streams and not self.synchronous
+        if not self.synchronous:
+            self._mod = torch.get_device_module(device.type)
+            if self.use_streams:
+                self.d2h = self._mod.Stream(device=device)
+                self.h2d = self._mod.Stream(device=device)
+
+    def current_stream(self) -> Any:
+        """The compute stream, read now. See Note: [The compute stream is read at every call]."""
+        return None if self.synchronous else self._mod.current_stream(self.device)
+
+    def offload(self, src: torch.Tensor, dst: torch.Tensor) -> tuple[Any, Any]:
+        """Copy device ``src`` into host ``dst``. Returns ``(stored_event, compute_stream)``.
+
+        See Note: [D2H protocol]. The caller keeps ``src`` alive until the event completed.
+        """
+        if self.synchronous:
+            dst.copy_(src)
+            return None, None
+        compute = self._mod.current_stream(self.device)
+        stream = self.d2h if self.use_streams else compute
+        if stream is not compute:
+            stream.wait_stream(compute)
+        with self._mod.stream(stream):
+            if self.debug_delay_cycles:
+                torch.cuda._sleep(self.debug_delay_cycles)
+            dst.copy_(src, non_blocking=True)
+            stored = self._mod.Event()
+            stored.record(stream)
+        return stored, compute
+
+    def reload(self, src: torch.Tensor, stored: Any) -> tuple[torch.Tensor, Any, Any]:
+        """Copy host ``src`` (1-D uint8) to a new device tensor, after ``stored``.
+
+        Returns ``(tensor, ready_event, compute_stream)``; the consumer must `wait(ready)` on its
+        stream before use. See Note: [H2D protocol].
+        """
+        if self.synchronous:
+            return src.clone(), None, None
+        compute = self._mod.current_stream(self.device)
+        dst = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)  # on `compute`
+        stream = self.h2d if self.use_streams else compute
+        if stream is not compute:
+            stream.wait_stream(compute)
+        if stored is not None:
+            stream.wait_event(stored)
+        with self._mod.stream(stream):
+            if self.debug_delay_cycles:
+                torch.cuda._sleep(self.debug_delay_cycles)
+            dst.copy_(src, non_blocking=True)
+            ready = self._mod.Event()
+            ready.record(stream)
+        return dst, ready, compute
+
+    def wait(self, event: Any) -> None:
+        """Make the current compute stream wait on ``event`` (no host sync)."""
+        if event is not None:
+            self._mod.current_stream(self.device).wait_event(event)
+
+    @staticmethod
+    def release_after(stream: Any, event: Any) -> None:
+        """Order the reuse of memory allocated on ``stream`` after ``event`` (no host sync).
+
+        Call it right before dropping the last reference to that memory.
+        """
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+
+_engines: dict[tuple[torch.device, bool], CopyEngine] = {}
+_engines_lock = threading.Lock()
+
+
+def copy_engine(device: torch.device, *, use_streams: bool = True) -> CopyEngine:
+    """The process-wide engine for ``device`` (copy streams are created once and shared)."""
+    key = (device, use_streams)
+    with _engines_lock:
+        engine = _engines.get(key)
+        if engine is None:
+            engine = _engines[key] = CopyEngine(device, use_streams=use_streams)
+        return engine

@@ -1,0 +1,664 @@
+"""Asynchronous, pooled activation offloading: a drop-in for ``save_on_cpu``.
+
+::
+
+    with torchoffload.offload_activations() as ctx:
+        loss = model(x).sum()
+    loss.backward()
+    print(ctx.stats())
+
+Every tensor autograd saves for backward inside the block goes through a pack hook. Eligible
+ones (on the compute device, at least ``min_bytes``, not a parameter or buffer, not inside
+`no_offload`) are copied into a pinned host pool on a copy stream while compute continues; the
+device copy is dropped once the copy is done. In backward, each unpack reloads its tensor (or
+finds it already prefetched) and issues reloads of the tensors saved just before it, so copies
+overlap the backward compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import chain
+from typing import Any, Literal
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from torchoffload._flatten import ViewMeta, storage_bytes
+from torchoffload._pool import PinnedPool, PoolStats, _check_int, default_pool
+from torchoffload._transfer import CopyEngine, compute_device, copy_engine
+
+__all__ = ["ActivationStats", "no_offload", "offload_activations"]
+
+# Note: [Keep-alive and the forward window]
+# After a D2H is queued, the device source must live until its "stored" event completes (Note:
+# [D2H protocol] in _transfer.py). Each pack polls the oldest in-flight copies and drops the
+# sources whose copies are done. The host usually runs far ahead of the GPU, so polling alone
+# would keep almost every activation alive (the host sees few copies finish) and save nothing.
+# So in-flight bytes are capped at `max_inflight_bytes`: past the cap, the oldest source is
+# released with `release_after` (its allocation stream waits on "stored", then the reference is
+# dropped). Memory is then bounded in stream order: the allocator reuses the block only after
+# the copy. When the link keeps up, that wait is already satisfied and costs nothing. When it
+# does not, compute stalls, which is the link bound the step cannot beat anyway.
+#
+# The sources still in flight when forward ends are not waited on: they stay on the device and
+# the first backward nodes use them directly (counted as `resident_hits`). Those are the
+# activations backward needs first, so they are kept rather than reloaded, and forward does not
+# end with a stall. Once backward has begun they are released only when their views have all
+# been unpacked.
+#
+# Note: [Prefetch in reverse save order]
+# Backward unpacks saved tensors roughly in the reverse of the order forward saved them. Each
+# unpack of storage i issues reloads of storages i-1, i-2, ... until `prefetch_bytes` of
+# reloads are waiting to be used. The H2D protocol makes the copy stream wait on the compute
+# stream at issue time, so a reload issued k tensors early overlaps the compute of those k
+# tensors' nodes. A storage already unpacked in the current backward pass (identified by
+# autograd's graph task id) is not prefetched again; a second backward (retain_graph) starts a
+# new pass and prefetches again.
+#
+# Note: [Why handles retire through a graveyard]
+# A saved tensor's handle dies when autograd frees the graph, which can happen on any thread
+# and, through the garbage collector, in the middle of our own code while it holds the lock.
+# `__del__` therefore only appends to a list (atomic in CPython) and tries a non-blocking
+# acquire; whoever next holds the lock drains the list. Nothing is freed re-entrantly.
+
+_tls = threading.local()
+
+
+@contextlib.contextmanager
+def no_offload() -> Iterator[None]:
+    """Inside an offloaded region, keep the tensors saved here on the device.
+
+    Use it around work whose activations backward needs right away (the last layer, the loss)
+    or that is too small to be worth a copy. Thread-local; nests.
+    """
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _tls.depth -= 1
+
+
+def _no_offload_active() -> bool:
+    return getattr(_tls, "depth", 0) > 0
+
+
+class _ParamStorages:
+    """Storages of the parameters and buffers of every module called while an offloader is
+    active. Saved tensors that share one (a weight, its transpose, a buffer) are not offloaded:
+    the module keeps that memory alive anyway, so a copy would cost bandwidth and save nothing.
+
+    A global forward pre-hook records them as modules run; `StorageWeakRef` keys cannot be
+    confused with a later storage at the same address (the weak reference keeps the address).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handle: Any = None
+        self._refs: dict[int, StorageWeakRef] = {}
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._handle is None:
+                self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0 and self._handle is not None:
+                self._handle.remove()
+                self._handle = None
+                self._refs.clear()
+
+    def _hook(self, module: torch.nn.Module, args: Any) -> None:
+        refs = self._refs
+        for t in chain(module._parameters.values(), module._buffers.values()):
+            if t is None or t.is_meta:
+                continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # subclasses without a storage
+                continue
+            key = storage._cdata
+            ref = refs.get(key)
+            if ref is None or ref.expired():
+                refs[key] = StorageWeakRef(storage)
+        if len(refs) > 4096:
+            for key in [k for k, r in refs.items() if r.expired()]:
+                del refs[key]
+
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        ref = self._refs.get(storage._cdata)
+        return ref is not None and not ref.expired()
+
+
+_PARAMS = _ParamStorages()
+
+
+@dataclass(frozen=True)
+class ActivationStats:
+    """What an offloader did, summed over every ``with`` block since creation or reset.
+
+    Bytes count storages: a storage saved through several views is copied (and counted) once.
+    """
+
+    offloaded_tensors: int  # saved tensors whose data went to host memory
+    offloaded_bytes: int  # bytes copied device -> host
+    shared_storage_tensors: int  # of offloaded_tensors: views of a storage already copied
+    reloaded_tensors: int  # storages copied host -> device
+    reloaded_bytes: int
+    skipped_tensors: int  # saved tensors left where they were
+    skip_reasons: dict[str, int]  # why: parameter, leaf, small, no_offload, not_on_device, ...
+    prefetch_issued: int  # reloads issued ahead of their use
+    prefetch_hits: int  # unpacks served by a prefetched reload
+    prefetch_misses: int  # unpacks that had to reload on demand
+    resident_hits: int  # unpacks served by a device copy still held (its D2H not yet retired)
+    peak_inflight_bytes: int  # most device bytes held for copies in flight (forward)
+    peak_prefetched_bytes: int  # most device bytes of prefetched, not yet used reloads
+    pool: PoolStats = field(repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.skip_reasons.items())) or "none"
+        return "\n".join(
+            [
+                f"offloaded  {self.offloaded_tensors} tensors, {self.offloaded_bytes / mib:.1f} MiB"
+                f" ({self.shared_storage_tensors} shared a storage already copied)",
+                f"reloaded   {self.reloaded_tensors} storages, {self.reloaded_bytes / mib:.1f} MiB"
+                f"; prefetch hits {self.prefetch_hits}, misses {self.prefetch_misses},"
+                f" resident {self.resident_hits}",
+                f"skipped    {self.skipped_tensors} tensors ({reasons})",
+                f"host pool  {self.pool.used_bytes / mib:.1f} MiB used, peak "
+                f"{self.pool.peak_bytes / mib:.1f} MiB of {self.pool.reserved_bytes / mib:.1f}"
+                f" MiB reserved; fallback allocs {self.pool.fallback_allocs}",
+            ]
+        )
+
+
+class _Counters:
+    __slots__ = (
+        "offloaded_tensors",
+        "offloaded_bytes",
+        "shared_storage_tensors",
+        "reloaded_tensors",
+        "reloaded_bytes",
+        "skipped_tensors",
+        "skip_reasons",
+        "prefetch_issued",
+        "prefetch_hits",
+        "prefetch_misses",
+        "resident_hits",
+        "peak_inflight_bytes",
+        "peak_prefetched_bytes",
+    )
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, 0)
+        self.skip_reasons = {}
+
+
+class _Storage:
+    """One device storage saved for backward and its host copy (shared by all its views)."""
+
+    __slots__ = (
+        "session",
+        "index",
+        "nbytes",
+        "ptr",
+        "version",
+        "alias",
+        "block",
+        "stored",
+        "last_event",
+        "src",
+        "src_stream",
+        "inflight",
+        "dev",
+        "dev_stream",
+        "ready",
+        "prefetched",
+        "views",
+        "unpacked",
+        "pass_id",
+        "__weakref__",
+    )
+
+    def __init__(self, session: _Session, index: int, nbytes: int, ptr: int) -> None:
+        self.session = session
+        self.index = index
+        self.nbytes = nbytes
+        self.ptr = ptr
+        self.version = 0
+        self.alias: torch.Tensor | None = None
+        self.block: Any = None  # HostBlock while the host copy is owned
+        self.stored: Any = None  # D2H event
+        self.last_event: Any = None  # latest event of a copy touching the host block
+        self.src: torch.Tensor | None = None  # the original device storage, while held
+        self.src_stream: Any = None
+        self.inflight = False
+        self.dev: torch.Tensor | None = None  # a reloaded device copy, while held
+        self.dev_stream: Any = None
+        self.ready: Any = None
+        self.prefetched = False
+        self.views = 0  # live handles
+        self.unpacked = 0  # unpacks since the current device copy appeared
+        self.pass_id: int | None = None  # graph task of the last unpack
+
+
+class _Saved:
+    """What the pack hook returns for an offloaded tensor."""
+
+    __slots__ = ("storage", "meta", "alias", "version")
+
+    def __init__(self, storage: _Storage, meta: ViewMeta, alias: torch.Tensor, version: int):
+        self.storage = storage
+        self.meta = meta
+        self.alias = alias  # shares the saved tensor's version counter, holds no memory
+        self.version = version
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.storage.session.owner._retire_view(self.storage)
+
+
+class _Kept:
+    """What the pack hook returns for a tensor left in place."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor.detach()  # no grad_fn: returning an output itself would be a cycle
+        self.version = tensor._version
+
+
+def _version_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor sharing ``t``'s version counter but none of its memory."""
+    alias = t.detach()
+    alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias
+
+
+def _check_version(now: int, saved: int, what: str) -> None:
+    if now != saved:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{what}] is at version {now}; expected version {saved} instead. "
+            "(Detected by torchoffload: autograd does not check tensors saved through "
+            "saved-tensor hooks, so the offloader does.)"
+        )
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    if type(packed) is _Kept:
+        _check_version(packed.tensor._version, packed.version, _describe(packed.tensor))
+        return packed.tensor
+    return packed.storage.session.unpack(packed)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+class _Session:
+    """The state of one ``with`` block: what it saved, in order, and the copy windows."""
+
+    def __init__(self, owner: offload_activations) -> None:
+        self.owner = owner
+        self.order: list[weakref.ref[_Storage]] = []
+        self.by_storage: dict[int, tuple[StorageWeakRef, _Storage]] = {}
+        self.inflight: deque[_Storage] = deque()
+        self.inflight_bytes = 0
+        self.prefetched_bytes = 0
+        self.backward = False
+        self.pass_id: int | None = None
+        self.cursor = -1
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        owner = self.owner
+        with owner._lock:
+            owner._drain()
+            reason = owner._skip_reason(t)
+            c = owner._counters
+            if reason is not None:
+                c.skipped_tensors += 1
+                c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
+                return _Kept(t)
+            storage = t.untyped_storage()
+            version = t._version
+            rec = self._shared(storage, version)
+            if rec is not None:
+                rec.views += 1
+                c.offloaded_tensors += 1
+                c.shared_storage_tensors += 1
+                return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
+            rec = self._offload(t, storage, version)
+            c.offloaded_tensors += 1
+            c.offloaded_bytes += rec.nbytes
+            return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
+
+    def _shared(self, storage: torch.UntypedStorage, version: int) -> _Storage | None:
+        entry = self.by_storage.get(storage._cdata)
+        if entry is None:
+            return None
+        ref, rec = entry
+        if (
+            ref.expired()
+            or rec.block is None
+            or rec.ptr != storage.data_ptr()
+            or rec.nbytes != storage.nbytes()
+            or version != rec.version
+            or rec.alias is None
+            or rec.alias._version != rec.version
+        ):
+            return None  # changed since it was copied: copy it again
+        return rec
+
+    def _offload(self, t: torch.Tensor, storage: torch.UntypedStorage, version: int) -> _Storage:
+        owner = self.owner
+        nbytes = storage.nbytes()
+        block = owner._pool.allocate(nbytes, on_exhausted=owner.on_pool_exhausted)
+        rec = _Storage(self, len(self.order), nbytes, storage.data_ptr())
+        rec.version = version
+        rec.alias = _version_alias(t)
+        rec.block = block
+        rec.views = 1
+        src = storage_bytes(t)
+        rec.stored, rec.src_stream = owner._engine.offload(src, block.tensor)
+        rec.last_event = rec.stored
+        self.order.append(weakref.ref(rec))
+        self.by_storage[storage._cdata] = (StorageWeakRef(storage), rec)
+        if rec.stored is not None:
+            rec.src = src
+            rec.inflight = True
+            self.inflight.append(rec)
+            self.inflight_bytes += nbytes
+            c = owner._counters
+            c.peak_inflight_bytes = max(c.peak_inflight_bytes, self.inflight_bytes)
+            self._trim_inflight()
+        return rec
+
+    def _trim_inflight(self) -> None:
+        """See Note: [Keep-alive and the forward window]."""
+        limit = self.owner.max_inflight_bytes
+        while self.inflight:
+            rec = self.inflight[0]
+            if not rec.inflight:
+                self.inflight.popleft()
+            elif rec.stored.query():
+                self.inflight.popleft()
+                self._drop_src(rec, done=True)
+            elif self.inflight_bytes > limit:
+                self.inflight.popleft()
+                self._drop_src(rec, done=False)
+            else:
+                break
+
+    def end_forward(self) -> None:
+        with self.owner._lock:
+            self.by_storage.clear()
+            if not self.backward:
+                self._trim_inflight()
+
+    def _drop_src(self, rec: _Storage, *, done: bool) -> None:
+        if rec.src is None:
+            return
+        if not done:
+            CopyEngine.release_after(rec.src_stream, rec.stored)
+        rec.src = None
+        rec.src_stream = None
+        if rec.inflight:
+            rec.inflight = False
+            self.inflight_bytes -= rec.nbytes
+
+    def _drop_dev(self, rec: _Storage) -> None:
+        if rec.dev is None:
+            return
+        CopyEngine.release_after(rec.dev_stream, rec.ready)
+        rec.dev = None
+        rec.dev_stream = None
+        if rec.prefetched:
+            rec.prefetched = False
+            self.prefetched_bytes -= rec.nbytes
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def unpack(self, handle: _Saved) -> torch.Tensor:
+        owner = self.owner
+        engine = owner._engine
+        rec = handle.storage
+        with owner._lock:
+            owner._drain()
+            _check_version(handle.alias._version, handle.version, handle.meta.describe())
+            c = owner._counters
+            self.backward = True
+            pass_id = torch._C._current_graph_task_id()
+            if pass_id != self.pass_id:
+                self.pass_id = pass_id
+                self.cursor = rec.index - 1
+            if rec.src is not None:
+                base = rec.src
+                c.resident_hits += 1
+            else:
+                if rec.dev is None:
+                    self._reload(rec)
+                    c.prefetch_misses += 1
+                elif rec.prefetched:
+                    c.prefetch_hits += 1
+                    rec.prefetched = False
+                    self.prefetched_bytes -= rec.nbytes
+                engine.wait(rec.ready)
+                base = rec.dev
+            out = handle.meta.rebuild(base.untyped_storage())
+            rec.pass_id = pass_id
+            rec.unpacked += 1
+            if rec.unpacked >= rec.views:  # every view has its tensor: stop holding the storage
+                self._drop_src(rec, done=False)
+                self._drop_dev(rec)
+            self._prefetch(rec.index)
+            return out
+
+    def _reload(self, rec: _Storage) -> None:
+        owner = self.owner
+        rec.dev, rec.ready, rec.dev_stream = owner._engine.reload(rec.block.tensor, rec.stored)
+        if rec.ready is not None:
+            rec.last_event = rec.ready
+        rec.unpacked = 0
+        owner._counters.reloaded_tensors += 1
+        owner._counters.reloaded_bytes += rec.nbytes
+
+    def _prefetch(self, index: int) -> None:
+        """See Note: [Prefetch in reverse save order]."""
+        owner = self.owner
+        room = owner.prefetch_bytes - self.prefetched_bytes
+        j = min(self.cursor, index - 1)
+        scanned = 0
+        while room > 0 and j >= 0 and scanned < 64:
+            rec = self.order[j]()
+            scanned += 1
+            if (
+                rec is None
+                or rec.block is None
+                or rec.src is not None
+                or rec.dev is not None
+                or rec.pass_id == self.pass_id
+            ):
+                j -= 1
+                continue
+            if rec.nbytes > room and self.prefetched_bytes > 0:
+                break  # wait for room; a storage larger than the window goes alone
+            self._reload(rec)
+            rec.prefetched = True
+            self.prefetched_bytes += rec.nbytes
+            room -= rec.nbytes
+            c = owner._counters
+            c.prefetch_issued += 1
+            c.peak_prefetched_bytes = max(c.peak_prefetched_bytes, self.prefetched_bytes)
+            j -= 1
+        self.cursor = j
+
+    def retire(self, rec: _Storage) -> None:
+        """The last view of ``rec`` is gone: release its device and host memory."""
+        self._drop_src(rec, done=False)
+        self._drop_dev(rec)
+        if rec.block is not None:
+            self.owner._pool.free(rec.block, after=rec.last_event)
+            rec.block = None
+        rec.alias = None
+
+
+class offload_activations:
+    """Offload the tensors autograd saves inside this block to host memory, asynchronously.
+
+    A drop-in for ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` that does not stall the
+    GPU: copies run on side streams into a reusable pinned pool, and backward prefetches.
+    Gradients are bitwise identical to running without it.
+
+    Args:
+        min_bytes: offload only tensors whose storage has at least this many bytes.
+        pool: the `PinnedPool` to copy into (shareable); default: the process-wide pool.
+        pin_memory: use page-locked host memory for the default pool (only where an
+            accelerator exists; on a CPU-only machine copies go to ordinary memory).
+        use_streams: copy on dedicated copy streams (overlapping compute). ``False`` queues
+            copies on the compute stream.
+        on_pool_exhausted: ``"fallback"`` (allocate outside the pool, with one warning) or
+            ``"raise"`` (`PoolExhaustedError`).
+        prefetch_bytes: in backward, how many bytes of reloads may wait, issued, for their use.
+        max_inflight_bytes: in forward, how many bytes of device tensors may be held while their
+            copies are in flight; past it, compute waits on the oldest copy (no host sync).
+        device: the compute device; default: the current accelerator, else the CPU.
+
+    The same object can be entered again (one block at a time); `stats()` accumulates.
+    """
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int = 1 << 16,
+        pool: PinnedPool | None = None,
+        pin_memory: bool = True,
+        use_streams: bool = True,
+        on_pool_exhausted: Literal["fallback", "raise"] = "fallback",
+        prefetch_bytes: int = 512 << 20,
+        max_inflight_bytes: int = 512 << 20,
+        device: torch.device | str | int | None = None,
+    ) -> None:
+        _check_int("min_bytes", min_bytes, minimum=0)
+        _check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        _check_int("max_inflight_bytes", max_inflight_bytes, minimum=0)
+        for name, value in (("pin_memory", pin_memory), ("use_streams", use_streams)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if on_pool_exhausted not in ("fallback", "raise"):
+            raise ValueError(
+                f"on_pool_exhausted must be 'fallback' or 'raise', got {on_pool_exhausted!r}"
+            )
+        if pool is not None and not isinstance(pool, PinnedPool):
+            raise TypeError(f"pool must be a PinnedPool, got {type(pool).__name__}")
+        self.device = compute_device(device)
+        pin = pin_memory and torch.accelerator.is_available()
+        if pool is not None and not pin_memory and pool.pin_memory:
+            raise ValueError("pin_memory=False conflicts with a pinned pool; pass one or the other")
+        self.min_bytes = min_bytes
+        self.on_pool_exhausted = on_pool_exhausted
+        self.prefetch_bytes = prefetch_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self._pool = pool if pool is not None else default_pool(pin)
+        self._engine = copy_engine(self.device, use_streams=use_streams)
+        self._lock = threading.Lock()
+        self._graveyard: list[_Storage] = []
+        self._counters = _Counters()
+        self._session: _Session | None = None
+        self._hooks: Any = None
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._pool
+
+    def __enter__(self) -> offload_activations:
+        if self._session is not None:
+            raise RuntimeError("this offload_activations block is already active")
+        session = _Session(self)
+        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
+        hooks.__enter__()
+        _PARAMS.acquire()
+        self._session, self._hooks = session, hooks
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        session, hooks = self._session, self._hooks
+        self._session = self._hooks = None
+        try:
+            hooks.__exit__(*exc)
+        finally:
+            _PARAMS.release()
+            session.end_forward()
+
+    def stats(self) -> ActivationStats:
+        with self._lock:
+            self._drain()
+            c = self._counters
+            values = {name: getattr(c, name) for name in _Counters.__slots__}
+            values["skip_reasons"] = dict(c.skip_reasons)
+        return ActivationStats(**values, pool=self._pool.stats())
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = _Counters()
+        self._pool.reset_peak()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _skip_reason(self, t: torch.Tensor) -> str | None:
+        kind = type(t)
+        if kind is not torch.Tensor:
+            return "parameter" if isinstance(t, torch.nn.Parameter) else "unsupported_type"
+        if _no_offload_active():
+            return "no_offload"
+        if t.device != self.device:
+            return "not_on_device"
+        if t.layout is not torch.strided:
+            return "unsupported_type"
+        storage = t.untyped_storage()
+        if storage.nbytes() < max(self.min_bytes, 1):
+            return "small"
+        if storage in _PARAMS:
+            return "parameter"
+        root = t if t._base is None else t._base
+        if root.requires_grad and root.grad_fn is None:
+            return "leaf"  # a parameter or input held by its owner: a copy would free nothing
+        return None
+
+    def _retire_view(self, rec: _Storage) -> None:
+        self._graveyard.append(rec)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        graveyard = self._graveyard
+        while graveyard:
+            rec = graveyard.pop()
+            rec.views -= 1
+            if rec.views == 0:
+                rec.session.retire(rec)
+
+    def __repr__(self) -> str:
+        return (
+            f"offload_activations(device={self.device}, min_bytes={self.min_bytes}, "
+            f"pool={self._pool!r})"
+        )
