@@ -74,7 +74,7 @@ def copy_bandwidth(nbytes: int = GIB, reps: int = 5) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_mode(model, x, mode, pool, steps, warmup, device, phases=False):
+def run_mode(model, x, mode, pool, steps, warmup, device, phases=False, windows=None):
     """Median ms/step (one timer around forward + backward, no sync inside the step) and peak
     memory. With ``phases``, forward and backward are timed separately instead (a sync between
     them), which is how t_fwd and t_bwd of the link bound are measured."""
@@ -96,8 +96,11 @@ def run_mode(model, x, mode, pool, steps, warmup, device, phases=False):
             torch.cuda.reset_peak_memory_stats()
         if mode == "save_on_cpu":
             ctx = torch.autograd.graph.save_on_cpu(pin_memory=is_cuda)
-        elif mode == "offload_activations":
-            ctx = offload_activations(pool=pool)
+        elif mode.startswith("offload_activations"):
+            kw = {}
+            if windows is not None:
+                kw = {"prefetch_bytes": windows[0] << 20, "max_inflight_bytes": windows[1] << 20}
+            ctx = offload_activations(pool=pool, **kw)
         else:
             ctx = contextlib.nullcontext()
         if phases:
@@ -118,7 +121,7 @@ def run_mode(model, x, mode, pool, steps, warmup, device, phases=False):
             if i >= warmup:
                 times.append(step.ms)
         del loss
-        if mode == "offload_activations":
+        if mode.startswith("offload_activations"):
             stats = ctx.stats()
     peak = torch.cuda.max_memory_allocated() if is_cuda else 0
     if phases:
@@ -136,11 +139,17 @@ def main(argv=None) -> int:
         default="none,save_on_cpu,checkpoint,offload_activations",
         help="comma-separated; 'none' is always run (the baseline)",
     )
+    p.add_argument(
+        "--windows",
+        default="",
+        help="extra offload_activations rows, 'PREFETCH:INFLIGHT' MiB pairs, comma-separated",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modes = ["none"] + [m for m in args.modes.split(",") if m != "none"]
+    windows = [tuple(int(v) for v in w.split(":")) for w in args.windows.split(",") if w]
     pool = PinnedPool(48 * GIB if device.type == "cuda" else 1 * GIB, slab_bytes=1 * GIB)
     if device.type == "cuda":
         d2h, h2d = copy_bandwidth()
@@ -159,6 +168,10 @@ def main(argv=None) -> int:
         x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
         shape = f"h{hidden} L{nlayers} b{batch} s{seq}"
         results = {m: run_mode(model, x, m, pool, args.steps, args.warmup, device) for m in modes}
+        for w in windows:
+            results[f"offload_activations[{w[0]}:{w[1]}]"] = run_mode(
+                model, x, "offload_activations", pool, args.steps, args.warmup, device, windows=w
+            )
         results["none"].update(
             run_mode(model, x, "none", pool, args.steps, args.warmup, device, phases=True)
         )
@@ -170,7 +183,7 @@ def main(argv=None) -> int:
             bound = max(base["fwd_ms"], b / d2h / 1e6) + max(base["bwd_ms"], b / h2d / 1e6)
         if base:
             print(f"{shape}: t_fwd {base['fwd_ms']:.1f} ms, t_bwd {base['bwd_ms']:.1f} ms")
-        for m in modes:
+        for m in results:
             r = results[m]
             moved = r["stats"].offloaded_bytes if r["stats"] else 0
             rows.append(
@@ -197,7 +210,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     header = (
-        f"| {'shape':<22} | {'mode':<20} | {'ms/step':>8} | "
+        f"| {'shape':<22} | {'mode':<30} | {'ms/step':>8} | "
         f"{'peak GiB':>8} | {'x none':>6} | {'x bound':>7} | {'bound ms':>8} | "
         f"{'offl GiB':>8} | {'hit/miss/res':>12} |"
     )
@@ -205,7 +218,7 @@ def main(argv=None) -> int:
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         print(
-            f"| {r['shape']:<22} | {r['mode']:<20} | {r['ms']:>8.1f} | "
+            f"| {r['shape']:<22} | {r['mode']:<30} | {r['ms']:>8.1f} | "
             f"{r['peak_gib']:>8.2f} | {r['x_none']:>6.2f} | "
             f"{r['x_bound']:>7.2f} | {r['bound_ms']:>8.1f} | {r['offloaded_gib']:>8.2f} | "
             f"{r['prefetch']:>12} |"

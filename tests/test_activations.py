@@ -453,6 +453,15 @@ def test_prefetch_window_bounds_bytes_waiting():
     assert s.prefetch_hits + s.prefetch_misses == 10
 
 
+def test_prefetch_window_is_a_minimum_lookahead_of_one_storage():
+    # a window smaller than any storage still keeps exactly one storage in flight ahead
+    ctx = offloader(prefetch_bytes=1)
+    chain(10, ctx).backward()
+    s = ctx.stats()
+    assert s.prefetch_misses == 1 and s.prefetch_hits == 9
+    assert s.peak_prefetched_bytes == 4096
+
+
 def test_retain_graph_second_pass_prefetches_again():
     ctx = offloader(prefetch_bytes=1 << 20)
     y = chain(6, ctx)

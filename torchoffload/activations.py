@@ -54,12 +54,21 @@ __all__ = ["ActivationStats", "no_offload", "offload_activations"]
 #
 # Note: [Prefetch in reverse save order]
 # Backward unpacks saved tensors roughly in the reverse of the order forward saved them. Each
-# unpack of storage i issues reloads of storages i-1, i-2, ... until `prefetch_bytes` of
-# reloads are waiting to be used. The H2D protocol makes the copy stream wait on the compute
-# stream at issue time, so a reload issued k tensors early overlaps the compute of those k
-# tensors' nodes. A storage already unpacked in the current backward pass (identified by
-# autograd's graph task id) is not prefetched again; a second backward (retain_graph) starts a
-# new pass and prefetches again.
+# unpack of storage i issues reloads of storages i-1, i-2, ... while fewer than `prefetch_bytes`
+# of reloads are waiting to be used, so the window is a minimum lookahead that may overshoot by
+# one storage. The H2D protocol makes the copy stream wait on the compute stream at issue time,
+# so a reload issued k tensors early overlaps the compute of those k tensors' nodes.
+#
+# Why overshoot rather than a hard cap: inside one node the order is forward, not reverse
+# (attention unpacks q/k/v, one large storage, before its small logsumexp). With a hard cap the
+# large storage waited behind the small one and was reloaded on demand. Measured on an H200
+# (benchmarks/RESULTS.md, window sweep): a 64 MiB hard cap gave 9-37 misses a step; 32 MiB with
+# overshoot gave none, at the same peak memory. Device memory held for prefetch is therefore at
+# most `prefetch_bytes` plus the largest saved storage.
+#
+# A storage already unpacked in the current backward pass (identified by autograd's graph task
+# id) is not prefetched again; a second backward (retain_graph) starts a new pass and prefetches
+# again.
 #
 # Note: [Why handles retire through a graveyard]
 # A saved tensor's handle dies when autograd frees the graph, which can happen on any thread
@@ -497,8 +506,6 @@ class _Session:
             ):
                 j -= 1
                 continue
-            if rec.nbytes > room and self.prefetched_bytes > 0:
-                break  # wait for room; a storage larger than the window goes alone
             self._reload(rec)
             rec.prefetched = True
             self.prefetched_bytes += rec.nbytes
@@ -535,9 +542,13 @@ class offload_activations:
             copies on the compute stream.
         on_pool_exhausted: ``"fallback"`` (allocate outside the pool, with one warning) or
             ``"raise"`` (`PoolExhaustedError`).
-        prefetch_bytes: in backward, how many bytes of reloads may wait, issued, for their use.
+        prefetch_bytes: in backward, reloads are issued ahead while fewer than this many bytes
+            of them wait for their use (so the lookahead is at least one storage; device memory
+            held for it is at most this plus the largest saved storage). More hides more of the
+            link latency at the cost of that much device memory.
         max_inflight_bytes: in forward, how many bytes of device tensors may be held while their
-            copies are in flight; past it, compute waits on the oldest copy (no host sync).
+            copies are in flight; past it, compute waits on the oldest copy (no host sync). What
+            is still in flight when forward ends stays on the device for backward to use.
         device: the compute device; default: the current accelerator, else the CPU.
 
     The same object can be entered again (one block at a time); `stats()` accumulates.
@@ -551,8 +562,8 @@ class offload_activations:
         pin_memory: bool = True,
         use_streams: bool = True,
         on_pool_exhausted: Literal["fallback", "raise"] = "fallback",
-        prefetch_bytes: int = 512 << 20,
-        max_inflight_bytes: int = 512 << 20,
+        prefetch_bytes: int = 32 << 20,
+        max_inflight_bytes: int = 256 << 20,
         device: torch.device | str | int | None = None,
     ) -> None:
         _check_int("min_bytes", min_bytes, minimum=0)
