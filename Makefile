@@ -11,10 +11,9 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -e .
-	$(PY) -m pip install --quiet "pytest>=7" "ruff>=0.5"
+	$(PY) -m pip install --quiet "pytest>=7" "ruff==0.16.9"
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -23,12 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+SOURCES := torchoffload tests benchmarks
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check $(SOURCES)
+	$(VENV)/bin/ruff format --check $(SOURCES)
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff format $(SOURCES)
 
 # On a GPU machine whose python3 already has torch with CUDA (no venv):
 gpu-test:
