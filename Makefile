@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet --no-deps -e .
-	$(PY) -m pip install --quiet "pytest>=7" "ruff==0.16.9"
+	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -95,13 +95,7 @@ class CopyEngine:
         stream = self.d2h if self.use_streams else compute
         if stream is not compute:
             stream.wait_stream(compute)
-        with self._mod.stream(stream):
-            if self.debug_delay_cycles:
-                torch.cuda._sleep(self.debug_delay_cycles)
-            dst.copy_(src, non_blocking=True)
-            stored = self._mod.Event()
-            stored.record(stream)
-        return stored, compute
+        return self._copy(stream, dst, src), compute
 
     def reload(self, src: torch.Tensor, stored: Any) -> tuple[torch.Tensor, Any, Any]:
         """Copy host ``src`` (1-D uint8) to a new device tensor, after ``stored``.
@@ -118,13 +112,17 @@ class CopyEngine:
             stream.wait_stream(compute)
         if stored is not None:
             stream.wait_event(stored)
+        return dst, self._copy(stream, dst, src), compute
+
+    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Queue ``dst.copy_(src)`` on ``stream``; return the event recorded after it."""
         with self._mod.stream(stream):
             if self.debug_delay_cycles:
                 torch.cuda._sleep(self.debug_delay_cycles)
             dst.copy_(src, non_blocking=True)
-            ready = self._mod.Event()
-            ready.record(stream)
-        return dst, ready, compute
+            event = self._mod.Event()
+            event.record(stream)
+        return event
 
     def wait(self, event: Any) -> None:
         """Make the current compute stream wait on ``event`` (no host sync)."""

@@ -350,12 +350,11 @@ class _Session:
             rec = self._shared(storage, version)
             if rec is not None:
                 rec.views += 1
-                c.offloaded_tensors += 1
                 c.shared_storage_tensors += 1
-                return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
-            rec = self._offload(t, storage, version)
+            else:
+                rec = self._offload(t, storage, version)
+                c.offloaded_bytes += rec.nbytes
             c.offloaded_tensors += 1
-            c.offloaded_bytes += rec.nbytes
             return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
 
     def _shared(self, storage: torch.UntypedStorage, version: int) -> _Storage | None:
@@ -379,13 +378,18 @@ class _Session:
         owner = self.owner
         nbytes = storage.nbytes()
         block = owner._pool.allocate(nbytes, on_exhausted=owner.on_pool_exhausted)
+        src = storage_bytes(t)
+        try:
+            stored, src_stream = owner._engine.offload(src, block.tensor)
+        except BaseException:
+            owner._pool.free(block)  # nothing was queued: the block is free at once
+            raise
         rec = _Storage(self, len(self.order), nbytes, storage.data_ptr())
         rec.version = version
         rec.alias = _version_alias(t)
         rec.block = block
         rec.views = 1
-        src = storage_bytes(t)
-        rec.stored, rec.src_stream = owner._engine.offload(src, block.tensor)
+        rec.stored, rec.src_stream = stored, src_stream
         rec.last_event = rec.stored
         self.order.append(weakref.ref(rec))
         self.by_storage[storage._cdata] = (StorageWeakRef(storage), rec)
