@@ -172,6 +172,9 @@ class ActivationStats:
     peak_inflight_bytes: int  # most device bytes held for copies in flight (forward)
     peak_prefetched_bytes: int  # most device bytes of prefetched, not yet used reloads
     pool: PoolStats = field(repr=False)
+    per_layer_bytes: dict[int, int] = field(default_factory=dict)  # layer-aware mode
+    budget_skipped_bytes: int = 0  # eligible bytes kept on the device by max_offload_bytes
+    compute_wait_ms: float | None = None  # time the compute stream waited on copies, if timed
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,12 +212,15 @@ class _Counters:
         "resident_hits",
         "peak_inflight_bytes",
         "peak_prefetched_bytes",
+        "per_layer_bytes",
+        "budget_skipped_bytes",
     )
 
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, 0)
         self.skip_reasons = {}
+        self.per_layer_bytes = {}
 
 
 class _Storage:
@@ -240,6 +246,8 @@ class _Storage:
         "views",
         "unpacked",
         "pass_id",
+        "layer",
+        "reload_kind",
         "__weakref__",
     )
 
@@ -263,6 +271,8 @@ class _Storage:
         self.views = 0  # live handles
         self.unpacked = 0  # unpacks since the current device copy appeared
         self.pass_id: int | None = None  # graph task of the last unpack
+        self.layer: int | None = None  # layer index (layer-aware mode)
+        self.reload_kind: str | None = None  # "ahead" or "demand", until its first unpack
 
 
 class _Saved:
@@ -322,7 +332,7 @@ def _describe(t: torch.Tensor) -> str:
 class _Session:
     """The state of one ``with`` block: what it saved, in order, and the copy windows."""
 
-    def __init__(self, owner: offload_activations) -> None:
+    def __init__(self, owner: _Offloader) -> None:
         self.owner = owner
         self.order: list[weakref.ref[_Storage]] = []
         self.by_storage: dict[int, tuple[StorageWeakRef, _Storage]] = {}
@@ -352,10 +362,19 @@ class _Session:
                 rec.views += 1
                 c.shared_storage_tensors += 1
             else:
+                reason = self._admit(storage.nbytes())
+                if reason is not None:
+                    c.skipped_tensors += 1
+                    c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
+                    return _Kept(t)
                 rec = self._offload(t, storage, version)
                 c.offloaded_bytes += rec.nbytes
             c.offloaded_tensors += 1
             return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
+
+    def _admit(self, nbytes: int) -> str | None:
+        """Why an eligible storage of ``nbytes`` stays on the device, or None to offload it."""
+        return None
 
     def _shared(self, storage: torch.UntypedStorage, version: int) -> _Storage | None:
         entry = self.by_storage.get(storage._cdata)
@@ -396,12 +415,17 @@ class _Session:
         if rec.stored is not None:
             rec.src = src
             rec.inflight = True
-            self.inflight.append(rec)
             self.inflight_bytes += nbytes
             c = owner._counters
             c.peak_inflight_bytes = max(c.peak_inflight_bytes, self.inflight_bytes)
-            self._trim_inflight()
+        self._offloaded(rec)
         return rec
+
+    def _offloaded(self, rec: _Storage) -> None:
+        """A new storage was queued for offload. See Note: [Keep-alive and the forward window]."""
+        if rec.inflight:
+            self.inflight.append(rec)
+            self._trim_inflight()
 
     def _trim_inflight(self) -> None:
         """See Note: [Keep-alive and the forward window]."""
@@ -429,7 +453,7 @@ class _Session:
         if rec.src is None:
             return
         if not done:
-            CopyEngine.release_after(rec.src_stream, rec.stored)
+            self.owner._release_after(rec.src_stream, rec.stored)
         rec.src = None
         rec.src_stream = None
         if rec.inflight:
@@ -440,6 +464,7 @@ class _Session:
         if rec.dev is None:
             return
         CopyEngine.release_after(rec.dev_stream, rec.ready)
+        rec.reload_kind = None
         rec.dev = None
         rec.dev_stream = None
         if rec.prefetched:
@@ -450,7 +475,6 @@ class _Session:
 
     def unpack(self, handle: _Saved) -> torch.Tensor:
         owner = self.owner
-        engine = owner._engine
         rec = handle.storage
         with owner._lock:
             owner._drain()
@@ -466,13 +490,17 @@ class _Session:
                 c.resident_hits += 1
             else:
                 if rec.dev is None:
-                    self._reload(rec)
-                    c.prefetch_misses += 1
-                elif rec.prefetched:
-                    c.prefetch_hits += 1
+                    self._reload(rec, "demand")
+                if rec.reload_kind is not None:  # first use of this reload
+                    if rec.reload_kind == "ahead":
+                        c.prefetch_hits += 1
+                    else:
+                        c.prefetch_misses += 1
+                    rec.reload_kind = None
+                if rec.prefetched:
                     rec.prefetched = False
                     self.prefetched_bytes -= rec.nbytes
-                engine.wait(rec.ready)
+                owner._wait(rec.ready)
                 base = rec.dev
             out = handle.meta.rebuild(base.untyped_storage())
             rec.pass_id = pass_id
@@ -480,12 +508,16 @@ class _Session:
             if rec.unpacked >= rec.views:  # every view has its tensor: stop holding the storage
                 self._drop_src(rec, done=False)
                 self._drop_dev(rec)
-            self._prefetch(rec.index)
+            self._unpacked(rec)
             return out
 
-    def _reload(self, rec: _Storage) -> None:
+    def _unpacked(self, rec: _Storage) -> None:
+        self._prefetch(rec.index)
+
+    def _reload(self, rec: _Storage, kind: str) -> None:
         owner = self.owner
         rec.dev, rec.ready, rec.dev_stream = owner._engine.reload(rec.block.tensor, rec.stored)
+        rec.reload_kind = kind
         if rec.ready is not None:
             rec.last_event = rec.ready
         rec.unpacked = 0
@@ -510,7 +542,7 @@ class _Session:
             ):
                 j -= 1
                 continue
-            self._reload(rec)
+            self._reload(rec, "ahead")
             rec.prefetched = True
             self.prefetched_bytes += rec.nbytes
             room -= rec.nbytes
@@ -530,7 +562,148 @@ class _Session:
         rec.alias = None
 
 
-class offload_activations:
+class _Offloader:
+    """What every activation offloader shares: knobs, pool, copy engine, lock, counters."""
+
+    def __init__(
+        self,
+        *,
+        min_bytes: int,
+        pool: PinnedPool | None,
+        pin_memory: bool,
+        use_streams: bool,
+        on_pool_exhausted: Literal["fallback", "raise"],
+        prefetch_bytes: int,
+        max_inflight_bytes: int,
+        device: torch.device | str | int | None,
+        time_waits: bool = False,
+    ) -> None:
+        _check_int("min_bytes", min_bytes, minimum=0)
+        _check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        _check_int("max_inflight_bytes", max_inflight_bytes, minimum=0)
+        for name, value in (("pin_memory", pin_memory), ("use_streams", use_streams)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if on_pool_exhausted not in ("fallback", "raise"):
+            raise ValueError(
+                f"on_pool_exhausted must be 'fallback' or 'raise', got {on_pool_exhausted!r}"
+            )
+        if pool is not None and not isinstance(pool, PinnedPool):
+            raise TypeError(f"pool must be a PinnedPool, got {type(pool).__name__}")
+        self.device = compute_device(device)
+        pin = pin_memory and torch.accelerator.is_available()
+        if pool is not None and not pin_memory and pool.pin_memory:
+            raise ValueError("pin_memory=False conflicts with a pinned pool; pass one or the other")
+        self.min_bytes = min_bytes
+        self.on_pool_exhausted = on_pool_exhausted
+        self.prefetch_bytes = prefetch_bytes
+        self.max_inflight_bytes = max_inflight_bytes
+        self._pool = pool if pool is not None else default_pool(pin)
+        self._engine = copy_engine(self.device, use_streams=use_streams)
+        self._lock = threading.Lock()
+        self._graveyard: list[_Storage] = []
+        self._counters = _Counters()
+        self._time_waits = time_waits and self.device.type == "cuda"
+        self._wait_events: list[tuple[Any, Any]] = []
+        self._wait_ms = 0.0
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._pool
+
+    def stats(self) -> ActivationStats:
+        with self._lock:
+            self._drain()
+            c = self._counters
+            values = {name: getattr(c, name) for name in _Counters.__slots__}
+            values["skip_reasons"] = dict(c.skip_reasons)
+            values["per_layer_bytes"] = dict(c.per_layer_bytes)
+            wait_ms = self._collect_wait_ms() if self._time_waits else None
+        return ActivationStats(**values, pool=self._pool.stats(), compute_wait_ms=wait_ms)
+
+    def reset_stats(self) -> None:
+        with self._lock:
+            self._counters = _Counters()
+            self._wait_events.clear()
+            self._wait_ms = 0.0
+        self._pool.reset_peak()
+
+    # -- internals (lock held unless said otherwise) -----------------------------------------
+
+    def _skip_reason(self, t: torch.Tensor) -> str | None:
+        kind = type(t)
+        if kind is not torch.Tensor:
+            return "parameter" if isinstance(t, torch.nn.Parameter) else "unsupported_type"
+        if _no_offload_active():
+            return "no_offload"
+        if t.device != self.device:
+            return "not_on_device"
+        if t.layout is not torch.strided:
+            return "unsupported_type"
+        storage = t.untyped_storage()
+        if storage.nbytes() < max(self.min_bytes, 1):
+            return "small"
+        if storage in _PARAMS:
+            return "parameter"
+        root = t if t._base is None else t._base
+        if root.requires_grad and root.grad_fn is None:
+            return "leaf"  # a parameter or input held by its owner: a copy would free nothing
+        return None
+
+    def _wait(self, event: Any) -> None:
+        """The compute stream waits on ``event`` (timed when asked)."""
+        if event is None:
+            return
+        if not self._time_waits:
+            self._engine.wait(event)
+            return
+        stream = self._engine.current_stream()
+        self._timed(stream, event)
+
+    def _release_after(self, stream: Any, event: Any) -> None:
+        if self._time_waits and stream is not None and event is not None:
+            self._timed(stream, event)
+        else:
+            CopyEngine.release_after(stream, event)
+
+    def _timed(self, stream: Any, event: Any) -> None:
+        # Note: [Timing compute-stream waits] Two timing events bracket the wait on the stream
+        # itself, so their distance is how long that stream stalled. They are read (and, if
+        # needed, synchronised) only in stats(), never on the hot path.
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._wait_events.append((before, after))
+
+    def _collect_wait_ms(self) -> float:
+        for before, after in self._wait_events:
+            after.synchronize()
+            self._wait_ms += before.elapsed_time(after)
+        self._wait_events.clear()
+        return self._wait_ms
+
+    def _retire_view(self, rec: _Storage) -> None:
+        """Called from `_Saved.__del__` on any thread. See Note: [Why handles retire through
+        a graveyard]."""
+        self._graveyard.append(rec)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        graveyard = self._graveyard
+        while graveyard:
+            rec = graveyard.pop()
+            rec.views -= 1
+            if rec.views == 0:
+                rec.session.retire(rec)
+
+
+class offload_activations(_Offloader):
     """Offload the tensors autograd saves inside this block to host memory, asynchronously.
 
     A drop-in for ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` that does not stall the
@@ -570,37 +743,18 @@ class offload_activations:
         max_inflight_bytes: int = 256 << 20,
         device: torch.device | str | int | None = None,
     ) -> None:
-        _check_int("min_bytes", min_bytes, minimum=0)
-        _check_int("prefetch_bytes", prefetch_bytes, minimum=0)
-        _check_int("max_inflight_bytes", max_inflight_bytes, minimum=0)
-        for name, value in (("pin_memory", pin_memory), ("use_streams", use_streams)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if on_pool_exhausted not in ("fallback", "raise"):
-            raise ValueError(
-                f"on_pool_exhausted must be 'fallback' or 'raise', got {on_pool_exhausted!r}"
-            )
-        if pool is not None and not isinstance(pool, PinnedPool):
-            raise TypeError(f"pool must be a PinnedPool, got {type(pool).__name__}")
-        self.device = compute_device(device)
-        pin = pin_memory and torch.accelerator.is_available()
-        if pool is not None and not pin_memory and pool.pin_memory:
-            raise ValueError("pin_memory=False conflicts with a pinned pool; pass one or the other")
-        self.min_bytes = min_bytes
-        self.on_pool_exhausted = on_pool_exhausted
-        self.prefetch_bytes = prefetch_bytes
-        self.max_inflight_bytes = max_inflight_bytes
-        self._pool = pool if pool is not None else default_pool(pin)
-        self._engine = copy_engine(self.device, use_streams=use_streams)
-        self._lock = threading.Lock()
-        self._graveyard: list[_Storage] = []
-        self._counters = _Counters()
+        super().__init__(
+            min_bytes=min_bytes,
+            pool=pool,
+            pin_memory=pin_memory,
+            use_streams=use_streams,
+            on_pool_exhausted=on_pool_exhausted,
+            prefetch_bytes=prefetch_bytes,
+            max_inflight_bytes=max_inflight_bytes,
+            device=device,
+        )
         self._session: _Session | None = None
         self._hooks: Any = None
-
-    @property
-    def pool(self) -> PinnedPool:
-        return self._pool
 
     def __enter__(self) -> offload_activations:
         if self._session is not None:
@@ -620,57 +774,6 @@ class offload_activations:
         finally:
             _PARAMS.release()
             session.end_forward()
-
-    def stats(self) -> ActivationStats:
-        with self._lock:
-            self._drain()
-            c = self._counters
-            values = {name: getattr(c, name) for name in _Counters.__slots__}
-            values["skip_reasons"] = dict(c.skip_reasons)
-        return ActivationStats(**values, pool=self._pool.stats())
-
-    def reset_stats(self) -> None:
-        with self._lock:
-            self._counters = _Counters()
-        self._pool.reset_peak()
-
-    # -- internals --------------------------------------------------------------------------
-
-    def _skip_reason(self, t: torch.Tensor) -> str | None:
-        kind = type(t)
-        if kind is not torch.Tensor:
-            return "parameter" if isinstance(t, torch.nn.Parameter) else "unsupported_type"
-        if _no_offload_active():
-            return "no_offload"
-        if t.device != self.device:
-            return "not_on_device"
-        if t.layout is not torch.strided:
-            return "unsupported_type"
-        storage = t.untyped_storage()
-        if storage.nbytes() < max(self.min_bytes, 1):
-            return "small"
-        if storage in _PARAMS:
-            return "parameter"
-        root = t if t._base is None else t._base
-        if root.requires_grad and root.grad_fn is None:
-            return "leaf"  # a parameter or input held by its owner: a copy would free nothing
-        return None
-
-    def _retire_view(self, rec: _Storage) -> None:
-        self._graveyard.append(rec)
-        if self._lock.acquire(blocking=False):
-            try:
-                self._drain()
-            finally:
-                self._lock.release()
-
-    def _drain(self) -> None:
-        graveyard = self._graveyard
-        while graveyard:
-            rec = graveyard.pop()
-            rec.views -= 1
-            if rec.views == 0:
-                rec.session.retire(rec)
 
     def __repr__(self) -> str:
         return (
