@@ -6,9 +6,19 @@ Importing the package is cheap: it pulls in nothing beyond torch.
 
 from torchoffload._pool import PinnedPool, PoolExhaustedError, PoolStats, default_pool
 from torchoffload.activations import ActivationStats, no_offload, offload_activations
+from torchoffload.layers import (
+    ActivationOffloadConfig,
+    ActivationOffloadHandle,
+    apply_activation_offloading,
+    find_layers,
+)
 
 __all__ = [
+    "ActivationOffloadConfig",
+    "ActivationOffloadHandle",
     "ActivationStats",
+    "apply_activation_offloading",
+    "find_layers",
     "PinnedPool",
     "PoolExhaustedError",
     "PoolStats",

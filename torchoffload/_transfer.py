@@ -71,6 +71,10 @@ class CopyEngine:
         self.device = device
         # Test hook: spin the copy stream this many cycles before each copy, to provoke races.
         self.debug_delay_cycles = 0
+        # Test hook (CPU): copies stay synchronous, but D2H events report "not done" until
+        # `complete_debug_events()`, so the keep-alive and release bookkeeping runs in CI.
+        self.debug_async = False
+        self.debug_events: list[ManualEvent] = []
         self.synchronous = device.type == "cpu"
         self.use_streams = use_streams and not self.synchronous
         if not self.synchronous:
@@ -90,6 +94,10 @@ class CopyEngine:
         """
         if self.synchronous:
             dst.copy_(src)
+            if self.debug_async:
+                event = ManualEvent()
+                self.debug_events.append(event)
+                return event, None
             return None, None
         compute = self._mod.current_stream(self.device)
         stream = self.d2h if self.use_streams else compute
@@ -126,8 +134,13 @@ class CopyEngine:
 
     def wait(self, event: Any) -> None:
         """Make the current compute stream wait on ``event`` (no host sync)."""
-        if event is not None:
+        if event is not None and not self.synchronous:
             self._mod.current_stream(self.device).wait_event(event)
+
+    def complete_debug_events(self) -> None:
+        for event in self.debug_events:
+            event.done = True
+        self.debug_events.clear()
 
     @staticmethod
     def release_after(stream: Any, event: Any) -> None:
@@ -137,6 +150,19 @@ class CopyEngine:
         """
         if stream is not None and event is not None:
             stream.wait_event(event)
+
+
+class ManualEvent:
+    """An event for tests on the CPU: complete only once marked so."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
 
 
 _engines: dict[tuple[torch.device, bool], CopyEngine] = {}

@@ -362,7 +362,7 @@ class _Session:
                 rec.views += 1
                 c.shared_storage_tensors += 1
             else:
-                reason = self._admit(storage.nbytes())
+                reason = self._admit(storage)
                 if reason is not None:
                     c.skipped_tensors += 1
                     c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
@@ -372,8 +372,8 @@ class _Session:
             c.offloaded_tensors += 1
             return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
 
-    def _admit(self, nbytes: int) -> str | None:
-        """Why an eligible storage of ``nbytes`` stays on the device, or None to offload it."""
+    def _admit(self, storage: torch.UntypedStorage) -> str | None:
+        """Why an eligible ``storage`` stays on the device, or None to offload it."""
         return None
 
     def _shared(self, storage: torch.UntypedStorage, version: int) -> _Storage | None:

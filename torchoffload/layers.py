@@ -1,0 +1,453 @@
+"""Layer-aware activation offloading: prefetch k layers ahead, deferred frees, a byte budget.
+
+::
+
+    handle = torchoffload.apply_activation_offloading(model, layers=model.layers)
+    loss = model(x).sum(); loss.backward()      # offloading happens inside
+    handle.stats(); handle.remove()
+
+`offload_activations` sees a stream of saved tensors. This mode also knows which layer saved
+each one, so it can follow the schedule that TransformerEngine, Megatron and torchtitan's graph
+pass use:
+- keep the last layers on the device, because their backward starts at once;
+- release a layer's device copies once its copies are done, checked `defer_layers` layers later;
+- at the start of layer i's backward, issue the reloads of layer i - `prefetch_layers`;
+- free what is left of a layer once its backward is done;
+- offload only up to a per-step byte budget, chosen by a stated rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from torchoffload._pool import PinnedPool, _check_int
+from torchoffload.activations import (
+    _PARAMS,
+    ActivationStats,
+    _Offloader,
+    _Session,
+    _Storage,
+    _unpack,
+)
+
+__all__ = [
+    "ActivationOffloadConfig",
+    "ActivationOffloadHandle",
+    "apply_activation_offloading",
+    "find_layers",
+]
+
+_log = logging.getLogger(__name__)
+
+# Note: [Layer schedule]
+# Forward. Each layer's pre-hook marks it current and its post-hook registers a hook on the
+# gradient of its output. The saved-tensor hooks are pushed once around the whole model, so
+# modules outside the layers (embeddings, head, loss) are seen too, and kept unless asked.
+# When layer i ends, the device sources of layer i - defer_layers are dropped. If their copies
+# are done (event query), that costs nothing. Otherwise the compute stream waits on them first,
+# on the GPU (`release_after`), with no host sync. When the model's forward ends, whatever is
+# still held is released the same way, so backward starts with only the skipped last layers
+# on the device.
+#
+# Backward. The hook on layer i's output gradient fires when that gradient is complete: every
+# consumer of the output, and so all of layer i + 1's backward that leads to it, has run. At
+# that point layer i's backward is about to start. It:
+# 1. frees what is left of layer i + 1's reloads (the memory is released in stream order, so
+#    this is safe even if a view were still to come; such a view would be reloaded on demand);
+# 2. issues the reloads of layers i .. i - prefetch_layers not yet issued. A reload issued for
+#    layer i itself, at its own start, counts as a miss, because it is late.
+# A callback queued on the autograd engine frees the rest when backward ends.
+#
+# Recomputation. A checkpointed layer runs its forward again inside backward. The pre- and
+# post-hooks see this (autograd's graph task id is set) and do nothing. The tensors saved
+# during recomputation go to checkpoint's own hooks, and the inputs that checkpoint saved in
+# forward went through ours, tagged with the layer, so they are prefetched with it.
+#
+# Budget. With max_offload_bytes, the rule "largest" offloads the largest eligible storages of
+# the step, chosen greedily from the sizes recorded in the previous forward; a storage is named
+# by (layer, its ordinal among the layer's distinct storages), which does not depend on what
+# was offloaded. The first step, with no record yet, uses "earliest". The rule "earliest"
+# offloads in save order until the first storage that does not fit, so whole early layers go
+# first (as TransformerEngine does) and the layers backward needs first stay. Either way the
+# running total never exceeds the budget, and later views of a kept storage stay kept.
+
+
+@dataclass(frozen=True)
+class ActivationOffloadConfig:
+    """Knobs of `apply_activation_offloading`. Validated on construction."""
+
+    prefetch_layers: int = 1  # at layer i's backward start, reload layer i - prefetch_layers
+    defer_layers: int = 1  # release layer i's device copies when layer i + defer_layers ends
+    skip_last_layers: int = 1  # the last layers' activations stay on the device
+    max_offload_bytes: int | None = None  # per-step budget; None: every eligible tensor
+    min_bytes: int = 1 << 16  # smaller storages stay on the device
+    budget_policy: Literal["largest", "earliest"] = "largest"
+    offload_outside_layers: bool = False  # also offload embeddings, head, loss (reloaded on demand)
+    use_streams: bool = True
+    pin_memory: bool = True
+    on_pool_exhausted: Literal["fallback", "raise"] = "fallback"
+    time_waits: bool = True  # measure how long the compute stream waits on copies (CUDA)
+
+    def __post_init__(self) -> None:
+        for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
+            _check_int(name, getattr(self, name), minimum=0)
+        if self.max_offload_bytes is not None:
+            _check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
+        if self.budget_policy not in ("largest", "earliest"):
+            raise ValueError(
+                f"budget_policy must be 'largest' or 'earliest', got {self.budget_policy!r}"
+            )
+        if self.on_pool_exhausted not in ("fallback", "raise"):
+            raise ValueError(
+                f"on_pool_exhausted must be 'fallback' or 'raise', got {self.on_pool_exhausted!r}"
+            )
+        for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The largest `nn.ModuleList` in ``model`` whose entries all have one type (the repeated
+    blocks of a transformer). Raises ValueError if there is none."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        if best is None or len(module) > len(best):
+            best = module
+    if best is None:
+        raise ValueError(
+            f"found no repeated layers in {type(model).__name__} (no nn.ModuleList of two or "
+            "more modules of one type); pass layers= explicitly, e.g. layers=model.blocks"
+        )
+    return best
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _first_grad_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(output, dict):
+        for item in output.values():
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class _LayerSession(_Session):
+    """One forward of the model under layer-aware offloading. See Note: [Layer schedule]."""
+
+    def __init__(self, owner: ActivationOffloadHandle, chosen: set[tuple[int, int]] | None):
+        super().__init__(owner)
+        self.config = owner.config
+        self.nlayers = len(owner.layers)
+        self.current: int | None = None
+        self.layer_recs: dict[int | None, list[_Storage]] = defaultdict(list)
+        self.ordinal: dict[int, int] = defaultdict(int)
+        self.profile: list[tuple[int, int, int]] = []  # (layer, ordinal, nbytes), eligible
+        self.chosen = chosen
+        self.budget_used = 0
+        self.budget_closed = False  # "earliest": once a storage did not fit, keep the rest
+        self.kept: dict[int, StorageWeakRef] = {}  # storages kept by a layer rule (by cdata)
+        self.released_upto = -1
+        self.callback_pass: int | None = None
+        self.issued_upto: int | None = None  # lowest layer whose reloads were issued
+        self.freed_from = self.nlayers  # backward: layers >= this had their reloads freed
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def _admit(self, storage: torch.UntypedStorage) -> str | None:
+        cfg = self.config
+        i = self.current
+        if i is None:
+            return None if cfg.offload_outside_layers else "outside_layers"
+        if i >= self.nlayers - cfg.skip_last_layers:
+            return "last_layers"
+        key = storage._cdata
+        ref = self.kept.get(key)
+        if ref is not None and not ref.expired():
+            return "budget"  # another view of a storage the budget keeps
+        nbytes = storage.nbytes()
+        ordinal = self.ordinal[i]  # distinct storages of this layer, in save order
+        self.ordinal[i] += 1
+        self.profile.append((i, ordinal, nbytes))
+        budget = cfg.max_offload_bytes
+        if budget is None:
+            return None
+        if self.chosen is not None:
+            fits = (i, ordinal) in self.chosen and self.budget_used + nbytes <= budget
+        else:  # "earliest" (and the first step of "largest"): a prefix in save order
+            fits = not self.budget_closed and self.budget_used + nbytes <= budget
+            self.budget_closed = not fits
+        if not fits:
+            self.owner._counters.budget_skipped_bytes += nbytes
+            self.kept[key] = StorageWeakRef(storage)
+            return "budget"
+        self.budget_used += nbytes
+        return None
+
+    def _offloaded(self, rec: _Storage) -> None:
+        rec.layer = self.current
+        self.layer_recs[rec.layer].append(rec)
+        if rec.layer is not None:
+            per_layer = self.owner._counters.per_layer_bytes
+            per_layer[rec.layer] = per_layer.get(rec.layer, 0) + rec.nbytes
+
+    def enter_layer(self, i: int) -> None:
+        self.current = i
+
+    def exit_layer(self, i: int, output: Any) -> None:
+        owner = self.owner
+        with owner._lock:
+            owner._drain()
+            self.current = None
+            last = i - self.config.defer_layers
+            for j in range(self.released_upto + 1, last + 1):
+                self._release_sources(j)
+            self.released_upto = max(self.released_upto, last)
+        grad_tensor = _first_grad_tensor(output)
+        if grad_tensor is not None:
+            grad_tensor.register_hook(lambda grad, i=i: self.backward_start(i))
+
+    def _release_sources(self, layer: int | None) -> None:
+        for rec in self.layer_recs.get(layer, ()):
+            if rec.src is not None:
+                self._drop_src(rec, done=rec.stored is None or rec.stored.query())
+
+    def end_forward(self) -> None:
+        owner = self.owner
+        with owner._lock:
+            self.by_storage.clear()
+            self.current = None
+            for layer in list(self.layer_recs):
+                self._release_sources(layer)
+            self.released_upto = self.nlayers
+            owner._profile = self.profile
+
+    # -- backward ---------------------------------------------------------------------------
+
+    def backward_start(self, i: int) -> None:
+        owner = self.owner
+        with owner._lock:
+            owner._drain()
+            self.backward = True
+            pass_id = torch._C._current_graph_task_id()
+            if pass_id != self.callback_pass:  # a new backward pass (retain_graph reruns)
+                self.callback_pass = pass_id
+                self.issued_upto = None
+                self.freed_from = self.nlayers
+                torch.autograd.Variable._execution_engine.queue_callback(self.backward_end)
+            for j in range(i + 1, self.freed_from):  # layer i + 1 (and above) are done
+                self._release_reloads(j)
+            self.freed_from = min(self.freed_from, i + 1)
+            lowest = max(i - self.config.prefetch_layers, 0)
+            start = i if self.issued_upto is None else min(i, self.issued_upto - 1)
+            for j in range(start, lowest - 1, -1):
+                for rec in self.layer_recs.get(j, ()):
+                    if rec.block is not None and rec.src is None and rec.dev is None:
+                        self._reload(rec, "ahead" if j < i else "demand")
+            if start >= lowest:
+                self.issued_upto = (
+                    lowest if self.issued_upto is None else min(self.issued_upto, lowest)
+                )
+
+    def _release_reloads(self, layer: int | None) -> None:
+        for rec in self.layer_recs.get(layer, ()):
+            if rec.src is not None:
+                self._drop_src(rec, done=False)
+            if rec.dev is not None:
+                self._drop_dev(rec)
+
+    def backward_end(self) -> None:
+        owner = self.owner
+        with owner._lock:
+            owner._drain()
+            for layer in list(self.layer_recs):
+                self._release_reloads(layer)
+
+    def _unpacked(self, rec: _Storage) -> None:
+        pass  # prefetch is driven by the layer hooks, not by unpack order
+
+
+class ActivationOffloadHandle(_Offloader):
+    """Returned by `apply_activation_offloading`; `remove()` undoes it exactly."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: list[nn.Module],
+        config: ActivationOffloadConfig,
+        pool: PinnedPool | None,
+        device: torch.device | str | int | None,
+    ) -> None:
+        super().__init__(
+            min_bytes=config.min_bytes,
+            pool=pool,
+            pin_memory=config.pin_memory,
+            use_streams=config.use_streams,
+            on_pool_exhausted=config.on_pool_exhausted,
+            prefetch_bytes=0,
+            max_inflight_bytes=0,
+            device=device,
+            time_waits=config.time_waits,
+        )
+        self.model = model
+        self.layers = layers
+        self.config = config
+        self._profile: list[tuple[int, int, int]] | None = None
+        self._session: _LayerSession | None = None
+        self._hooks_ctx: Any = None
+        self._depth = 0
+        self._handles: list[Any] = []
+        self._removed = False
+        self._handles.append(model.register_forward_pre_hook(self._model_pre))
+        self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._pre(i)))
+            self._handles.append(
+                layer.register_forward_hook(lambda m, a, o, i=i: self._post(i, o), always_call=True)
+            )
+        _PARAMS.acquire()
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _model_pre(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            return
+        self._depth += 1
+        if self._depth > 1:
+            return
+        session = _LayerSession(self, self._plan())
+        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
+        hooks.__enter__()
+        self._session, self._hooks_ctx = session, hooks
+
+    def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        session, hooks = self._session, self._hooks_ctx
+        self._session = self._hooks_ctx = None
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            session.end_forward()
+
+    def _pre(self, i: int) -> None:
+        if self._session is not None and not _in_backward():
+            self._session.enter_layer(i)
+
+    def _post(self, i: int, output: Any) -> None:
+        if self._session is not None and not _in_backward():
+            self._session.exit_layer(i, output)
+
+    def _plan(self) -> set[tuple[int, int]] | None:
+        """For the "largest" budget rule: which tensors of the next step to offload."""
+        budget = self.config.max_offload_bytes
+        if budget is None or self.config.budget_policy != "largest" or not self._profile:
+            return None
+        chosen, total = set(), 0
+        for layer, ordinal, nbytes in sorted(self._profile, key=lambda e: -e[2]):
+            if total + nbytes <= budget:
+                chosen.add((layer, ordinal))
+                total += nbytes
+        _log.debug(
+            "budget plan: %d of %d eligible tensors, %d bytes",
+            len(chosen),
+            len(self._profile),
+            total,
+        )
+        return chosen
+
+    # -- public -----------------------------------------------------------------------------
+
+    def stats(self) -> ActivationStats:
+        """Also: ``per_layer_bytes`` (offloaded, by layer index), ``budget_skipped_bytes``,
+        ``compute_wait_ms`` (CUDA, with ``time_waits``)."""
+        return super().stats()
+
+    def remove(self) -> None:
+        """Remove every hook; the model is exactly as before. Graphs already built still run
+        their backward (their saved tensors keep what they need)."""
+        if self._removed:
+            return
+        if self._session is not None:
+            raise RuntimeError("cannot remove activation offloading during the model's forward")
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._removed = True
+        _PARAMS.release()
+
+    def __enter__(self) -> ActivationOffloadHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return (
+            f"ActivationOffloadHandle({type(self.model).__name__}, {len(self.layers)} layers, "
+            f"{self.config}, removed={self._removed})"
+        )
+
+
+def apply_activation_offloading(
+    model: nn.Module,
+    *,
+    layers: nn.ModuleList | list[nn.Module] | str = "auto",
+    config: ActivationOffloadConfig | None = None,
+    pool: PinnedPool | None = None,
+    device: torch.device | str | int | None = None,
+) -> ActivationOffloadHandle:
+    """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
+
+    Args:
+        model: the module whose forward is offloaded (its forward is the step's boundary).
+        layers: the repeated blocks, in forward order (an ``nn.ModuleList`` or a list of
+            modules), or ``"auto"``: the largest ``nn.ModuleList`` of one module type.
+        config: an `ActivationOffloadConfig` (defaults if None).
+        pool: the `PinnedPool` to copy into; default: the process-wide pool.
+        device: the compute device; default: the current accelerator, else the CPU.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    config = ActivationOffloadConfig() if config is None else config
+    if not isinstance(config, ActivationOffloadConfig):
+        raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
+    if isinstance(layers, str):
+        if layers != "auto":
+            raise ValueError(f"layers must be 'auto' or a list of modules, got {layers!r}")
+        layers = find_layers(model)
+    layer_list = list(layers)
+    if not layer_list:
+        raise ValueError("layers is empty")
+    owned = {id(m) for m in model.modules()}
+    for m in layer_list:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"layers must contain nn.Modules, got {type(m).__name__}")
+        if id(m) not in owned:
+            raise ValueError(f"layer {type(m).__name__} is not a submodule of the model")
+    if len({id(m) for m in layer_list}) != len(layer_list):
+        raise ValueError("layers contains the same module twice")
+    return ActivationOffloadHandle(model, layer_list, config, pool, device)
