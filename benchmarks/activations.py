@@ -28,7 +28,12 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchoffload import PinnedPool, offload_activations  # noqa: E402
+from torchoffload import (  # noqa: E402
+    ActivationOffloadConfig,
+    PinnedPool,
+    apply_activation_offloading,
+    offload_activations,
+)
 from torchoffload.models import BlockStack  # noqa: E402
 
 SHAPES = {
@@ -74,16 +79,23 @@ def copy_bandwidth(nbytes: int = GIB, reps: int = 5) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def run_mode(model, x, mode, pool, steps, warmup, device, phases=False, windows=None):
+def run_mode(
+    model, x, mode, pool, steps, warmup, device, phases=False, windows=None, layer_config=None
+):
     """Median ms/step (one timer around forward + backward, no sync inside the step) and peak
     memory. With ``phases``, forward and backward are timed separately instead (a sync between
     them), which is how t_fwd and t_bwd of the link bound are measured."""
     layers = model.layers
+    handle = None
+    if layer_config is not None:
+        handle = apply_activation_offloading(model, layers=layers, config=layer_config, pool=pool)
 
     def forward():
+        if mode != "checkpoint":
+            return model(x).float().pow(2).mean()
         h = x
         for layer in layers:
-            h = checkpoint(layer, h, use_reentrant=False) if mode == "checkpoint" else layer(h)
+            h = checkpoint(layer, h, use_reentrant=False)
         return h.float().pow(2).mean()
 
     stats = None
@@ -103,6 +115,8 @@ def run_mode(model, x, mode, pool, steps, warmup, device, phases=False, windows=
             ctx = offload_activations(pool=pool, **kw)
         else:
             ctx = contextlib.nullcontext()
+        if handle is not None:
+            handle.reset_stats()
         if phases:
             with Timer(device) as fwd, ctx:
                 loss = forward()
@@ -123,6 +137,10 @@ def run_mode(model, x, mode, pool, steps, warmup, device, phases=False, windows=
         del loss
         if mode.startswith("offload_activations"):
             stats = ctx.stats()
+        elif handle is not None:
+            stats = handle.stats()
+    if handle is not None:
+        handle.remove()
     peak = torch.cuda.max_memory_allocated() if is_cuda else 0
     if phases:
         return {"fwd_ms": statistics.median(fwd_times), "bwd_ms": statistics.median(bwd_times)}
@@ -136,7 +154,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
         "--modes",
-        default="none,save_on_cpu,checkpoint,offload_activations",
+        default="none,save_on_cpu,checkpoint,offload_activations,layers,"
+        "layers_hidden_largest,layers_hidden_earliest",
         help="comma-separated; 'none' is always run (the baseline)",
     )
     p.add_argument(
@@ -167,35 +186,62 @@ def main(argv=None) -> int:
         model = BlockStack(hidden, nlayers, heads=max(1, hidden // 128)).to(device, dtype)
         x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)
         shape = f"h{hidden} L{nlayers} b{batch} s{seq}"
-        results = {m: run_mode(model, x, m, pool, args.steps, args.warmup, device) for m in modes}
+        phases = run_mode(model, x, "none", pool, args.steps, args.warmup, device, phases=True)
+        # the budget a link can hide behind forward compute: bytes = bw x t_fwd
+        hidden = int(d2h * 1e6 * phases["fwd_ms"]) if device.type == "cuda" else 1 << 20
+        layer_modes = {
+            "layers": ActivationOffloadConfig(),
+            "layers_hidden_largest": ActivationOffloadConfig(
+                max_offload_bytes=hidden, budget_policy="largest"
+            ),
+            "layers_hidden_earliest": ActivationOffloadConfig(
+                max_offload_bytes=hidden, budget_policy="earliest"
+            ),
+        }
+        results = {}
+        for m in modes:
+            results[m] = run_mode(
+                model, x, m, pool, args.steps, args.warmup, device, layer_config=layer_modes.get(m)
+            )
         for w in windows:
             results[f"offload_activations[{w[0]}:{w[1]}]"] = run_mode(
                 model, x, "offload_activations", pool, args.steps, args.warmup, device, windows=w
             )
-        results["none"].update(
-            run_mode(model, x, "none", pool, args.steps, args.warmup, device, phases=True)
-        )
+        results["none"].update(phases)
         base = results.get("none")
+
+        def link_bound(nbytes, base=base):
+            if device.type != "cuda":
+                return None
+            fwd, bwd = base["fwd_ms"], base["bwd_ms"]
+            return max(fwd, nbytes / d2h / 1e6) + max(bwd, nbytes / h2d / 1e6)
+
         off = results.get("offload_activations")
-        bound = None
-        if base and off and device.type == "cuda":
-            b = off["stats"].offloaded_bytes
-            bound = max(base["fwd_ms"], b / d2h / 1e6) + max(base["bwd_ms"], b / h2d / 1e6)
-        if base:
-            print(f"{shape}: t_fwd {base['fwd_ms']:.1f} ms, t_bwd {base['bwd_ms']:.1f} ms")
+        ref_bound = link_bound(off["stats"].offloaded_bytes) if off else None
+        print(
+            f"{shape}: t_fwd {base['fwd_ms']:.1f} ms, t_bwd {base['bwd_ms']:.1f} ms, "
+            f"hidden budget {hidden / GIB:.2f} GiB"
+        )
         for m in results:
             r = results[m]
             moved = r["stats"].offloaded_bytes if r["stats"] else 0
+            bound = link_bound(moved) if r["stats"] else ref_bound
             rows.append(
                 {
                     "shape": shape,
                     "mode": m,
                     "ms": r["ms"],
                     "peak_gib": r["peak"] / GIB,
+                    "saved_gib": (base["peak"] - r["peak"]) / GIB,
                     "x_none": r["ms"] / base["ms"] if base else float("nan"),
                     "x_bound": r["ms"] / bound if bound else float("nan"),
                     "offloaded_gib": moved / GIB,
                     "bound_ms": bound or float("nan"),
+                    "wait_ms": (
+                        r["stats"].compute_wait_ms
+                        if r["stats"] and r["stats"].compute_wait_ms is not None
+                        else float("nan")
+                    ),
                     "prefetch": (
                         f"{r['stats'].prefetch_hits}/{r['stats'].prefetch_misses}"
                         f"/{r['stats'].resident_hits}"
@@ -211,16 +257,17 @@ def main(argv=None) -> int:
 
     header = (
         f"| {'shape':<22} | {'mode':<30} | {'ms/step':>8} | "
-        f"{'peak GiB':>8} | {'x none':>6} | {'x bound':>7} | {'bound ms':>8} | "
-        f"{'offl GiB':>8} | {'hit/miss/res':>12} |"
+        f"{'peak GiB':>8} | {'saved':>6} | {'x none':>6} | {'x bound':>7} | {'bound ms':>8} | "
+        f"{'offl GiB':>8} | {'wait ms':>7} | {'hit/miss/res':>12} |"
     )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         print(
             f"| {r['shape']:<22} | {r['mode']:<30} | {r['ms']:>8.1f} | "
-            f"{r['peak_gib']:>8.2f} | {r['x_none']:>6.2f} | "
+            f"{r['peak_gib']:>8.2f} | {r['saved_gib']:>6.2f} | {r['x_none']:>6.2f} | "
             f"{r['x_bound']:>7.2f} | {r['bound_ms']:>8.1f} | {r['offloaded_gib']:>8.2f} | "
+            f"{r['wait_ms']:>7.1f} | "
             f"{r['prefetch']:>12} |"
         )
     if args.json:

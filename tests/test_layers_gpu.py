@@ -1,0 +1,113 @@
+"""GPU tests for apply_activation_offloading: run on the GPU machine with ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from test_activations_gpu import _slow_compute_hooks, assert_equal, data, make, train
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchoffload import ActivationOffloadConfig, PinnedPool, apply_activation_offloading
+from torchoffload._transfer import copy_engine
+from torchoffload.models import BlockStack
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def pool():
+    return PinnedPool(1 << 30, slab_bytes=64 << 20)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"max_offload_bytes": 64 << 20}, {"prefetch_layers": 2, "defer_layers": 2}],
+)
+def test_parity_and_all_prefetches_hit(dtype, cfg, pool):
+    model = make(dtype)
+    batches = data()
+    ref = train(copy.deepcopy(model), batches)
+    m = copy.deepcopy(model)
+    handle = apply_activation_offloading(
+        m, config=ActivationOffloadConfig(min_bytes=0, **cfg), pool=pool
+    )
+    got = train(m, batches)
+    assert_equal(ref, got)
+    s = handle.stats()
+    assert s.offloaded_bytes > 0
+    assert s.prefetch_misses == 0 and s.prefetch_hits == s.reloaded_tensors
+    assert s.compute_wait_ms is not None and s.compute_wait_ms >= 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("slow", ["copies", "compute", "both"])
+def test_race_slowed_streams_still_bitwise(slow, pool):
+    model = make(torch.float32)
+    batches = data(steps=5)
+    ref = train(copy.deepcopy(model), batches)
+    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
+    hooks = (_slow_compute_hooks,) if slow in ("compute", "both") else ()
+    m = copy.deepcopy(model)
+    handle = apply_activation_offloading(
+        m, config=ActivationOffloadConfig(min_bytes=0, defer_layers=0), pool=pool
+    )
+    engine.debug_delay_cycles = 2_000_000 if slow in ("copies", "both") else 0
+    try:
+        got = train(m, batches, hooks=hooks)
+    finally:
+        engine.debug_delay_cycles = 0
+        handle.remove()
+    assert_equal(ref, got)
+
+
+def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(pool):
+    torch.manual_seed(0)
+    model = BlockStack(hidden=1024, layers=24, heads=8).to("cuda", torch.bfloat16)
+    x = torch.randn(8, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def peak():
+        step()  # warm-up
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    torch.use_deterministic_algorithms(False)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        base = peak()
+        handle = apply_activation_offloading(model, pool=pool)
+        off = peak()
+    s = handle.stats()
+    handle.remove()
+    per_step = s.offloaded_bytes // 2
+    saved = base - off
+    gib = 1 << 30
+    print(
+        f"peak {base / gib:.2f} -> {off / gib:.2f} GiB; offloaded {per_step / gib:.2f} GiB/step;"
+        f" saved {saved / gib:.2f} GiB ({saved / per_step:.0%}); misses {s.prefetch_misses};"
+        f" compute waited {s.compute_wait_ms:.1f} ms over 2 steps"
+    )
+    assert saved >= 0.9 * per_step
+    assert s.prefetch_misses == 0
