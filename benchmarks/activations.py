@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--modes",
         default="none,save_on_cpu,checkpoint,offload_activations,layers,"
-        "layers_hidden_largest,layers_hidden_earliest",
+        "layers_hidden_spread,layers_hidden_largest,layers_hidden_earliest",
         help="comma-separated; 'none' is always run (the baseline)",
     )
     p.add_argument(
@@ -191,6 +191,9 @@ def main(argv=None) -> int:
         hidden = int(d2h * 1e6 * phases["fwd_ms"]) if device.type == "cuda" else 1 << 20
         layer_modes = {
             "layers": ActivationOffloadConfig(),
+            "layers_hidden_spread": ActivationOffloadConfig(
+                max_offload_bytes=hidden, budget_policy="spread"
+            ),
             "layers_hidden_largest": ActivationOffloadConfig(
                 max_offload_bytes=hidden, budget_policy="largest"
             ),

@@ -149,6 +149,7 @@ def batches(n=3, vocab=128):
         {"prefetch_layers": 2, "defer_layers": 2, "skip_last_layers": 2},
         {"max_offload_bytes": 200_000},
         {"max_offload_bytes": 200_000, "budget_policy": "earliest"},
+        {"max_offload_bytes": 200_000, "budget_policy": "largest"},
         {"offload_outside_layers": True},
     ],
 )
@@ -309,7 +310,7 @@ def eligible_sizes(model, tokens):
     return handle._profile
 
 
-@pytest.mark.parametrize("policy", ["largest", "earliest"])
+@pytest.mark.parametrize("policy", ["spread", "largest", "earliest"])
 def test_budget_is_never_exceeded(policy):
     model = make()
     tokens = batches(1)[0]
@@ -337,6 +338,23 @@ def test_budget_earliest_fills_the_first_layers_first():
     s = handle.stats()
     assert s.per_layer_bytes[0] == per_layer[0]
     assert 0 < s.per_layer_bytes[1] < per_layer[1] and 2 not in s.per_layer_bytes
+
+
+def test_budget_spread_gives_every_layer_an_equal_share():
+    model = make()
+    tokens = batches(1)[0]
+    profile = eligible_sizes(clone_model(model), tokens)
+    total = sum(n for _, _, n in profile)
+    budget = total // 2
+    handle = apply(model, max_offload_bytes=budget, budget_policy="spread")
+    model.loss(tokens).backward()  # step 1: no profile yet, earliest-first
+    handle.reset_stats()
+    model.loss(tokens).backward()
+    s = handle.stats()
+    share = budget // 3  # layers 0, 1, 2 are offloadable (the last is skipped)
+    assert set(s.per_layer_bytes) == {0, 1, 2}
+    assert all(0.5 * share <= b <= share for b in s.per_layer_bytes.values())
+    assert s.offloaded_bytes <= budget
 
 
 def test_budget_largest_offloads_the_largest_tensors_after_the_first_step():

@@ -76,9 +76,13 @@ def test_race_slowed_streams_still_bitwise(slow, pool):
 
 
 def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(pool):
+    """The offloaded bytes really leave the device. With offloading, the step's peak is at the
+    end of backward, where every parameter gradient exists, so the shape is one where those
+    are small (2-3%) next to the activations, and there are many layers, because the one
+    layer held ahead for prefetch is also not freed (1/23 here)."""
     torch.manual_seed(0)
-    model = BlockStack(hidden=1024, layers=24, heads=8).to("cuda", torch.bfloat16)
-    x = torch.randn(8, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    model = BlockStack(hidden=512, layers=24, heads=4).to("cuda", torch.bfloat16)
+    x = torch.randn(16, 1024, 512, device="cuda", dtype=torch.bfloat16)
 
     def step():
         loss = model(x).float().pow(2).mean()
@@ -111,3 +115,5 @@ def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(pool):
     )
     assert saved >= 0.9 * per_step
     assert s.prefetch_misses == 0
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"parameter gradients {grads / gib:.2f} GiB ({grads / per_step:.1%} of offloaded)")

@@ -70,10 +70,14 @@ _log = logging.getLogger(__name__)
 # during recomputation go to checkpoint's own hooks, and the inputs that checkpoint saved in
 # forward went through ours, tagged with the layer, so they are prefetched with it.
 #
-# Budget. With max_offload_bytes, the rule "largest" offloads the largest eligible storages of
-# the step, chosen greedily from the sizes recorded in the previous forward; a storage is named
-# by (layer, its ordinal among the layer's distinct storages), which does not depend on what
-# was offloaded. The first step, with no record yet, uses "earliest". The rule "earliest"
+# Budget. With max_offload_bytes, the rules "spread" and "largest" choose from the sizes recorded
+# in the previous forward; a storage is named by (layer, its ordinal among the layer's distinct
+# storages), which does not depend on what was offloaded. The first step, with no record yet,
+# uses "earliest". "spread" (the default) gives each offloadable layer an equal share of the
+# budget and fills it with that layer's largest storages, so every layer's copies can hide
+# behind that layer's compute: a budget of bw x t_fwd is then hidden when the layers are alike.
+# "largest" takes the largest storages of the step wherever they are (ties go to earlier
+# layers, so the copies bunch up in the first layers). The rule "earliest"
 # offloads in save order until the first storage that does not fit, so whole early layers go
 # first (as TransformerEngine does) and the layers backward needs first stay. Either way the
 # running total never exceeds the budget, and later views of a kept storage stay kept.
@@ -88,7 +92,7 @@ class ActivationOffloadConfig:
     skip_last_layers: int = 1  # the last layers' activations stay on the device
     max_offload_bytes: int | None = None  # per-step budget; None: every eligible tensor
     min_bytes: int = 1 << 16  # smaller storages stay on the device
-    budget_policy: Literal["largest", "earliest"] = "largest"
+    budget_policy: Literal["spread", "largest", "earliest"] = "spread"  # see Note: [Layer schedule]
     offload_outside_layers: bool = False  # also offload embeddings, head, loss (reloaded on demand)
     use_streams: bool = True
     pin_memory: bool = True
@@ -100,9 +104,10 @@ class ActivationOffloadConfig:
             _check_int(name, getattr(self, name), minimum=0)
         if self.max_offload_bytes is not None:
             _check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
-        if self.budget_policy not in ("largest", "earliest"):
+        if self.budget_policy not in ("spread", "largest", "earliest"):
             raise ValueError(
-                f"budget_policy must be 'largest' or 'earliest', got {self.budget_policy!r}"
+                "budget_policy must be 'spread', 'largest' or 'earliest', "
+                f"got {self.budget_policy!r}"
             )
         if self.on_pool_exhausted not in ("fallback", "raise"):
             raise ValueError(
@@ -362,15 +367,31 @@ class ActivationOffloadHandle(_Offloader):
             self._session.exit_layer(i, output)
 
     def _plan(self) -> set[tuple[int, int]] | None:
-        """For the "largest" budget rule: which tensors of the next step to offload."""
+        """For the "spread" and "largest" rules: which storages of the next step to offload,
+        from the sizes of the last forward. See Note: [Layer schedule]."""
         budget = self.config.max_offload_bytes
-        if budget is None or self.config.budget_policy != "largest" or not self._profile:
+        policy = self.config.budget_policy
+        if budget is None or policy == "earliest" or not self._profile:
             return None
         chosen, total = set(), 0
-        for layer, ordinal, nbytes in sorted(self._profile, key=lambda e: -e[2]):
-            if total + nbytes <= budget:
-                chosen.add((layer, ordinal))
-                total += nbytes
+        if policy == "largest":
+            for layer, ordinal, nbytes in sorted(self._profile, key=lambda e: -e[2]):
+                if total + nbytes <= budget:
+                    chosen.add((layer, ordinal))
+                    total += nbytes
+        else:  # spread: an equal share per layer, largest storages of each layer first
+            by_layer: dict[int, list[tuple[int, int]]] = defaultdict(list)
+            for layer, ordinal, nbytes in self._profile:
+                by_layer[layer].append((nbytes, ordinal))
+            layers = sorted(by_layer)
+            for k, layer in enumerate(layers):
+                share = (budget - total) // (len(layers) - k)  # unused share carries forward
+                taken = 0
+                for nbytes, ordinal in sorted(by_layer[layer], key=lambda e: -e[0]):
+                    if taken + nbytes <= share:
+                        chosen.add((layer, ordinal))
+                        taken += nbytes
+                total += taken
         _log.debug(
             "budget plan: %d of %d eligible tensors, %d bytes",
             len(chosen),
