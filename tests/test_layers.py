@@ -214,7 +214,9 @@ def test_skip_last_layers_and_outside_layers_stay_on_device():
     model.loss(batches(1)[0]).backward()
     s = handle.stats()
     assert set(s.per_layer_bytes) == {0, 1}
-    assert s.skip_reasons["last_layers"] > 0 and s.skip_reasons["outside_layers"] > 0
+    # no hooks run there at all: those tensors are saved by autograd as usual
+    assert "last_layers" not in s.skip_reasons and "outside_layers" not in s.skip_reasons
+    assert s.skipped_tensors == s.skip_reasons.get("parameter", 0) + s.skip_reasons.get("leaf", 0)
 
 
 def test_outside_layers_offloaded_when_asked():
@@ -351,9 +353,10 @@ def test_budget_spread_gives_every_layer_an_equal_share():
     handle.reset_stats()
     model.loss(tokens).backward()
     s = handle.stats()
-    share = budget // 3  # layers 0, 1, 2 are offloadable (the last is skipped)
-    assert set(s.per_layer_bytes) == {0, 1, 2}
-    assert all(0.5 * share <= b <= share for b in s.per_layer_bytes.values())
+    # layers 0, 1, 2 may offload (3 is skipped); 2 is left out, since it comes back at once
+    share = budget // 2
+    assert set(s.per_layer_bytes) == {0, 1}
+    assert all(b >= 0.5 * share for b in s.per_layer_bytes.values())  # unused share carries on
     assert s.offloaded_bytes <= budget
 
 

@@ -76,6 +76,8 @@ _log = logging.getLogger(__name__)
 # uses "earliest". "spread" (the default) gives each offloadable layer an equal share of the
 # budget and fills it with that layer's largest storages, so every layer's copies can hide
 # behind that layer's compute: a budget of bw x t_fwd is then hidden when the layers are alike.
+# It leaves out the last `prefetch_layers` offloadable layers: they are reloaded as backward
+# starts, when memory peaks, so offloading them would not lower the peak.
 # "largest" takes the largest storages of the step wherever they are (ties go to earlier
 # layers, so the copies bunch up in the first layers). The rule "earliest"
 # offloads in save order until the first storage that does not fit, so whole early layers go
@@ -176,6 +178,7 @@ class _LayerSession(_Session):
         self.callback_pass: int | None = None
         self.issued_upto: int | None = None  # lowest layer whose reloads were issued
         self.freed_from = self.nlayers  # backward: layers >= this had their reloads freed
+        self.hooks: Any = None  # saved-tensor hooks pushed for the current layer
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -341,8 +344,10 @@ class ActivationOffloadHandle(_Offloader):
         if self._depth > 1:
             return
         session = _LayerSession(self, self._plan())
-        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
-        hooks.__enter__()
+        hooks = None
+        if self.config.offload_outside_layers:  # else the hooks are pushed per layer
+            hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
+            hooks.__enter__()
         self._session, self._hooks_ctx = session, hooks
 
     def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -354,17 +359,37 @@ class ActivationOffloadHandle(_Offloader):
         session, hooks = self._session, self._hooks_ctx
         self._session = self._hooks_ctx = None
         try:
-            hooks.__exit__(None, None, None)
+            if hooks is not None:
+                hooks.__exit__(None, None, None)
         finally:
             session.end_forward()
 
+    # Note: [Hooks only where something can be offloaded]
+    # Every tensor saved under saved-tensor hooks pays a Python round trip (about 15 us even
+    # when it is kept) and loses autograd's own bookkeeping. So, unless the modules outside the
+    # layers are to be offloaded too, the hooks are pushed in the pre-hook of each layer that
+    # may offload and popped in its post-hook (registered with always_call=True, so an
+    # exception in the layer still pops them). Embeddings, head, loss and the skipped last
+    # layers then run exactly as without torchoffload.
+
     def _pre(self, i: int) -> None:
-        if self._session is not None and not _in_backward():
-            self._session.enter_layer(i)
+        session = self._session
+        if session is None or _in_backward():
+            return
+        session.enter_layer(i)
+        offloadable = i < len(self.layers) - self.config.skip_last_layers
+        if offloadable and session.hooks is None and not self.config.offload_outside_layers:
+            session.hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
+            session.hooks.__enter__()
 
     def _post(self, i: int, output: Any) -> None:
-        if self._session is not None and not _in_backward():
-            self._session.exit_layer(i, output)
+        session = self._session
+        if session is None or _in_backward():
+            return
+        if session.hooks is not None:
+            hooks, session.hooks = session.hooks, None
+            hooks.__exit__(None, None, None)
+        session.exit_layer(i, output)
 
     def _plan(self) -> set[tuple[int, int]] | None:
         """For the "spread" and "largest" rules: which storages of the next step to offload,
@@ -384,6 +409,10 @@ class ActivationOffloadHandle(_Offloader):
             for layer, ordinal, nbytes in self._profile:
                 by_layer[layer].append((nbytes, ordinal))
             layers = sorted(by_layer)
+            # The last prefetch_layers offloaded layers are reloaded as backward starts, which
+            # is when the step's memory peaks: offloading them would not lower the peak.
+            if len(layers) > self.config.prefetch_layers:
+                layers = layers[: len(layers) - self.config.prefetch_layers]
             for k, layer in enumerate(layers):
                 share = (budget - total) // (len(layers) - k)  # unused share carries forward
                 taken = 0
