@@ -302,6 +302,38 @@ def test_defer_releases_device_copies_defer_layers_later(simulated_async, defer)
     assert handle.stats().pool.used_bytes == 0
 
 
+def test_reloads_are_freed_when_their_layer_backward_is_done():
+    model = make()
+    handle = apply(model, skip_last_layers=1)
+    sessions = []
+    held_at_start = {}
+
+    def remember(module, args, out):
+        sessions.append(handle._session)
+
+    model.layers[0].register_forward_hook(remember)
+    loss = model.loss(batches(1)[0])
+    session = sessions[0]
+    original = session.backward_start
+
+    def spy(i):
+        original(i)
+        held_at_start[i] = sorted(
+            {r.layer for recs in session.layer_recs.values() for r in recs if r.dev is not None}
+        )
+
+    session.backward_start = spy
+    loss.backward()
+    assert sorted(held_at_start) == [0, 1, 2, 3]
+    # at layer i's backward start only layers i - 1 (prefetched) and maybe i hold device copies
+    for i, held in held_at_start.items():
+        assert set(held) <= {i, i - 1}, (i, held)
+    # and when backward is over nothing is held
+    assert all(
+        r.dev is None and r.src is None for recs in session.layer_recs.values() for r in recs
+    )
+
+
 # -- budget -------------------------------------------------------------------------------------
 
 
