@@ -4,6 +4,7 @@ pinned host memory and back while compute continues.
 Importing the package is cheap: it pulls in nothing beyond torch.
 """
 
+from torchoffload._flatten import register_flattener, unregister_flattener
 from torchoffload._pool import PinnedPool, PoolExhaustedError, PoolStats, default_pool
 from torchoffload.activations import ActivationStats, no_offload, offload_activations
 from torchoffload.layers import (
@@ -25,6 +26,8 @@ __all__ = [
     "default_pool",
     "no_offload",
     "offload_activations",
+    "register_flattener",
+    "unregister_flattener",
 ]
 
 __version__ = "0.1.0"

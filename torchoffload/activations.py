@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchoffload._flatten import ViewMeta, storage_bytes
+from torchoffload._flatten import ViewMeta, flatten, is_composite, storage_bytes
 from torchoffload._pool import PinnedPool, PoolStats, _check_int, default_pool
 from torchoffload._transfer import CopyEngine, compute_device, copy_engine
 
@@ -127,21 +127,32 @@ class _ParamStorages:
                 self._refs.clear()
 
     def _hook(self, module: torch.nn.Module, args: Any) -> None:
-        refs = self._refs
         for t in chain(module._parameters.values(), module._buffers.values()):
-            if t is None or t.is_meta:
-                continue
-            try:
-                storage = t.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # subclasses without a storage
-                continue
-            key = storage._cdata
-            ref = refs.get(key)
-            if ref is None or ref.expired():
-                refs[key] = StorageWeakRef(storage)
+            if t is not None and not t.is_meta:
+                self._add(t)
+        refs = self._refs
         if len(refs) > 4096:
             for key in [k for k, r in refs.items() if r.expired()]:
                 del refs[key]
+
+    def _add(self, t: torch.Tensor) -> None:
+        if type(t) not in (torch.Tensor, torch.nn.Parameter) and is_composite(t):
+            try:
+                buffers, _ = flatten(t)
+            except TypeError:
+                return
+            for b in buffers:
+                if b is not None:
+                    self._add(b)
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # no storage of its own
+            return
+        key = storage._cdata
+        ref = self._refs.get(key)
+        if ref is None or ref.expired():
+            self._refs[key] = StorageWeakRef(storage)
 
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         ref = self._refs.get(storage._cdata)
@@ -175,6 +186,7 @@ class ActivationStats:
     per_layer_bytes: dict[int, int] = field(default_factory=dict)  # layer-aware mode
     budget_skipped_bytes: int = 0  # eligible bytes kept on the device by max_offload_bytes
     compute_wait_ms: float | None = None  # time the compute stream waited on copies, if timed
+    composite_tensors: int = 0  # saved tensors taken apart into buffers (subclasses, registry)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,6 +226,7 @@ class _Counters:
         "peak_prefetched_bytes",
         "per_layer_bytes",
         "budget_skipped_bytes",
+        "composite_tensors",
     )
 
     def __init__(self) -> None:
@@ -291,6 +304,16 @@ class _Saved:
             self.storage.session.owner._retire_view(self.storage)
 
 
+class _Composite:
+    """What the pack hook returns for a tensor made of several buffers."""
+
+    __slots__ = ("rebuild", "parts")
+
+    def __init__(self, rebuild: Any, parts: list[Any]):
+        self.rebuild = rebuild
+        self.parts = parts  # per entry: _Saved, _Kept or _Composite; non-tensors as they were
+
+
 class _Kept:
     """What the pack hook returns for a tensor left in place."""
 
@@ -299,6 +322,9 @@ class _Kept:
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor.detach()  # no grad_fn: returning an output itself would be a cycle
         self.version = tensor._version
+
+
+_PACKED = (_Saved, _Kept, _Composite)
 
 
 def _version_alias(t: torch.Tensor) -> torch.Tensor:
@@ -319,6 +345,8 @@ def _check_version(now: int, saved: int, what: str) -> None:
 
 
 def _unpack(packed: Any) -> torch.Tensor:
+    if type(packed) is _Composite:
+        return packed.rebuild([_unpack(p) if type(p) in _PACKED else p for p in packed.parts])
     if type(packed) is _Kept:
         _check_version(packed.tensor._version, packed.version, _describe(packed.tensor))
         return packed.tensor
@@ -349,28 +377,42 @@ class _Session:
         owner = self.owner
         with owner._lock:
             owner._drain()
-            reason = owner._skip_reason(t)
-            c = owner._counters
+            return self._pack_locked(t)
+
+    def _pack_locked(self, t: torch.Tensor) -> Any:
+        owner = self.owner
+        c = owner._counters
+        if (
+            type(t) is not torch.Tensor
+            and not isinstance(t, torch.nn.Parameter)
+            and not _no_offload_active()
+            and is_composite(t)
+        ):  # See Note: [One flatten layer for every engine] in _flatten.py
+            buffers, rebuild = flatten(t)
+            c.composite_tensors += 1
+            parts = [self._pack_locked(b) if isinstance(b, torch.Tensor) else b for b in buffers]
+            return _Composite(rebuild, parts)
+        reason = owner._skip_reason(t)
+        if reason is not None:
+            c.skipped_tensors += 1
+            c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
+            return _Kept(t)
+        storage = t.untyped_storage()
+        version = t._version
+        rec = self._shared(storage, version)
+        if rec is not None:
+            rec.views += 1
+            c.shared_storage_tensors += 1
+        else:
+            reason = self._admit(storage)
             if reason is not None:
                 c.skipped_tensors += 1
                 c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
                 return _Kept(t)
-            storage = t.untyped_storage()
-            version = t._version
-            rec = self._shared(storage, version)
-            if rec is not None:
-                rec.views += 1
-                c.shared_storage_tensors += 1
-            else:
-                reason = self._admit(storage)
-                if reason is not None:
-                    c.skipped_tensors += 1
-                    c.skip_reasons[reason] = c.skip_reasons.get(reason, 0) + 1
-                    return _Kept(t)
-                rec = self._offload(t, storage, version)
-                c.offloaded_bytes += rec.nbytes
-            c.offloaded_tensors += 1
-            return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
+            rec = self._offload(t, storage, version)
+            c.offloaded_bytes += rec.nbytes
+        c.offloaded_tensors += 1
+        return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
 
     def _admit(self, storage: torch.UntypedStorage) -> str | None:
         """Why an eligible ``storage`` stays on the device, or None to offload it."""
