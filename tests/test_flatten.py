@@ -289,8 +289,9 @@ def train(model, steps, offload=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
     out = []
+    device = next(model.parameters()).device
     for _ in range(steps):
-        x = torch.randn(64, 32, generator=g)
+        x = torch.randn(64, 32, generator=g).to(device)
         if offload is not None:
             with offload():
                 loss = model(x)
