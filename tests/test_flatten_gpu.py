@@ -109,8 +109,9 @@ def train_cuda(model, factory=None):
 def test_inner_buffers_leave_the_device(gpu_pool):
     torch.manual_seed(0)
     weights = [
-        torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01 for _ in range(8)
-    ]
+        (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 0.01).requires_grad_()
+        for _ in range(8)
+    ]  # leaves that require grad, like parameters: kept, not offloaded
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
     def forward():
@@ -132,6 +133,8 @@ def test_inner_buffers_leave_the_device(gpu_pool):
         held = torch.cuda.memory_allocated() - before
         out.float().sum().backward()
         x.grad = None
+        for w in weights:
+            w.grad = None
         return held
 
     after_forward(offload_activations(min_bytes=1 << 20, pool=gpu_pool))  # warm-up
@@ -147,6 +150,7 @@ def test_inner_buffers_leave_the_device(gpu_pool):
     )
     assert s.offloaded_bytes == qdata and s.composite_tensors == 8
     assert s.skip_reasons.get("small", 0) == 8  # the float32 scales stay on the device
+    assert s.skip_reasons.get("leaf", 0) == 8  # and so do the weights
     assert base - off >= qdata
 
 
