@@ -47,6 +47,24 @@ def assert_bitwise(a, b):
 
 
 @pytest.fixture
+def gpu_deterministic():
+    """GPU parity tests: deterministic kernels and the deterministic (math) attention backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True)
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+    torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def gpu_pool():
+    from torchoffload import PinnedPool
+
+    return PinnedPool(1 << 30, slab_bytes=64 << 20)
+
+
+@pytest.fixture
 def small_gpt():
     def make(dtype=torch.float32, config=SMALL):
         torch.manual_seed(0)

@@ -9,29 +9,17 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchoffload import PinnedPool, offload_activations
+from torchoffload import offload_activations
 from torchoffload._transfer import copy_engine
 from torchoffload.models import GPT, BlockStack, GPTConfig
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
 ]
 
 CFG = GPTConfig(hidden=256, layers=4, heads=4, vocab=512, max_seq=257)
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    with sdpa_kernel(SDPBackend.MATH):
-        yield
-    torch.use_deterministic_algorithms(False)
-
-
-@pytest.fixture
-def pool():
-    return PinnedPool(1 << 30, slab_bytes=64 << 20)
 
 
 def make(dtype):
@@ -75,24 +63,24 @@ def assert_equal(a, b):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("use_streams", [True, False])
-def test_parity_over_steps(dtype, use_streams, pool):
+def test_parity_over_steps(dtype, use_streams, gpu_pool):
     model = make(dtype)
     batches = data()
     ref = train(copy.deepcopy(model), batches)
     ctxs = []
 
     def factory():
-        ctxs.append(offload_activations(min_bytes=0, pool=pool, use_streams=use_streams))
+        ctxs.append(offload_activations(min_bytes=0, pool=gpu_pool, use_streams=use_streams))
         return ctxs[-1]
 
     got = train(copy.deepcopy(model), batches, factory)
     assert_equal(ref, got)
     s = ctxs[-1].stats()
     assert s.offloaded_bytes > 0 and s.prefetch_hits > 0
-    assert pool.stats().slabs == ctxs[0].stats().pool.slabs  # pool reused, not grown
+    assert gpu_pool.stats().slabs == ctxs[0].stats().pool.slabs  # gpu_pool reused, not grown
 
 
-def test_parity_mixed_dtypes_under_autocast(pool):
+def test_parity_mixed_dtypes_under_autocast(gpu_pool):
     model = make(torch.float32)
     batches = data(steps=3)
 
@@ -115,7 +103,7 @@ def test_parity_mixed_dtypes_under_autocast(pool):
     got = train(
         copy.deepcopy(model),
         batches,
-        lambda: Autocast(offload_activations(min_bytes=0, pool=pool)),
+        lambda: Autocast(offload_activations(min_bytes=0, pool=gpu_pool)),
     )
     assert_equal(ref, got)
 
@@ -131,10 +119,10 @@ def _slow_compute_hooks(model, cycles=200_000):
 
 
 @pytest.mark.parametrize("slow", ["copies", "compute", "both"])
-def test_race_slowed_streams_still_bitwise(slow, pool):
+def test_race_slowed_streams_still_bitwise(slow, gpu_pool):
     """Slow the copy streams (a missing wait on "stored"/"ready" reads garbage) or the compute
     stream (a copy that does not wait on its producer, or a reload into a block still in use,
-    reads or clobbers live data). Five steps of pool reuse must stay bitwise exact."""
+    reads or clobbers live data). Five steps of gpu_pool reuse must stay bitwise exact."""
     model = make(torch.float32)
     batches = data(steps=5)
     ref = train(copy.deepcopy(model), batches)
@@ -145,7 +133,7 @@ def test_race_slowed_streams_still_bitwise(slow, pool):
         got = train(
             copy.deepcopy(model),
             batches,
-            lambda: offload_activations(min_bytes=0, pool=pool),
+            lambda: offload_activations(min_bytes=0, pool=gpu_pool),
             hooks=hooks,
         )
     finally:
@@ -153,7 +141,7 @@ def test_race_slowed_streams_still_bitwise(slow, pool):
     assert_equal(ref, got)
 
 
-def test_forward_on_a_side_stream(pool):
+def test_forward_on_a_side_stream(gpu_pool):
     model = make(torch.float32)
     batches = data(steps=2)
     ref = train(copy.deepcopy(model), batches)
@@ -164,7 +152,7 @@ def test_forward_on_a_side_stream(pool):
     for tokens in batches:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            with offload_activations(min_bytes=0, pool=pool):
+            with offload_activations(min_bytes=0, pool=gpu_pool):
                 loss = m.loss(tokens)
             loss.backward()
             got.append(loss.detach().clone())
@@ -177,15 +165,15 @@ def test_forward_on_a_side_stream(pool):
     assert_equal(ref, got)
 
 
-def test_no_host_sync_in_steady_state(pool):
+def test_no_host_sync_in_steady_state(gpu_pool):
     model = make(torch.bfloat16)
     batches = data(steps=3)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     for i, tokens in enumerate(batches):
-        if i > 0:  # the first step grows the pool
+        if i > 0:  # the first step grows the gpu_pool
             torch.cuda.set_sync_debug_mode("error")
         try:
-            with offload_activations(min_bytes=0, pool=pool) as ctx:
+            with offload_activations(min_bytes=0, pool=gpu_pool) as ctx:
                 loss = model.loss(tokens)
             loss.backward()
             opt.step()
@@ -195,7 +183,7 @@ def test_no_host_sync_in_steady_state(pool):
     assert ctx.stats().offloaded_bytes > 0
 
 
-def test_peak_memory_drops_by_most_of_the_offloaded_bytes(pool):
+def test_peak_memory_drops_by_most_of_the_offloaded_bytes(gpu_pool):
     torch.manual_seed(0)
     model = BlockStack(hidden=1024, layers=8, heads=8).to("cuda", torch.bfloat16)
     x = torch.randn(8, 1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -212,7 +200,7 @@ def test_peak_memory_drops_by_most_of_the_offloaded_bytes(pool):
         x.grad = None
 
     def peak(factory):
-        step(factory())  # warm-up (pool growth, allocator caching)
+        step(factory())  # warm-up (gpu_pool growth, allocator caching)
         torch.cuda.synchronize()
         gc.collect()
         torch.cuda.reset_peak_memory_stats()
@@ -225,7 +213,9 @@ def test_peak_memory_drops_by_most_of_the_offloaded_bytes(pool):
         torch.use_deterministic_algorithms(False)
         base, _ = peak(lambda: None)
         off, ctx = peak(
-            lambda: offload_activations(pool=pool, prefetch_bytes=window, max_inflight_bytes=window)
+            lambda: offload_activations(
+                pool=gpu_pool, prefetch_bytes=window, max_inflight_bytes=window
+            )
         )
     s = ctx.stats()
     saved = base - off
@@ -240,7 +230,7 @@ def test_peak_memory_drops_by_most_of_the_offloaded_bytes(pool):
     assert saved >= s.offloaded_bytes - slack
 
 
-def test_failing_forwards_release_pool_memory(pool):
+def test_failing_forwards_release_pool_memory(gpu_pool):
     model = make(torch.float32)
     tokens = data(steps=1)[0]
 
@@ -248,11 +238,11 @@ def test_failing_forwards_release_pool_memory(pool):
         raise ValueError("boom")
 
     h = model.layers[2].register_forward_pre_hook(boom)
-    ctx = offload_activations(min_bytes=0, pool=pool)
+    ctx = offload_activations(min_bytes=0, pool=gpu_pool)
     for _ in range(100):
         with pytest.raises(ValueError), ctx:
             model.loss(tokens)
     h.remove()
     torch.cuda.synchronize()
     assert ctx.stats().offloaded_tensors > 0
-    assert pool.stats().used_bytes == 0
+    assert gpu_pool.stats().used_bytes == 0

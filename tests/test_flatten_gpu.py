@@ -8,7 +8,6 @@ import gc
 import pytest
 import torch
 from test_flatten import Capture, MoEModel, buffers_of, same_tensor, train
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchoffload import (
     ActivationOffloadConfig,
@@ -21,20 +20,8 @@ from torchoffload.testing import GroupedTensor, TwoBufferTensor, quantize_int8, 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    with sdpa_kernel(SDPBackend.MATH):
-        yield
-    torch.use_deterministic_algorithms(False)
-
-
-@pytest.fixture
-def gpu_pool():
-    return PinnedPool(1 << 30, slab_bytes=64 << 20)
 
 
 def roundtrip_cuda(t, pool, min_bytes=0):

@@ -10,27 +10,15 @@ import torch
 from test_activations_gpu import _slow_compute_hooks, assert_equal, data, make, train
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchoffload import ActivationOffloadConfig, PinnedPool, apply_activation_offloading
+from torchoffload import ActivationOffloadConfig, apply_activation_offloading
 from torchoffload._transfer import copy_engine
 from torchoffload.models import BlockStack
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deterministic():
-    torch.use_deterministic_algorithms(True)
-    with sdpa_kernel(SDPBackend.MATH):
-        yield
-    torch.use_deterministic_algorithms(False)
-
-
-@pytest.fixture
-def pool():
-    return PinnedPool(1 << 30, slab_bytes=64 << 20)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -38,13 +26,13 @@ def pool():
     "cfg",
     [{}, {"max_offload_bytes": 64 << 20}, {"prefetch_layers": 2, "defer_layers": 2}],
 )
-def test_parity_and_all_prefetches_hit(dtype, cfg, pool):
+def test_parity_and_all_prefetches_hit(dtype, cfg, gpu_pool):
     model = make(dtype)
     batches = data()
     ref = train(copy.deepcopy(model), batches)
     m = copy.deepcopy(model)
     handle = apply_activation_offloading(
-        m, config=ActivationOffloadConfig(min_bytes=0, **cfg), pool=pool
+        m, config=ActivationOffloadConfig(min_bytes=0, **cfg), pool=gpu_pool
     )
     got = train(m, batches)
     assert_equal(ref, got)
@@ -56,7 +44,7 @@ def test_parity_and_all_prefetches_hit(dtype, cfg, pool):
 
 
 @pytest.mark.parametrize("slow", ["copies", "compute", "both"])
-def test_race_slowed_streams_still_bitwise(slow, pool):
+def test_race_slowed_streams_still_bitwise(slow, gpu_pool):
     model = make(torch.float32)
     batches = data(steps=5)
     ref = train(copy.deepcopy(model), batches)
@@ -64,7 +52,7 @@ def test_race_slowed_streams_still_bitwise(slow, pool):
     hooks = (_slow_compute_hooks,) if slow in ("compute", "both") else ()
     m = copy.deepcopy(model)
     handle = apply_activation_offloading(
-        m, config=ActivationOffloadConfig(min_bytes=0, defer_layers=0), pool=pool
+        m, config=ActivationOffloadConfig(min_bytes=0, defer_layers=0), pool=gpu_pool
     )
     engine.debug_delay_cycles = 2_000_000 if slow in ("copies", "both") else 0
     try:
@@ -75,7 +63,7 @@ def test_race_slowed_streams_still_bitwise(slow, pool):
     assert_equal(ref, got)
 
 
-def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(pool):
+def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(gpu_pool):
     """The offloaded bytes really leave the device. With offloading, the step's peak is at the
     end of backward, where every parameter gradient exists, so the shape is one where those
     are small (2-3%) next to the activations, and there are many layers, because the one
@@ -101,7 +89,7 @@ def test_peak_memory_drops_by_90_percent_of_offloaded_bytes(pool):
     torch.use_deterministic_algorithms(False)
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         base = peak()
-        handle = apply_activation_offloading(model, pool=pool)
+        handle = apply_activation_offloading(model, pool=gpu_pool)
         off = peak()
     s = handle.stats()
     handle.remove()

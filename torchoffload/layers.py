@@ -30,7 +30,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torchoffload._pool import PinnedPool, _check_int
 from torchoffload.activations import (
     _PARAMS,
-    ActivationStats,
     _Offloader,
     _Session,
     _Storage,
@@ -430,11 +429,6 @@ class ActivationOffloadHandle(_Offloader):
         return chosen
 
     # -- public -----------------------------------------------------------------------------
-
-    def stats(self) -> ActivationStats:
-        """Also: ``per_layer_bytes`` (offloaded, by layer index), ``budget_skipped_bytes``,
-        ``compute_wait_ms`` (CUDA, with ``time_waits``)."""
-        return super().stats()
 
     def remove(self) -> None:
         """Remove every hook; the model is exactly as before. Graphs already built still run
