@@ -13,6 +13,7 @@ from torchoffload.layers import (
     apply_activation_offloading,
     find_layers,
 )
+from torchoffload.weights import WeightStats, WeightStreamHandle, stream_weights
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -27,7 +28,10 @@ __all__ = [
     "no_offload",
     "offload_activations",
     "register_flattener",
+    "stream_weights",
     "unregister_flattener",
+    "WeightStats",
+    "WeightStreamHandle",
 ]
 
 __version__ = "0.1.0"

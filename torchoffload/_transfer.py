@@ -43,6 +43,16 @@ __all__ = ["CopyEngine", "compute_device", "copy_engine"]
 # 4. The host buffer goes back to the pool with "ready" as its guard (Note: [Event-guarded
 #    reuse] in _pool.py).
 
+#
+# Note: [H2D into an arena]
+# The weight engine copies into a device arena it allocated once and manages itself, instead of
+# into fresh caching-allocator blocks. The copy stream then does *not* wait on the compute stream
+# (that would serialise every prefetch behind the layer computing now). It waits only on the
+# events the caller passes: the "done" events recorded on the compute stream after the last
+# kernels that read the bytes being overwritten. Waits queued on a stream apply to everything
+# queued after them, so a region partly overwritten earlier stays ordered too: see Note: [Arena
+# regions and done events] in weights.py.
+
 
 def compute_device(device: torch.device | str | int | None = None) -> torch.device:
     """The device whose tensors are offloaded: the given one, else the current accelerator, else
@@ -121,6 +131,39 @@ class CopyEngine:
         if stored is not None:
             stream.wait_event(stored)
         return dst, self._copy(stream, dst, src), compute
+
+    def load(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any]) -> Any:
+        """Copy host ``src`` into preallocated device ``dst`` for each pair, after ``after``.
+
+        For memory the caller manages itself (the weight arena): see Note: [H2D into an arena].
+        Returns the "ready" event recorded after the last copy.
+        """
+        if self.synchronous:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        compute = self._mod.current_stream(self.device)
+        stream = self.h2d if self.use_streams else compute
+        event = None
+        with self._mod.stream(stream):
+            for e in after:
+                if e is not None:
+                    stream.wait_event(e)
+            if self.debug_delay_cycles:
+                torch.cuda._sleep(self.debug_delay_cycles)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = self._mod.Event()
+            event.record(stream)
+        return event
+
+    def record(self) -> Any:
+        """An event recorded on the compute stream now (None on the CPU)."""
+        if self.synchronous:
+            return None
+        event = self._mod.Event()
+        event.record(self._mod.current_stream(self.device))
+        return event
 
     def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Queue ``dst.copy_(src)`` on ``stream``; return the event recorded after it."""

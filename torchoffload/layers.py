@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchoffload._modules import find_layers
 from torchoffload._pool import PinnedPool, _check_int
 from torchoffload.activations import (
     _PARAMS,
@@ -117,25 +118,6 @@ class ActivationOffloadConfig:
         for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-
-
-def find_layers(model: nn.Module) -> nn.ModuleList:
-    """The largest `nn.ModuleList` in ``model`` whose entries all have one type (the repeated
-    blocks of a transformer). Raises ValueError if there is none."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
-        if not isinstance(module, nn.ModuleList) or len(module) < 2:
-            continue
-        if len({type(m) for m in module}) != 1:
-            continue
-        if best is None or len(module) > len(best):
-            best = module
-    if best is None:
-        raise ValueError(
-            f"found no repeated layers in {type(model).__name__} (no nn.ModuleList of two or "
-            "more modules of one type); pass layers= explicitly, e.g. layers=model.blocks"
-        )
-    return best
 
 
 def _in_backward() -> bool:

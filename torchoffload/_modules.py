@@ -1,0 +1,45 @@
+"""Finding the structure of a model: its repeated blocks, and modules by name pattern."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["find_layers", "matches"]
+
+
+def find_layers(model: nn.Module) -> nn.ModuleList:
+    """The largest `nn.ModuleList` in ``model`` whose entries all have one type (the repeated
+    blocks of a transformer). Raises ValueError if there is none."""
+    best: nn.ModuleList | None = None
+    for module in model.modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < 2:
+            continue
+        if len({type(m) for m in module}) != 1:
+            continue
+        if best is None or len(module) > len(best):
+            best = module
+    if best is None:
+        raise ValueError(
+            f"found no repeated layers in {type(model).__name__} (no nn.ModuleList of two or "
+            "more modules of one type); pass layers= explicitly, e.g. layers=model.blocks"
+        )
+    return best
+
+
+def matches(name: str, patterns: Iterable[str]) -> str | None:
+    """The first pattern that matches the dotted ``name`` or one of its prefixes, else None.
+
+    A pattern is an `fnmatch` pattern over dotted names that may match the whole name or any
+    dotted suffix of it: ``"lm_head"`` matches ``"lm_head.weight"``, ``"embed_tokens"`` matches
+    ``"model.embed_tokens.weight"``, ``"layers.0.*"`` matches ``"model.layers.0.mlp.weight"``.
+    """
+    parts = name.split(".")
+    for pattern in patterns:
+        for end in range(len(parts), 0, -1):
+            for start in range(end):
+                if fnmatch.fnmatchcase(".".join(parts[start:end]), pattern):
+                    return pattern
+    return None
