@@ -1,0 +1,303 @@
+"""Weight streaming on a GPU: parity, memory, races, no host sync, Hugging Face generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchoffload import stream_weights
+from torchoffload._transfer import copy_engine
+from torchoffload.models import GPT, GPTConfig
+from torchoffload.testing import GroupedTensor, QuantizedTensor
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
+]
+
+CFG = GPTConfig(hidden=512, layers=8, heads=8, vocab=4096, max_seq=256)
+_A = 512
+
+
+def make(dtype=torch.float32, device="cuda"):
+    torch.manual_seed(0)
+    return GPT(CFG).to(dtype).to(device).eval()
+
+
+def block_bytes(dtype=torch.float32):
+    b = GPT(GPTConfig(hidden=CFG.hidden, layers=1, heads=CFG.heads)).to(dtype).layers[0]
+    return sum((p.numel() * p.element_size() + _A - 1) // _A * _A for p in b.parameters())
+
+
+def inputs(n=4):
+    g = torch.Generator().manual_seed(1)
+    shapes = [(2, 64), (1, 200), (4, 17), (2, 64)][:n]
+    return [torch.randint(0, CFG.vocab, s, generator=g).cuda() for s in shapes]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("source", ["cuda", "cpu"])
+@pytest.mark.parametrize("unit, budget_blocks", [(None, 3), ("leaves", 1), (None, 6)])
+def test_parity_bitwise(dtype, source, unit, budget_blocks):
+    ref = make(dtype)
+    xs = inputs()
+    with torch.no_grad():
+        expected = [ref(x) for x in xs]
+    del ref
+    model = make(dtype, source)
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    h = stream_weights(model, "cuda", budget_bytes=budget_blocks * block_bytes(dtype) + 4096)
+    with torch.inference_mode():
+        for _ in range(3):
+            for x, e in zip(xs, expected, strict=True):
+                assert torch.equal(model(x), e)
+    st = h.stats()
+    assert st.misses <= len(h.units) + 1, st  # the recording call, then prefetched
+    h.remove()
+    for n, p in model.named_parameters():
+        assert p.device.type == source and torch.equal(p, values[n])
+
+
+def test_peak_memory_within_budget_plus_activations():
+    dtype = torch.bfloat16
+    x = torch.randint(0, CFG.vocab, (8, 256), device="cuda")
+    ref = make(dtype)
+    weights = sum(p.numel() * p.element_size() for p in ref.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.inference_mode():
+        expected = ref(x)
+    activations = torch.cuda.max_memory_allocated() - base
+    del ref
+    model = make(dtype, "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    budget = 3 * block_bytes(dtype) + 4096
+    torch.cuda.reset_peak_memory_stats()
+    h = stream_weights(model, "cuda", budget_bytes=budget)
+    with torch.inference_mode():
+        for _ in range(3):
+            out = model(x)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base - expected.numel() * expected.element_size()
+    st = h.stats()
+    print(
+        f"\nweights {weights / 2**20:.1f} MiB, budget {budget / 2**20:.1f} MiB, arena "
+        f"{st.arena_bytes / 2**20:.1f} MiB, activations {activations / 2**20:.1f} MiB, "
+        f"streamed peak {peak / 2**20:.1f} MiB, h2d {st.h2d_bytes / 2**20:.1f} MiB"
+    )
+    assert torch.equal(out, expected)
+    assert st.arena_bytes <= budget and st.peak_device_bytes <= budget
+    assert peak <= budget + activations
+    assert budget < weights / 2
+    h.remove()
+
+
+class _SlowCompute:
+    """A pre-hook on every unit that spins the compute stream before the unit's kernels."""
+
+    def __init__(self, model, handle, cycles):
+        self.handles = [
+            u.module.register_forward_pre_hook(lambda *_: torch.cuda._sleep(cycles))
+            for u in handle._units
+        ]
+
+    def remove(self):
+        for hook in self.handles:
+            hook.remove()
+
+
+def _run(model, xs, expected):
+    with torch.inference_mode():
+        outs = [model(x) for x in xs for _ in range(2)]
+    torch.cuda.synchronize()
+    twice = [e for e in expected for _ in range(2)]
+    return all(torch.equal(o, e) for o, e in zip(outs, twice, strict=True))
+
+
+@pytest.mark.parametrize("slow", ["copies", "compute", "both"])
+def test_race_slowed_streams(slow):
+    ref = make()
+    xs = inputs(3)
+    with torch.no_grad():
+        expected = [ref(x) for x in xs]
+    model = make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
+    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
+    hooks = None
+    try:
+        if slow in ("copies", "both"):
+            engine.debug_delay_cycles = 2_000_000
+        if slow in ("compute", "both"):
+            hooks = _SlowCompute(model, h, 4_000_000)
+        assert _run(model, xs, expected)
+    finally:
+        engine.debug_delay_cycles = 0
+        if hooks:
+            hooks.remove()
+        h.remove()
+
+
+@pytest.mark.parametrize("dropped, slow", [("ready", "copies"), ("done", "compute")])
+def test_race_test_catches_a_missing_wait(dropped, slow):
+    """The race test above can fail: without the wait it guards, results are wrong."""
+    ref = make()
+    xs = inputs(3)
+    with torch.no_grad():
+        expected = [ref(x) for x in xs]
+    model = make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
+    h._unsafe_skip = frozenset({dropped})
+    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
+    hooks = None
+    try:
+        if slow == "copies":
+            engine.debug_delay_cycles = 2_000_000
+        else:
+            hooks = _SlowCompute(model, h, 4_000_000)
+        assert not _run(model, xs, expected)
+    finally:
+        engine.debug_delay_cycles = 0
+        if hooks:
+            hooks.remove()
+        h.remove()
+
+
+def test_steady_state_has_no_host_sync():
+    model = make(torch.bfloat16)
+    x = torch.randint(0, CFG.vocab, (2, 64), device="cuda")
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes(torch.bfloat16) + 4096)
+    with torch.inference_mode():
+        model(x)
+        model(x)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                model(x)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert h.stats().prefetch_issued > 0
+    h.remove()
+
+
+def test_stall_time_is_measured():
+    model = make(torch.bfloat16)
+    x = torch.randint(0, CFG.vocab, (1, 8), device="cuda")  # tiny compute: copies dominate
+    h = stream_weights(
+        model, "cuda", budget_bytes=3 * block_bytes(torch.bfloat16) + 4096, time_waits=True
+    )
+    with torch.inference_mode():
+        for _ in range(3):
+            model(x)
+    st = h.stats()
+    print(f"\nstall {st.stall_ms:.3f} ms over {st.calls} calls, h2d {st.h2d_bytes / 2**20:.1f} MiB")
+    assert st.stall_ms is not None and st.stall_ms > 0
+    h.remove()
+
+
+# -- composite weights that start on the host ------------------------------------------------
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        from torchoffload.testing import quantize_int8
+
+        self.weight = nn.Parameter(quantize_int8(torch.randn(n, n)), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(n), requires_grad=False)
+
+    def forward(self, x):
+        return x @ self.weight.dequantize().t() + self.bias
+
+
+class Experts(nn.Module):
+    def __init__(self, n, sizes):
+        super().__init__()
+        bufs = [torch.randn(s, n) for s in sizes]
+        self.register_buffer("grouped", GroupedTensor(bufs, torch.rand(len(sizes))))
+
+    def forward(self, x):
+        g = self.grouped
+        return sum(x[:, : b.shape[0]] @ b * s for b, s in zip(g.buffers, g.scales, strict=True))
+
+
+class QuantStack(nn.Module):
+    def __init__(self, n=256, layers=6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(QuantLinear(n) for _ in range(layers))
+        self.experts = Experts(n, [64, 128, 256])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.experts(x)
+
+
+def _to_cuda(model):
+    for layer in model.layers:
+        w = layer.weight
+        layer.weight = nn.Parameter(
+            QuantizedTensor(w.qdata.cuda(), w.scale.cuda(), w.dtype), requires_grad=False
+        )
+        layer.bias.data = layer.bias.data.cuda()
+    g = model.experts.grouped
+    model.experts.grouped = GroupedTensor([b.cuda() for b in g.buffers], g.scales.cuda())
+    return model
+
+
+def test_composite_weights_from_the_host():
+    x = torch.randn(16, 256, device="cuda")
+    with torch.no_grad():
+        expected = _to_cuda(QuantStack())(x)
+    model = QuantStack()  # on the host, as a model too large for the GPU would be
+    originals = [layer.weight for layer in model.layers]
+    h = stream_weights(model, "cuda", budget_bytes=1 << 20, prefetch_depth=2, unit="leaves")
+    assert all(w.device.type == "cuda" for w in (layer.weight for layer in model.layers))
+    with torch.inference_mode():
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+    h.remove()
+    assert [layer.weight for layer in model.layers] == originals
+    assert originals[0].qdata.device.type == "cpu" and originals[0].qdata.numel() == 256 * 256
+    with torch.no_grad():
+        assert torch.allclose(_to_cuda(model)(x), expected)
+
+
+# -- Hugging Face ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_llama_generates_the_same_tokens(tie):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+    )
+    ref = transformers.LlamaForCausalLM(cfg).eval().cuda()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()  # same weights, on the host
+    x = torch.randint(1, 1024, (2, 12), device="cuda", generator=None)
+    gen = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    expected = ref.generate(x, **gen)
+    block = sum(p.numel() * 4 for p in ref.model.layers[0].parameters())
+    h = stream_weights(model, "cuda", budget_bytes=4 * block, prefetch_depth=2)
+    assert model.device.type == "cuda"
+    out = model.generate(x, **gen)
+    st = h.stats()
+    print(f"\nunits {len(h.units)} ({h._unit_kind}), {st}")
+    assert torch.equal(out, expected)
+    assert st.schedule_rerecords == 0 and st.calls == gen["max_new_tokens"]
+    h.remove()
