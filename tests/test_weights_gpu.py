@@ -257,7 +257,7 @@ def test_composite_weights_from_the_host():
         expected = _to_cuda(QuantStack())(x)
     model = QuantStack()  # on the host, as a model too large for the GPU would be
     originals = [layer.weight for layer in model.layers]
-    h = stream_weights(model, "cuda", budget_bytes=1 << 20, prefetch_depth=2, unit="leaves")
+    h = stream_weights(model, "cuda", budget_bytes=2 << 20, prefetch_depth=2, unit="leaves")
     assert all(w.device.type == "cuda" for w in (layer.weight for layer in model.layers))
     with torch.inference_mode():
         for _ in range(3):
