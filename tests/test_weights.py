@@ -126,17 +126,36 @@ def test_minimum_budget_error_states_mib():
     h.remove()
 
 
-def test_auto_units_fall_back_to_leaves_when_blocks_do_not_fit():
+def test_auto_units_choice():
     model = make()
     b = block_bytes()
-    h = stream(model, 3 * b, prefetch_depth=2)
+    # Everything fits: blocks (fewer, larger copies).
+    h = stream(model, 20 * b, prefetch_depth=2)
     assert "layers.0" in h.units
     h.remove()
-    h = stream(model, 3 * b - 1, prefetch_depth=2)
+    # Blocks fit, but leaf modules let the budget keep more units for good: leaves.
+    h = stream(model, 3 * b, prefetch_depth=2)
     assert "layers.0.fc1" in h.units and "layers.0" not in h.units
+    h.remove()
+    h = stream(model, 3 * b, prefetch_depth=2, unit="blocks")
+    assert "layers.0" in h.units
+    h.remove()
+    # Blocks do not fit: leaves; asked for blocks: the error.
+    h = stream(model, 3 * b - 1, prefetch_depth=2)
+    assert "layers.0.fc1" in h.units
     h.remove()
     with pytest.raises(ValueError, match="cannot hold 3 units"):
         stream(model, 3 * b - 1, prefetch_depth=2, unit="blocks")
+
+
+def test_plan_kept():
+    from torchoffload.weights import _plan_kept
+
+    assert _plan_kept([10, 10, 10], 30, 3) == [0, 1, 2]  # all fit
+    assert _plan_kept([10, 10, 10, 10], 30, 3) == []  # the ring needs 3 x 10
+    assert _plan_kept([10] * 6, 50, 3) == [0, 1]  # 50 - 20 kept = 30 = ring
+    assert _plan_kept([40, 10, 10, 10, 10], 70, 3) == [0]  # keeping the big one shrinks the ring
+    assert _plan_kept([30, 10, 10, 10], 50, 2) == [0]  # the ring keeps 2 x 10
 
 
 def test_nothing_to_stream_is_an_error():

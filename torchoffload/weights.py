@@ -409,30 +409,16 @@ class WeightStreamHandle:
 
     def _choose_kept(self) -> None:
         """Note: [Kept units]."""
-        used = {self._units[i] for i in self._schedule}
-        streamed = sorted(used, key=lambda u: (-u.nbytes, u.index))
-        if not streamed:
-            return
-        depth = min(self._depth_k + 2, len(streamed))
-        kept_bytes = 0
-        kept: list[_Unit] = []
-        rest = list(streamed)
-        for unit in streamed:
-            others = [u for u in rest if u is not unit]
-            need = min(
-                depth * max((u.nbytes for u in others), default=0), sum(u.nbytes for u in others)
-            )
-            if self._arena_bytes - kept_bytes - unit.nbytes >= need:
-                kept.append(unit)
-                kept_bytes += unit.nbytes
-                rest = others
+        used = sorted({self._units[i] for i in self._schedule}, key=lambda u: u.index)
+        depth = min(self._depth_k + 2, len(used))
+        kept = [used[i] for i in _plan_kept([u.nbytes for u in used], self._arena_bytes, depth)]
         top = self._arena_bytes
         for unit in kept:
             top -= unit.nbytes
             unit.fixed = top
         self._ring_cap = top
         if kept:
-            _log.debug("kept %d units (%d bytes) in the arena", len(kept), kept_bytes)
+            _log.debug("kept %d units (%d bytes)", len(kept), self._arena_bytes - top)
 
     def _prefetch_after(self, pos: int) -> None:
         sched = self._schedule
@@ -483,6 +469,7 @@ class WeightStreamHandle:
                     keep.append(_Region(r.start, start, None, r.done))
                 if r.end > end:
                     keep.append(_Region(end, r.end, None, r.done))
+        assert start % _ALIGN == 0, start  # every unit, so every tensor, keeps its alignment
         region = _Region(start, end, unit, None)
         keep.append(region)
         keep.sort(key=lambda r: r.start)
@@ -625,6 +612,33 @@ def _tensors(output: Any, depth: int = 0) -> Iterable[torch.Tensor]:
     elif depth < 3 and isinstance(output, dict):
         for item in output.values():
             yield from _tensors(item, depth + 1)
+
+
+def _plan_kept(sizes: list[int], arena: int, depth: int) -> list[int]:
+    """Indices of the units to keep in an arena of ``arena`` bytes, largest first, while the
+    ring left for the others holds ``depth`` of the largest of them (or all of them)."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    total = sum(sizes)
+    kept: list[int] = []
+    kept_bytes = 0
+    skipped_max = 0  # largest unit passed over so far (it stays in the ring)
+    for pos, i in enumerate(order):
+        following = sizes[order[pos + 1]] if pos + 1 < len(order) else 0
+        need = min(depth * max(skipped_max, following), total - kept_bytes - sizes[i])
+        if arena - kept_bytes - sizes[i] >= need:
+            kept.append(i)
+            kept_bytes += sizes[i]
+        else:
+            skipped_max = max(skipped_max, sizes[i])
+    return kept
+
+
+def _streamed_per_call(h: WeightStreamHandle, depth: int) -> int:
+    """Bytes a layout would copy per call once its kept units are in place (an estimate that
+    assumes every unit runs once per call)."""
+    sizes = [u.nbytes for u in h._units]
+    kept = _plan_kept(sizes, h._arena_bytes, min(depth + 2, len(sizes)))
+    return sum(sizes) - sum(sizes[i] for i in kept)
 
 
 def _round_up(n: int, to: int = _ALIGN) -> int:
@@ -844,16 +858,33 @@ def _build(model, dev, budget, depth, resident, unit, use_streams) -> WeightStre
                 seen.add(id(module))
                 owners.append(module)
     h._slots = slots
+
+    def layout(modules, how):
+        _layout(h, model, modules, how, dict(streamed), set(resident_ids), budget, depth)
+
+    # Note: [Choosing units] Blocks mean fewer, larger copies and fewer hooks; leaf modules
+    # need a smaller pipeline, so a budget keeps more of them for good (Note: [Kept units]).
+    # Without an explicit `unit`, take blocks unless leaves copy at least 5% fewer bytes per
+    # call, or blocks do not fit at all.
     options = _candidates(model, owners, unit)
-    for i, (modules, how) in enumerate(options):
+    fitting = []
+    error = None
+    for modules, how in options:
         try:
-            _layout(h, model, modules, how, dict(streamed), set(resident_ids), budget, depth)
-            return h
+            layout(modules, how)
         except _BudgetError as e:
-            if i == len(options) - 1:
-                raise ValueError(str(e)) from None
-            _log.debug("unit=%r does not fit (%s); trying %r", how, e, options[i + 1][1])
-    raise AssertionError("unreachable")
+            error = e
+            _log.debug("unit=%r does not fit: %s", how, e)
+            continue
+        fitting.append((modules, how, _streamed_per_call(h, depth)))
+    if not fitting:
+        raise ValueError(str(error)) from None
+    best = fitting[0]
+    if len(fitting) > 1 and fitting[1][2] < 0.95 * fitting[0][2]:
+        best = fitting[1]
+    if best is not fitting[-1]:
+        layout(best[0], best[1])
+    return h
 
 
 def _layout(h, model, modules, how, streamed, resident_ids, budget, depth) -> None:
@@ -955,7 +986,7 @@ def _layout(h, model, modules, how, streamed, resident_ids, budget, depth) -> No
     h._units = used
     for i, u in enumerate(used):
         u.index = i
-    h._arena_bytes = min(budget, sum(u.nbytes for u in used))
+    h._arena_bytes = min(_round_down(budget), sum(u.nbytes for u in used))
     h._ring_cap = h._arena_bytes
     h._resident_ids = resident_ids
     h._resident_names = [q for k in resident_ids for _, _, q in h._slots[k][1]]
