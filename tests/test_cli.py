@@ -12,6 +12,7 @@ def test_demo_runs_and_reports_bitwise_equal(capsys):
     assert rc == 0
     assert "offload_activations" in out and "ms/step" in out
     assert "bitwise equal over 2 steps: True" in out
+    assert "stream_weights" in out and "tokens bitwise equal: True" in out
 
 
 def test_python_dash_m_entry_point():

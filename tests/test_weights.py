@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchoffload import WeightStreamHandle, stream_weights
+from torchoffload import WeightStreamHandle, minimum_budget, stream_weights
 from torchoffload.models import GPT, BlockStack, GPTConfig
 from torchoffload.testing import GroupedTensor, QuantizedTensor, quantize_int8
 
@@ -119,6 +119,7 @@ def test_minimum_budget_error_states_mib():
     msg = str(info.value)
     assert f"the minimum budget is {need / 2**20:.1f} MiB ({need} bytes)" in msg
     assert "prefetch_depth=2" in msg and "largest unit '1'" in msg
+    assert minimum_budget(model, prefetch_depth=2) == need
     h = stream(model, need, prefetch_depth=2)  # exactly the minimum works
     h.remove()
     # One unit needs no pipeline: the budget must hold that unit only.
@@ -611,3 +612,15 @@ def test_unaligned_budget_keeps_alignment_and_parity(extra):
     assert h.stats().kept_units > 0
     assert all(u.fixed is None or u.fixed % _A == 0 for u in h._units)
     h.remove()
+
+
+def test_minimum_budget_matches_what_stream_weights_accepts():
+    model = make()
+    for depth in (0, 1, 2, 4):
+        for unit in (None, "blocks", "leaves"):
+            need = minimum_budget(model, prefetch_depth=depth, unit=unit)
+            stream(model, need, prefetch_depth=depth, unit=unit).remove()
+            with pytest.raises(ValueError, match="minimum budget"):
+                stream(model, need - _A, prefetch_depth=depth, unit=unit)
+    assert minimum_budget(model, resident=("fc1", "fc2")) < minimum_budget(model)  # the largest
+    assert all(p.numel() for p in model.parameters())  # not changed

@@ -13,7 +13,12 @@ from torchoffload.layers import (
     apply_activation_offloading,
     find_layers,
 )
-from torchoffload.weights import WeightStats, WeightStreamHandle, stream_weights
+from torchoffload.weights import (
+    WeightStats,
+    WeightStreamHandle,
+    minimum_budget,
+    stream_weights,
+)
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -21,6 +26,7 @@ __all__ = [
     "ActivationStats",
     "apply_activation_offloading",
     "find_layers",
+    "minimum_budget",
     "PinnedPool",
     "PoolExhaustedError",
     "PoolStats",

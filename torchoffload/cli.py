@@ -1,4 +1,5 @@
-"""``torchoffload demo``: train a small GPT with and without offloading and compare."""
+"""``torchoffload demo``: train a small GPT with and without activation offloading, then
+generate from it with and without weight streaming, and compare."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torchoffload._transfer import compute_device
 from torchoffload.activations import offload_activations
 from torchoffload.models import GPT, GPTConfig
+from torchoffload.weights import minimum_budget, stream_weights
 
 
 def _sync(device: torch.device) -> None:
@@ -71,6 +73,54 @@ def _train(
     if device.type == "cuda":
         out["peak"] = torch.cuda.max_memory_allocated(device)
     return out
+
+
+def _generate(model: GPT, prompt: torch.Tensor, n: int, device: torch.device):
+    """Greedy decoding without a KV cache: ``n`` forwards of a growing sequence."""
+    tokens = prompt
+    _sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(tokens)
+            tokens = torch.cat([tokens, logits[:, -1:].argmax(-1)], dim=1)
+    _sync(device)
+    return tokens, (time.perf_counter() - start) * 1e3 / n
+
+
+def _inference(model: GPT, device: torch.device, seq: int) -> bool:
+    model.eval()
+    mib = 1 << 20
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    prompt = torch.randint(
+        0, model.config.vocab, (2, 8), generator=torch.Generator().manual_seed(2)
+    )
+    prompt = prompt.to(device)
+    n = min(24, seq - 8)
+    _generate(model, prompt, 2, device)  # warm-up
+    ref, ref_ms = _generate(model, prompt, n, device)
+    budget = max(weights // 3, minimum_budget(model))
+    handle = stream_weights(model, device, budget_bytes=budget)
+    _generate(model, prompt, 2, device)  # records the schedule, places kept units
+    handle.reset_stats()
+    out, ms = _generate(model, prompt, n, device)
+    st = handle.stats()
+    handle.remove()
+    same = torch.equal(out, ref)
+    print()
+    print(f"Inference: greedy decoding of {n} tokens (2 sequences, no KV cache)")
+    print(f"{'mode':<22}{'ms/token':>10}{'weights on device MiB':>28}{'copied MiB/token':>21}")
+    print(f"{'resident':<22}{ref_ms:>10.1f}{weights / mib:>28.1f}{0.0:>21.1f}")
+    print(
+        f"{'stream_weights':<22}{ms:>10.1f}{st.arena_bytes / mib:>28.1f}"
+        f"{st.h2d_bytes / max(st.calls, 1) / mib:>21.1f}"
+    )
+    print()
+    print(
+        f"tokens bitwise equal: {same}; budget {budget / mib:.1f} MiB, {st.units} units "
+        f"({st.kept_units} kept), prefetch hits {st.hits}, misses {st.misses}"
+    )
+    return same
 
 
 def demo(argv: Sequence[str] | None = None) -> int:
@@ -151,13 +201,17 @@ def demo(argv: Sequence[str] | None = None) -> int:
             "activations left on the compute device after forward (measured without "
             "offloading, minus what was offloaded)."
         )
-    return 0 if same else 1
+    with attn:
+        same_tokens = _inference(base, device, seq)
+    return 0 if same and same_tokens else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchoffload")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="train a small GPT with and without offloading", add_help=False)
+    sub.add_parser(
+        "demo", help="train and run a small GPT with and without offloading", add_help=False
+    )
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
         return demo(rest)

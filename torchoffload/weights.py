@@ -36,7 +36,7 @@ from torchoffload._modules import find_layers, matches
 from torchoffload._pool import _check_int, pinned_buffer
 from torchoffload._transfer import compute_device, copy_engine
 
-__all__ = ["WeightStats", "WeightStreamHandle", "stream_weights"]
+__all__ = ["WeightStats", "WeightStreamHandle", "minimum_budget", "stream_weights"]
 
 _log = logging.getLogger(__name__)
 
@@ -721,6 +721,34 @@ def stream_weights(
         h._streamed_bytes / _MiB, len(h._units), h._arena_bytes / _MiB, len(h._resident_names),
     )  # fmt: skip
     return h
+
+
+def minimum_budget(
+    model: nn.Module,
+    *,
+    prefetch_depth: int = 2,
+    resident: str | Sequence[str] = (),
+    unit: str | Sequence[nn.Module] | None = None,
+) -> int:
+    """The smallest ``budget_bytes`` that `stream_weights` accepts for ``model`` with these
+    settings: ``min(prefetch_depth + 1, units)`` times the largest unit, in arena bytes. With
+    ``unit=None``, the smaller of the blocks and leaves cuts. The model is not changed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_int("prefetch_depth", prefetch_depth, minimum=0)
+    resident = (resident,) if isinstance(resident, str) else tuple(resident)
+    cuts = ["blocks", "leaves"] if unit is None else [unit]
+    needs = []
+    for cut in cuts:
+        try:
+            h = _build(model, torch.device("cpu"), 1 << 62, prefetch_depth, resident, cut, False)
+        except ValueError:
+            if unit is None and cut == "blocks":
+                continue  # no repeated blocks
+            raise
+        pipeline = min(prefetch_depth + 1, len(h._units))
+        needs.append(pipeline * max(u.nbytes for u in h._units))
+    return min(needs)
 
 
 def _slots(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[tuple[nn.Module, str, str]]]]:
