@@ -153,12 +153,14 @@ def demo(argv: Sequence[str] | None = None) -> int:
         f"torchoffload demo: GPT hidden={hidden} layers={layers} batch={batch} seq={seq}, "
         f"{args.steps} training steps on {device} (torch {torch.__version__})"
     )
-    attn = nullcontext()
-    if on_gpu:
+    def attn():
+        if not on_gpu:
+            return nullcontext()
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        attn = sdpa_kernel(SDPBackend.MATH)  # deterministic backward
-    with attn:
+        return sdpa_kernel(SDPBackend.MATH)  # deterministic backward
+
+    with attn():
         held = _saved_bytes(base, lambda: base.loss(batches[0]))
         ref = _train(copy.deepcopy(base), batches, False, device)
         off = _train(copy.deepcopy(base), batches, True, device)
@@ -201,7 +203,7 @@ def demo(argv: Sequence[str] | None = None) -> int:
             "activations left on the compute device after forward (measured without "
             "offloading, minus what was offloaded)."
         )
-    with attn:
+    with attn():
         same_tokens = _inference(base, device, seq)
     return 0 if same and same_tokens else 1
 
