@@ -99,6 +99,7 @@ def test_budget_never_exceeded(budget_units, depth):
             model(tokens(2, seq))
             # Accounting: regions never overlap, stay inside the arena, and loaded units add up.
             regions = h._regions
+            assert h._starts == [r.start for r in regions]
             for a, b in zip(regions, regions[1:], strict=False):
                 assert a.end <= b.start
             assert all(0 <= r.start < r.end <= h._arena_bytes for r in regions)

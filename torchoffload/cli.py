@@ -153,6 +153,7 @@ def demo(argv: Sequence[str] | None = None) -> int:
         f"torchoffload demo: GPT hidden={hidden} layers={layers} batch={batch} seq={seq}, "
         f"{args.steps} training steps on {device} (torch {torch.__version__})"
     )
+
     def attn():
         if not on_gpu:
             return nullcontext()

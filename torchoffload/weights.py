@@ -20,6 +20,7 @@ The order in which units run is recorded on the first forward and used to prefet
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import sys
 import threading
@@ -286,6 +287,7 @@ class WeightStreamHandle:
                 unit.segments.clear()
                 unit.loc = unit.region = unit.ready = None
             self._regions.clear()
+            self._starts.clear()
             self._loaded_bytes = 0
 
     def __enter__(self) -> WeightStreamHandle:
@@ -444,9 +446,11 @@ class WeightStreamHandle:
             candidates = [self._head if self._head + n <= cap else 0]
             if not prefetch:  # must succeed: any place that spares the unit(s) computing now
                 candidates += [0, *(r.end for r in self._regions if r.end + n <= cap)]
+        regions = self._regions
         for start in candidates:
             end = start + n
-            hit = [r for r in self._regions if r.start < end and r.end > start]
+            i, j = self._overlapping(start, end)
+            hit = regions[i:j]
             if not any(
                 r.unit is not None and (r.unit.busy or (prefetch and r.unit.pending)) for r in hit
             ):
@@ -460,20 +464,18 @@ class WeightStreamHandle:
                 "other units need a larger budget)"
             )
         after = [r.done for r in hit if r.done is not None and "done" not in self._unsafe_skip]
-        keep = [r for r in self._regions if r.end <= start or r.start >= end]
         for r in hit:
             if r.unit is not None:
                 self._evict(r.unit)
-            if r.done is not None:  # tombstones keep the event of what they held
-                if r.start < start:
-                    keep.append(_Region(r.start, start, None, r.done))
-                if r.end > end:
-                    keep.append(_Region(end, r.end, None, r.done))
         assert start % _ALIGN == 0, start  # every unit, so every tensor, keeps its alignment
         region = _Region(start, end, unit, None)
-        keep.append(region)
-        keep.sort(key=lambda r: r.start)
-        self._regions = keep
+        new = [region]
+        if hit and hit[0].start < start and hit[0].done is not None:  # tombstones keep the
+            new.insert(0, _Region(hit[0].start, start, None, hit[0].done))  # event of what
+        if hit and hit[-1].end > end and hit[-1].done is not None:  # they held
+            new.append(_Region(end, hit[-1].end, None, hit[-1].done))
+        regions[i:j] = new
+        self._starts[i:j] = [r.start for r in new]
         if unit.fixed is None:
             self._head = end
         unit.loc = start
@@ -493,6 +495,15 @@ class WeightStreamHandle:
         self._peak = max(self._peak, self._loaded_bytes)
         return True
 
+    def _overlapping(self, start: int, end: int) -> tuple[int, int]:
+        """``regions[i:j]`` are the regions that overlap ``[start, end)`` (they are sorted and
+        disjoint, so a bisection over their starts finds them)."""
+        starts = self._starts
+        i = bisect.bisect_right(starts, start) - 1
+        if i < 0 or self._regions[i].end <= start:
+            i += 1
+        return i, bisect.bisect_left(starts, end, lo=i)
+
     def _evict(self, unit: _Unit) -> None:
         unit.loc = None
         unit.region = None
@@ -504,6 +515,9 @@ class WeightStreamHandle:
     def _wait_ready(self, unit: _Unit) -> None:
         event = unit.ready
         if event is None or self._engine.synchronous or "ready" in self._unsafe_skip:
+            return
+        if event.query():  # copied already (a kept unit): no wait, now or later
+            unit.ready = None
             return
         if not self._time_waits:
             self._engine.wait(event)
@@ -539,16 +553,17 @@ class WeightStreamHandle:
         base = unit.loc
         versions = unit.versions
         versions.clear()
-        with torch.no_grad():
-            for leaf, off in unit.binds:
-                t = leaf.tensor
-                t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
+        # Gradients are off here (`_pre` checked), so set_ on a leaf needs no no_grad().
+        for leaf, off in unit.binds:
+            t = leaf.tensor
+            t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
         # Read after all set_ calls: views of one storage share a version counter.
         versions.extend(leaf.tensor._version for leaf, _ in unit.binds)
 
     def _unbind(self, unit: _Unit) -> None:
         empty = self._empty
-        with torch.no_grad():
+        grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
+        with torch.no_grad() if grad else contextlib.nullcontext():
             for leaf, _ in unit.binds:
                 leaf.tensor.set_(empty, 0, (0,), (1,))
 
@@ -842,6 +857,7 @@ def _build(model, dev, budget, depth, resident, unit, use_streams) -> WeightStre
     h._positions = {}
     h._c = dict.fromkeys(_COUNTERS, 0)
     h._regions = []
+    h._starts = []  # region starts, for bisection
     h._head = 0
     h._loaded_bytes = 0
     h._peak = 0
