@@ -145,8 +145,7 @@ class CopyEngine:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
-        compute = self._mod.current_stream(self._index)
-        stream = self.h2d if self.use_streams else compute
+        stream = self.h2d if self.use_streams else self._mod.current_stream(self._index)
         event = None
         with self._mod.stream(stream):
             for e in after:
