@@ -310,3 +310,18 @@ def test_hf_llama_generates_the_same_tokens(tie):
     assert torch.equal(out, expected)
     assert st.schedule_rerecords == 0 and st.calls == gen["max_new_tokens"]
     h.remove()
+
+
+def test_host_copy_is_pinned_at_its_exact_size():
+    """One page-locked host buffer of exactly the streamed bytes, outside PyTorch's caching host
+    allocator (which would round 24.1 GiB up to 32)."""
+    model = make(torch.bfloat16, "cpu")
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes(torch.bfloat16) + 4096)
+    host = h._host
+    assert host.is_pinned()
+    unique = {id(p): p for p in model.parameters()}
+    assert host.numel() >= h.stats().streamed_bytes
+    assert host.numel() - h.stats().streamed_bytes < 512 * len(unique)  # alignment only
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) == before
+    h.remove()
