@@ -421,11 +421,13 @@ class Experts(nn.Module):
 
 
 class QuantStack(nn.Module):
+    """int8 quantized linears, then experts in one `GroupedTensor` (sizes n/4, n/2, n)."""
+
     def __init__(self, n=32, layers=4):
         super().__init__()
         torch.manual_seed(0)
         self.layers = nn.ModuleList(QuantLinear(n) for _ in range(layers))
-        self.experts = Experts(n, [8, 16, 32])
+        self.experts = Experts(n, [n // 4, n // 2, n])
 
     def forward(self, x):
         for layer in self.layers:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_weights import QuantStack  # tests/ is on sys.path, as for conftest
 from torch import nn
 
 from torchoffload import stream_weights
@@ -128,14 +129,16 @@ def _run(model, xs, expected):
     return all(torch.equal(o, e) for o, e in zip(outs, twice, strict=True))
 
 
-@pytest.mark.parametrize("slow", ["copies", "compute", "both"])
-def test_race_slowed_streams(slow):
+def _race(slow: str, dropped: frozenset = frozenset()) -> bool:
+    """Stream a GPT with the copy stream, the compute stream or both slowed; return whether
+    every output equals the resident model's. ``dropped`` removes waits (tests only)."""
     ref = make()
     xs = inputs(3)
     with torch.no_grad():
         expected = [ref(x) for x in xs]
     model = make()
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
+    h._unsafe_skip = dropped
     engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     hooks = None
     try:
@@ -143,37 +146,23 @@ def test_race_slowed_streams(slow):
             engine.debug_delay_cycles = 2_000_000
         if slow in ("compute", "both"):
             hooks = _SlowCompute(model, h, 4_000_000)
-        assert _run(model, xs, expected)
+        return _run(model, xs, expected)
     finally:
         engine.debug_delay_cycles = 0
         if hooks:
             hooks.remove()
         h.remove()
+
+
+@pytest.mark.parametrize("slow", ["copies", "compute", "both"])
+def test_race_slowed_streams(slow):
+    assert _race(slow)
 
 
 @pytest.mark.parametrize("dropped, slow", [("ready", "copies"), ("done", "compute")])
 def test_race_test_catches_a_missing_wait(dropped, slow):
     """The race test above can fail: without the wait it guards, results are wrong."""
-    ref = make()
-    xs = inputs(3)
-    with torch.no_grad():
-        expected = [ref(x) for x in xs]
-    model = make()
-    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
-    h._unsafe_skip = frozenset({dropped})
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
-    hooks = None
-    try:
-        if slow == "copies":
-            engine.debug_delay_cycles = 2_000_000
-        else:
-            hooks = _SlowCompute(model, h, 4_000_000)
-        assert not _run(model, xs, expected)
-    finally:
-        engine.debug_delay_cycles = 0
-        if hooks:
-            hooks.remove()
-        h.remove()
+    assert not _race(slow, frozenset({dropped}))
 
 
 def test_steady_state_has_no_host_sync():
@@ -212,42 +201,6 @@ def test_stall_time_is_measured():
 # -- composite weights that start on the host ------------------------------------------------
 
 
-class QuantLinear(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        from torchoffload.testing import quantize_int8
-
-        self.weight = nn.Parameter(quantize_int8(torch.randn(n, n)), requires_grad=False)
-        self.bias = nn.Parameter(torch.randn(n), requires_grad=False)
-
-    def forward(self, x):
-        return x @ self.weight.dequantize().t() + self.bias
-
-
-class Experts(nn.Module):
-    def __init__(self, n, sizes):
-        super().__init__()
-        bufs = [torch.randn(s, n) for s in sizes]
-        self.register_buffer("grouped", GroupedTensor(bufs, torch.rand(len(sizes))))
-
-    def forward(self, x):
-        g = self.grouped
-        return sum(x[:, : b.shape[0]] @ b * s for b, s in zip(g.buffers, g.scales, strict=True))
-
-
-class QuantStack(nn.Module):
-    def __init__(self, n=256, layers=6):
-        super().__init__()
-        torch.manual_seed(0)
-        self.layers = nn.ModuleList(QuantLinear(n) for _ in range(layers))
-        self.experts = Experts(n, [64, 128, 256])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.experts(x)
-
-
 def _to_cuda(model):
     for layer in model.layers:
         w = layer.weight
@@ -263,8 +216,8 @@ def _to_cuda(model):
 def test_composite_weights_from_the_host():
     x = torch.randn(16, 256, device="cuda")
     with torch.no_grad():
-        expected = _to_cuda(QuantStack())(x)
-    model = QuantStack()  # on the host, as a model too large for the GPU would be
+        expected = _to_cuda(QuantStack(256, 6))(x)
+    model = QuantStack(256, 6)  # on the host, as a model too large for the GPU would be
     originals = [layer.weight for layer in model.layers]
     h = stream_weights(model, "cuda", budget_bytes=2 << 20, prefetch_depth=2, unit="leaves")
     assert all(w.device.type == "cuda" for w in (layer.weight for layer in model.layers))

@@ -8,11 +8,12 @@ CPU, used by CI) the same calls run synchronously and every event is ``None`` ("
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import Any
 
 import torch
 
-__all__ = ["CopyEngine", "compute_device", "copy_engine"]
+__all__ = ["CopyEngine", "WaitTimer", "compute_device", "copy_engine"]
 
 # Note: [The compute stream is read at every call]
 # The stream a tensor is produced and consumed on is whatever stream is current *at that moment*
@@ -116,7 +117,7 @@ class CopyEngine:
         stream = self.d2h if self.use_streams else compute
         if stream is not compute:
             stream.wait_stream(compute)
-        return self._copy(stream, dst, src), compute
+        return self._copy(stream, [(dst, src)]), compute
 
     def reload(self, src: torch.Tensor, stored: Any) -> tuple[torch.Tensor, Any, Any]:
         """Copy host ``src`` (1-D uint8) to a new device tensor, after ``stored``.
@@ -131,9 +132,7 @@ class CopyEngine:
         stream = self.h2d if self.use_streams else compute
         if stream is not compute:
             stream.wait_stream(compute)
-        if stored is not None:
-            stream.wait_event(stored)
-        return dst, self._copy(stream, dst, src), compute
+        return dst, self._copy(stream, [(dst, src)], [stored]), compute
 
     def load(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any]) -> Any:
         """Copy host ``src`` into preallocated device ``dst`` for each pair, after ``after``.
@@ -146,18 +145,7 @@ class CopyEngine:
                 dst.copy_(src)
             return None
         stream = self.h2d if self.use_streams else self._mod.current_stream(self._index)
-        event = None
-        with self._mod.stream(stream):
-            for e in after:
-                if e is not None:
-                    stream.wait_event(e)
-            if self.debug_delay_cycles:
-                torch.cuda._sleep(self.debug_delay_cycles)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            event = self._mod.Event()
-            event.record(stream)
-        return event
+        return self._copy(stream, pairs, after)
 
     def record(self) -> Any:
         """An event recorded on the compute stream now (None on the CPU)."""
@@ -167,12 +155,19 @@ class CopyEngine:
         event.record(self._mod.current_stream(self._index))
         return event
 
-    def _copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Queue ``dst.copy_(src)`` on ``stream``; return the event recorded after it."""
+    def _copy(
+        self, stream: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any] = ()
+    ) -> Any:
+        """Queue ``dst.copy_(src)`` for each pair on ``stream`` after the ``after`` events;
+        return the event recorded after the last copy."""
         with self._mod.stream(stream):
+            for e in after:
+                if e is not None:
+                    stream.wait_event(e)
             if self.debug_delay_cycles:
                 torch.cuda._sleep(self.debug_delay_cycles)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             event = self._mod.Event()
             event.record(stream)
         return event
@@ -195,6 +190,48 @@ class CopyEngine:
         """
         if stream is not None and event is not None:
             stream.wait_event(event)
+
+
+class WaitTimer:
+    """How long compute streams stalled on copy events, read without a hot-path sync.
+
+    Note: [Timing compute-stream waits] Two timing events bracket the wait on the stream itself,
+    so their distance is how long that stream stalled. They are read once completed, or (with
+    ``block=True``, from stats()) after synchronising on them: never on the hot path.
+    """
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._pending: deque[tuple[Any, Any]] = deque()
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """``stream.wait_event(event)``, timed."""
+        before = torch.cuda.Event(enable_timing=True)
+        after = torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._pending.append((before, after))
+        if len(self._pending) > 4096:
+            self.collect(block=False)
+
+    def collect(self, *, block: bool) -> float:
+        """Add the completed waits (all of them when ``block``) to ``ms``; return it."""
+        pending = self._pending
+        while pending:
+            before, after = pending[0]
+            if block:
+                after.synchronize()
+            elif not after.query():
+                break
+            self.ms += before.elapsed_time(after)
+            pending.popleft()
+        return self.ms
+
+    def reset(self) -> None:
+        """Forget everything timed so far (pending timing events are dropped, not waited on)."""
+        self._pending.clear()
+        self.ms = 0.0
 
 
 class ManualEvent:

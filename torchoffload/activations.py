@@ -31,7 +31,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchoffload._flatten import ViewMeta, flatten, is_composite, storage_bytes
 from torchoffload._pool import PinnedPool, PoolStats, _check_int, default_pool
-from torchoffload._transfer import CopyEngine, compute_device, copy_engine
+from torchoffload._transfer import CopyEngine, WaitTimer, compute_device, copy_engine
 
 __all__ = ["ActivationStats", "no_offload", "offload_activations"]
 
@@ -646,8 +646,7 @@ class _Offloader:
         self._graveyard: list[_Storage] = []
         self._counters = _Counters()
         self._time_waits = time_waits and self.device.type == "cuda"
-        self._wait_events: list[tuple[Any, Any]] = []
-        self._wait_ms = 0.0
+        self._waits = WaitTimer()
 
     @property
     def pool(self) -> PinnedPool:
@@ -660,14 +659,13 @@ class _Offloader:
             values = {name: getattr(c, name) for name in _Counters.__slots__}
             values["skip_reasons"] = dict(c.skip_reasons)
             values["per_layer_bytes"] = dict(c.per_layer_bytes)
-            wait_ms = self._collect_wait_ms() if self._time_waits else None
+            wait_ms = self._waits.collect(block=True) if self._time_waits else None
         return ActivationStats(**values, pool=self._pool.stats(), compute_wait_ms=wait_ms)
 
     def reset_stats(self) -> None:
         with self._lock:
             self._counters = _Counters()
-            self._wait_events.clear()
-            self._wait_ms = 0.0
+            self._waits.reset()
         self._pool.reset_peak()
 
     # -- internals (lock held unless said otherwise) -----------------------------------------
@@ -699,32 +697,13 @@ class _Offloader:
         if not self._time_waits:
             self._engine.wait(event)
             return
-        stream = self._engine.current_stream()
-        self._timed(stream, event)
+        self._waits.wait(self._engine.current_stream(), event)
 
     def _release_after(self, stream: Any, event: Any) -> None:
         if self._time_waits and stream is not None and event is not None:
-            self._timed(stream, event)
+            self._waits.wait(stream, event)
         else:
             CopyEngine.release_after(stream, event)
-
-    def _timed(self, stream: Any, event: Any) -> None:
-        # Note: [Timing compute-stream waits] Two timing events bracket the wait on the stream
-        # itself, so their distance is how long that stream stalled. They are read (and, if
-        # needed, synchronised) only in stats(), never on the hot path.
-        before = torch.cuda.Event(enable_timing=True)
-        after = torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(event)
-        after.record(stream)
-        self._wait_events.append((before, after))
-
-    def _collect_wait_ms(self) -> float:
-        for before, after in self._wait_events:
-            after.synchronize()
-            self._wait_ms += before.elapsed_time(after)
-        self._wait_events.clear()
-        return self._wait_ms
 
     def _retire_view(self, rec: _Storage) -> None:
         """Called from `_Saved.__del__` on any thread. See Note: [Why handles retire through

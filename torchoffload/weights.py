@@ -35,7 +35,7 @@ from torch import nn
 from torchoffload._flatten import flatten, is_composite
 from torchoffload._modules import find_layers, matches
 from torchoffload._pool import _check_int, pinned_buffer
-from torchoffload._transfer import compute_device, copy_engine
+from torchoffload._transfer import WaitTimer, compute_device, copy_engine
 
 __all__ = ["WeightStats", "WeightStreamHandle", "minimum_budget", "stream_weights"]
 
@@ -236,7 +236,7 @@ class WeightStreamHandle:
     def stats(self) -> WeightStats:
         with self._lock:
             c = self._c
-            stall = self._collect_stall(wait=True) if self._time_waits else None
+            stall = self._waits.collect(block=True) if self._time_waits else None
             return WeightStats(
                 units=len(self._units),
                 streamed_bytes=self._streamed_bytes,
@@ -262,8 +262,7 @@ class WeightStreamHandle:
         with self._lock:
             self._c = dict.fromkeys(_COUNTERS, 0)
             self._peak = self._loaded_bytes
-            self._collect_stall(wait=True)
-            self._stall_ms = 0.0
+            self._waits.reset()
 
     def remove(self) -> None:
         """Put every tensor back where it was (its device, its values; parameters keep their
@@ -277,6 +276,8 @@ class WeightStreamHandle:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
+            if getattr(self._model, "_torchoffload_weights", None) is self:
+                del self._model._torchoffload_weights
             if self.device.type != "cpu":
                 torch.get_device_module(self.device.type).synchronize(self.device)
             with torch.inference_mode(False), torch.no_grad():
@@ -519,32 +520,10 @@ class WeightStreamHandle:
         if event.query():  # copied already (a kept unit): no wait, now or later
             unit.ready = None
             return
-        if not self._time_waits:
+        if self._time_waits:  # Note: [Timing compute-stream waits] in _transfer.py
+            self._waits.wait(self._engine.current_stream(), event)
+        else:
             self._engine.wait(event)
-            return
-        # Note: [Timing compute-stream waits] (activations.py): two timing events bracket the
-        # wait; they are read in stats() or once completed, never synchronised on the hot path.
-        stream = self._engine.current_stream()
-        before = torch.cuda.Event(enable_timing=True)
-        after = torch.cuda.Event(enable_timing=True)
-        before.record(stream)
-        stream.wait_event(event)
-        after.record(stream)
-        self._stall_events.append((before, after))
-        if len(self._stall_events) > 4096:
-            self._collect_stall(wait=False)
-
-    def _collect_stall(self, *, wait: bool) -> float:
-        events = self._stall_events
-        while events:
-            before, after = events[0]
-            if wait:
-                after.synchronize()
-            elif not after.query():
-                break
-            self._stall_ms += before.elapsed_time(after)
-            events.pop(0)
-        return self._stall_ms
 
     # -- binding (Note: [Binding weights in place]) ------------------------------------------
 
@@ -731,6 +710,7 @@ def stream_weights(
     _install_hooks(h, model)
     h._setup_s = time.perf_counter() - start_time
     model._torchoffload_weights = h
+    h._model = model
     _log.info(
         "streaming %.1f MiB of weights in %d units through a %.1f MiB arena (%d tensors resident)",
         h._streamed_bytes / _MiB, len(h._units), h._arena_bytes / _MiB, len(h._resident_names),
@@ -861,8 +841,8 @@ def _build(model, dev, budget, depth, resident, unit, use_streams) -> WeightStre
     h._head = 0
     h._loaded_bytes = 0
     h._peak = 0
-    h._stall_events = []
-    h._stall_ms = 0.0
+    h._waits = WaitTimer()
+    h._model = None
     h._time_waits = False
     h._debug_events = False
     h._trace = None
@@ -1159,19 +1139,3 @@ def _install_hooks(h: WeightStreamHandle, model: nn.Module) -> None:
         h._hooks.append(u.module.register_forward_hook(post, always_call=True))
     h._hooks.append(model.register_forward_pre_hook(h._root_pre, prepend=True))
     h._hooks.append(model.register_forward_hook(h._root_post, always_call=True))
-
-    def forget(handle=h, model=model):
-        if getattr(model, "_torchoffload_weights", None) is handle:
-            del model._torchoffload_weights
-
-    h._hooks.append(_Callback(forget))
-
-
-class _Callback:
-    """Runs a function on `remove()`, like a hook handle."""
-
-    def __init__(self, fn):
-        self._fn = fn
-
-    def remove(self) -> None:
-        self._fn()
