@@ -102,6 +102,19 @@ def test_parameters_and_their_views_are_not_offloaded():
     assert s.offloaded_bytes == 32 * 64 * 4  # only x * 2
 
 
+def test_frozen_parameter_used_outside_any_module_call_is_not_offloaded():
+    """FSDP2's unsharded parameters are set on a module after the module hooks that record
+    parameters ran; a frozen one is not a leaf that requires grad either. Its views must still
+    be kept (FSDP frees that storage with resize_(0) after forward, which no copy may race)."""
+    w = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    with offloader() as ctx:
+        torch.nn.functional.linear(x * 2, w)
+    s = ctx.stats()
+    assert s.skip_reasons == {"parameter": 1}  # the only saved tensor (w needs no grad)
+    assert s.offloaded_bytes == 0
+
+
 def test_buffers_are_not_offloaded():
     class Scale(torch.nn.Module):
         def __init__(self):

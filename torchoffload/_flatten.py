@@ -173,3 +173,27 @@ def flatten(t: torch.Tensor) -> tuple[list[Any], Rebuild]:
             f"torchoffload could not flatten a {cls.__qualname__}: {type(e).__name__}: {e}"
         ) from e
     return buffers, rebuild
+
+
+# Note: [Async collective results are waited on before they are read]
+# A functional collective (DTensor's redistribute under tensor parallelism) returns an
+# `AsyncCollectiveTensor`: a wrapper whose inner buffer is only valid once `wait_tensor` has
+# run. Its `__tensor_flatten__` hands out that inner buffer as is, so copying it would read the
+# collective's output before it is written (seen on gloo: wrong weight gradients from a
+# row-parallel output saved by the next column-parallel linear). Its flatten therefore waits
+# first. On CUDA the wait makes the current stream wait on the collective (no host sync), which
+# the copy stream then inherits through its own wait on the compute stream. The rebuilt tensor
+# is the plain, completed buffer, which is what the wrapper would have become at first use.
+def _register_builtin() -> None:
+    try:
+        from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    except Exception:  # torch built without distributed
+        return
+    register_flattener(
+        AsyncCollectiveTensor,
+        flatten=lambda t: ([t.trigger_wait()], None),
+        unflatten=lambda buffers, context: buffers[0],
+    )
+
+
+_register_builtin()

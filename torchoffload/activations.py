@@ -142,7 +142,7 @@ class _ParamStorages:
             except TypeError:
                 return
             for b in buffers:
-                if b is not None:
+                if isinstance(b, torch.Tensor):  # DTensor also lists its DeviceMesh
                     self._add(b)
             return
         try:
@@ -683,9 +683,12 @@ class _Offloader:
         storage = t.untyped_storage()
         if storage.nbytes() < max(self.min_bytes, 1):
             return "small"
-        if storage in _PARAMS:
-            return "parameter"
         root = t if t._base is None else t._base
+        # A view of a parameter is caught here even when the parameter is frozen and was never
+        # seen by a module hook: FSDP2's unsharded parameters are such (an all-gather output that
+        # FSDP frees with resize_(0) after forward, which a copy must never race).
+        if storage in _PARAMS or isinstance(root, torch.nn.Parameter):
+            return "parameter"
         if root.requires_grad and root.grad_fn is None:
             return "leaf"  # a parameter or input held by its owner: a copy would free nothing
         return None

@@ -1,0 +1,292 @@
+"""Multi-process workers for the distributed tests (FSDP2 and tensor parallel).
+
+`spawn` starts ``world`` processes (gloo on CPU, NCCL on CUDA), runs a worker in each and
+returns what each rank returned. Workers live in this module so that spawned children can import
+them; the tests in test_distributed.py (CPU) and test_distributed_gpu.py (two GPUs) assert on
+the results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import torchoffload
+from torchoffload.models import GPT, GPTConfig
+
+
+def spawn(worker, world: int, *args: Any) -> list[Any]:
+    """Run ``worker(rank, world, *args)`` in ``world`` fresh processes; return their results."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, tmp, worker, args), nprocs=world, join=True)
+        results = []
+        for rank in range(world):
+            result = torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False)
+            if isinstance(result, dict) and "error" in result:
+                raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
+            results.append(result)
+        return results
+
+
+def _entry(rank: int, world: int, tmp: str, worker, args) -> None:
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+    if cuda:
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"file://{os.path.join(tmp, 'store')}",
+        rank=rank,
+        world_size=world,
+        **({"device_id": torch.device("cuda", rank)} if cuda else {}),
+    )
+    try:
+        result = worker(rank, world, "cuda" if cuda else "cpu")
+    except Exception:
+        result = {"error": traceback.format_exc()}
+    finally:
+        with contextlib.suppress(Exception):
+            dist.barrier()
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(tmp, f"rank{rank}.pt"))
+
+
+# -- FSDP2 --------------------------------------------------------------------------------------
+
+CPU_GPT = GPTConfig(hidden=64, layers=3, heads=2, vocab=128, max_seq=33)
+GPU_GPT = GPTConfig(hidden=256, layers=4, heads=4, vocab=512, max_seq=257)
+
+
+def _fsdp_model(config: GPTConfig, device: str, mixed: bool) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    kw = {}
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().cpu().clone()
+
+
+def fsdp_scenario(
+    rank: int,
+    world: int,
+    device: str,
+    mode: str,
+    *,
+    steps: int,
+    config: GPTConfig,
+    batch: int,
+    mixed: bool = False,
+    min_bytes: int = 0,
+    keep_grads: tuple[int, ...] = (0, 1, 2),
+) -> dict[str, Any]:
+    """Train a GPT under FSDP2 for ``steps`` steps with offloading applied as ``mode`` says:
+    "none", "after" (fully_shard, then apply_activation_offloading), "before" (the other
+    order) or "context" (offload_activations around forward)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    pool = torchoffload.PinnedPool(256 << 20, slab_bytes=16 << 20, pin_memory=device == "cuda")
+    cfg = torchoffload.ActivationOffloadConfig(min_bytes=min_bytes, skip_last_layers=1)
+    handle = None
+    if mode == "before":
+        torch.manual_seed(0)
+        model = GPT(config).to(device)
+        handle = torchoffload.apply_activation_offloading(model, config=cfg, pool=pool)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    else:
+        model = _fsdp_model(config, device, mixed)
+        if mode == "after":
+            handle = torchoffload.apply_activation_offloading(model, config=cfg, pool=pool)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    out: dict[str, Any] = {"losses": [], "grads": {}, "comm": None, "pool": [], "device_mem": []}
+    ctx_stats = []
+    for step in range(steps):
+        tokens = torch.randint(0, config.vocab, (batch, config.max_seq), generator=gen).to(device)
+        comm = CommDebugMode() if step == 1 else contextlib.nullcontext()
+        with comm:
+            if mode == "context":
+                with torchoffload.offload_activations(min_bytes=min_bytes, pool=pool) as ctx:
+                    loss = model.loss(tokens)
+            else:
+                loss = model.loss(tokens)
+            loss.backward()
+        if step == 1:
+            out["comm"] = {str(k): v for k, v in comm.get_comm_counts().items()}
+        if mode == "context":
+            ctx_stats.append(ctx.stats())
+        out["losses"].append(loss.detach().cpu())
+        if step in keep_grads:
+            out["grads"][step] = [_local(p.grad) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        ps = pool.stats()
+        out["pool"].append((ps.used_bytes, ps.reserved_bytes))
+        if device == "cuda":
+            torch.cuda.synchronize()
+            out["device_mem"].append(torch.cuda.memory_allocated())
+    out["params"] = [_local(p) for p in model.parameters()]
+    if handle is not None:
+        s = handle.stats()
+        out["offloaded_bytes_per_step"] = s.offloaded_bytes // steps
+        out["skip_reasons"] = s.skip_reasons
+        handle.remove()
+    elif ctx_stats:
+        out["offloaded_bytes_per_step"] = ctx_stats[-1].offloaded_bytes
+        out["skip_reasons"] = ctx_stats[-1].skip_reasons
+    return out
+
+
+def plain_offloaded_bytes(config: GPTConfig, device: str, batch: int, mode: str) -> int:
+    """Bytes one step offloads on an unsharded copy of the model (what FSDP runs should match)."""
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    pool = torchoffload.PinnedPool(256 << 20, slab_bytes=16 << 20, pin_memory=device == "cuda")
+    tokens = torch.randint(0, config.vocab, (batch, config.max_seq)).to(device)
+    if mode == "context":
+        with torchoffload.offload_activations(min_bytes=0, pool=pool) as ctx:
+            loss = model.loss(tokens)
+        loss.backward()
+        return ctx.stats().offloaded_bytes
+    cfg = torchoffload.ActivationOffloadConfig(min_bytes=0, skip_last_layers=1)
+    with torchoffload.apply_activation_offloading(model, config=cfg, pool=pool) as handle:
+        model.loss(tokens).backward()
+        return handle.stats().offloaded_bytes
+
+
+def fsdp_worker(rank: int, world: int, device: str, *, steps: int = 50) -> dict[str, Any]:
+    """Every FSDP2 scenario in one process group (spawning is the slow part)."""
+    gpu = device == "cuda"
+    config = GPU_GPT if gpu else CPU_GPT
+    batch = 4 if gpu else 2
+    kw = dict(steps=steps, config=config, batch=batch, min_bytes=0)
+    results: dict[str, Any] = {}
+    deterministic = _deterministic() if gpu else contextlib.nullcontext()
+    with deterministic:
+        results["none"] = fsdp_scenario(rank, world, device, "none", **kw)
+        if gpu:  # the baseline against itself first: is the GPU run deterministic at all?
+            results["none_again"] = fsdp_scenario(rank, world, device, "none", **kw)
+        for mode in ("after", "before", "context"):
+            results[mode] = fsdp_scenario(rank, world, device, mode, **kw)
+        mixed = dict(kw, mixed=True, steps=3)
+        results["mixed_none"] = fsdp_scenario(rank, world, device, "none", **mixed)
+        results["mixed_after"] = fsdp_scenario(rank, world, device, "after", **mixed)
+        results["plain_bytes"] = {
+            mode: plain_offloaded_bytes(config, device, batch, mode)
+            for mode in ("after", "context")
+        }
+    return results
+
+
+@contextlib.contextmanager
+def _deterministic():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+# -- tensor parallel ------------------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.up = nn.Linear(hidden, inner)
+        self.down = nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No residual: the next layer's input is then the row-parallel output itself, which
+        # is an AsyncCollectiveTensor (see Note: [Async collective results are waited on
+        # before they are read] in _flatten.py).
+        return self.down(torch.relu(self.up(x)))
+
+
+class FeedForwardStack(nn.Module):
+    def __init__(self, hidden: int = 32, inner: int = 128, layers: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(FeedForward(hidden, inner) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def tp_worker(rank: int, world: int, device: str) -> dict[str, Any]:
+    """Column- then row-parallel linears; with and without offloading, both layouts of the
+    row-parallel output (a local tensor, or a DTensor kept distributed)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh(device, (world,))
+    hidden, inner, layers, batch = 32, 128, 3, 8
+    results: dict[str, Any] = {}
+    for local_output in (True, False):
+        for mode in ("none", "layers", "context"):
+            torch.manual_seed(0)
+            model = FeedForwardStack(hidden, inner, layers).to(device)
+            plan = {}
+            for i in range(layers):
+                plan[f"layers.{i}.up"] = ColwiseParallel()
+                plan[f"layers.{i}.down"] = RowwiseParallel(use_local_output=local_output)
+            parallelize_module(model, mesh, plan)
+            x = torch.randn(batch, hidden, generator=torch.Generator().manual_seed(5)).to(device)
+            pool = torchoffload.PinnedPool(
+                64 << 20, slab_bytes=8 << 20, pin_memory=device == "cuda"
+            )
+            cfg = torchoffload.ActivationOffloadConfig(min_bytes=0, skip_last_layers=0)
+            stats = None
+            if mode == "layers":
+                with torchoffload.apply_activation_offloading(model, config=cfg, pool=pool) as h:
+                    y = model(x)
+                    y = y.full_tensor() if isinstance(y, DTensor) else y
+                    y.square().sum().backward()
+                    stats = h.stats()
+            elif mode == "context":
+                with torchoffload.offload_activations(min_bytes=0, pool=pool) as ctx:
+                    y = model(x)
+                y = y.full_tensor() if isinstance(y, DTensor) else y
+                y.square().sum().backward()
+                stats = ctx.stats()
+            else:
+                y = model(x)
+                y = y.full_tensor() if isinstance(y, DTensor) else y
+                y.square().sum().backward()
+            results[(local_output, mode)] = {
+                "out": y.detach().cpu(),
+                "grads": [_local(p.grad) for p in model.parameters()],
+                "stats": None if stats is None else stats.as_dict(),
+            }
+    results["shapes"] = {"hidden": hidden, "inner": inner, "layers": layers, "batch": batch}
+    return results
