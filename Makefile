@@ -24,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-SOURCES := torchoffload tests benchmarks
+SOURCES := torchoffload tests benchmarks examples
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(SOURCES)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import tempfile
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -23,10 +24,13 @@ import torchoffload
 from torchoffload.models import GPT, GPTConfig
 
 
-def spawn(worker, world: int, *args: Any) -> list[Any]:
-    """Run ``worker(rank, world, *args)`` in ``world`` fresh processes; return their results."""
+def spawn(worker, world: int, device: str = "cpu", **kwargs: Any) -> list[Any]:
+    """Run ``worker(rank, world, device, **kwargs)`` in ``world`` fresh processes (gloo on
+    ``device="cpu"``, NCCL and one GPU each on ``"cuda"``); return what each rank returned."""
+    if device == "cuda" and torch.cuda.device_count() < world:
+        raise RuntimeError(f"{world} ranks on CUDA need {world} GPUs")
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, tmp, worker, args), nprocs=world, join=True)
+        mp.spawn(_entry, args=(world, device, tmp, worker, kwargs), nprocs=world, join=True)
         results = []
         for rank in range(world):
             result = torch.load(os.path.join(tmp, f"rank{rank}.pt"), weights_only=False)
@@ -36,8 +40,8 @@ def spawn(worker, world: int, *args: Any) -> list[Any]:
         return results
 
 
-def _entry(rank: int, world: int, tmp: str, worker, args) -> None:
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+def _entry(rank: int, world: int, device: str, tmp: str, worker, kwargs) -> None:
+    cuda = device == "cuda"
     if cuda:
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)
@@ -49,7 +53,7 @@ def _entry(rank: int, world: int, tmp: str, worker, args) -> None:
         **({"device_id": torch.device("cuda", rank)} if cuda else {}),
     )
     try:
-        result = worker(rank, world, "cuda" if cuda else "cpu")
+        result = worker(rank, world, device, **kwargs)
     except Exception:
         result = {"error": traceback.format_exc()}
     finally:
@@ -120,18 +124,26 @@ def fsdp_scenario(
             handle = torchoffload.apply_activation_offloading(model, config=cfg, pool=pool)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
-    out: dict[str, Any] = {"losses": [], "grads": {}, "comm": None, "pool": [], "device_mem": []}
+    out: dict[str, Any] = {
+        "losses": [],
+        "grads": {},
+        "comm": None,
+        "pool": [],
+        "device_mem": [],
+        "syncs": [],
+    }
     ctx_stats = []
     for step in range(steps):
         tokens = torch.randint(0, config.vocab, (batch, config.max_seq), generator=gen).to(device)
         comm = CommDebugMode() if step == 1 else contextlib.nullcontext()
-        with comm:
+        with comm, _count_syncs(device) as syncs:
             if mode == "context":
                 with torchoffload.offload_activations(min_bytes=min_bytes, pool=pool) as ctx:
                     loss = model.loss(tokens)
             else:
                 loss = model.loss(tokens)
             loss.backward()
+        out["syncs"].append(len(syncs))
         if step == 1:
             out["comm"] = {str(k): v for k, v in comm.get_comm_counts().items()}
         if mode == "context":
@@ -156,6 +168,23 @@ def fsdp_scenario(
         out["offloaded_bytes_per_step"] = ctx_stats[-1].offloaded_bytes
         out["skip_reasons"] = ctx_stats[-1].skip_reasons
     return out
+
+
+@contextlib.contextmanager
+def _count_syncs(device: str):
+    """The host syncs CUDA reports inside the block (``set_sync_debug_mode("warn")``)."""
+    caught: list[Any] = []
+    if device != "cuda":
+        yield caught
+        return
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    caught.extend(str(x.message) for x in w if "synchroniz" in str(x.message))
 
 
 def plain_offloaded_bytes(config: GPTConfig, device: str, batch: int, mode: str) -> int:
@@ -242,6 +271,12 @@ def tp_worker(rank: int, world: int, device: str) -> dict[str, Any]:
     """Column- then row-parallel linears; with and without offloading, both layouts of the
     row-parallel output (a local tensor, or a DTensor kept distributed)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    with _deterministic() if device == "cuda" else contextlib.nullcontext():
+        return _tp_scenarios(device, init_device_mesh(device, (world,)))
+
+
+def _tp_scenarios(device: str, mesh: Any) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -249,7 +284,6 @@ def tp_worker(rank: int, world: int, device: str) -> dict[str, Any]:
         parallelize_module,
     )
 
-    mesh = init_device_mesh(device, (world,))
     hidden, inner, layers, batch = 32, 128, 3, 8
     results: dict[str, Any] = {}
     for local_output in (True, False):

@@ -34,7 +34,7 @@ def check_fsdp_parity(results, modes=("after", "before", "context"), base="none"
 
 @pytest.fixture(scope="module")
 def fsdp_results():
-    return spawn(fsdp_worker, WORLD)
+    return spawn(fsdp_worker, WORLD, "cpu")
 
 
 def test_fsdp_parity_either_order_and_context(fsdp_results):
@@ -82,7 +82,7 @@ def test_fsdp_no_leak_over_steps(fsdp_results):
 
 @pytest.fixture(scope="module")
 def tp_results():
-    return spawn(tp_worker, WORLD)
+    return spawn(tp_worker, WORLD, "cpu")
 
 
 @pytest.mark.parametrize("local_output", [True, False])

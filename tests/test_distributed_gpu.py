@@ -1,0 +1,84 @@
+"""FSDP2 and tensor parallelism on two GPUs (NCCL): the CPU tests' workers, on CUDA.
+
+Run on a machine with two GPUs: ``PYTHONPATH=. python3 -m pytest -m multi_gpu``. Deterministic
+settings (deterministic algorithms, cuBLAS workspace, math attention) are set inside each rank;
+the baseline is first compared with itself, so a nondeterministic kernel would show up there
+rather than as an offloading failure.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_workers import fsdp_worker, spawn, tp_worker
+from test_distributed import STEPS, check_fsdp_parity
+
+pytestmark = [
+    pytest.mark.multi_gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    return spawn(fsdp_worker, WORLD, "cuda")
+
+
+def test_fsdp_baseline_is_deterministic(fsdp_results):
+    check_fsdp_parity(fsdp_results, modes=("none_again",))
+
+
+def test_fsdp_parity_either_order_and_context(fsdp_results):
+    check_fsdp_parity(fsdp_results)
+    check_fsdp_parity(fsdp_results, modes=("mixed_after",), base="mixed_none")
+
+
+def test_fsdp_offloads_activations_only(fsdp_results):
+    for r in fsdp_results:
+        for mode in ("after", "context"):
+            assert r[mode]["offloaded_bytes_per_step"] > 0
+            assert r[mode]["offloaded_bytes_per_step"] == r["plain_bytes"][mode], mode
+
+
+def test_fsdp_no_extra_collective_and_no_host_sync(fsdp_results):
+    for r in fsdp_results:
+        base = r["none"]
+        assert base["comm"] and sum(base["comm"].values()) > 0
+        for mode in ("after", "before", "context"):
+            assert r[mode]["comm"] == base["comm"], mode
+            # CUDA's sync debug mode, from the third step on (the first steps grow the pool):
+            # offloading adds no host sync to what FSDP itself does
+            assert sum(r[mode]["syncs"][2:]) == sum(base["syncs"][2:]), mode
+
+
+def test_fsdp_memory_flat_over_steps(fsdp_results):
+    """50 steps: pinned pool and device memory stop growing after the first steps."""
+    for r in fsdp_results:
+        for mode in ("none", "after", "before", "context"):
+            pool = r[mode]["pool"]
+            mem = r[mode]["device_mem"]
+            assert len(mem) == STEPS
+            assert len(set(mem[2:])) == 1, (mode, sorted(set(mem)))
+            if mode != "none":
+                assert all(used == 0 for used, _ in pool), mode
+                assert len({res for _, res in pool[1:]}) == 1, mode
+
+
+@pytest.fixture(scope="module")
+def tp_results():
+    return spawn(tp_worker, WORLD, "cuda")
+
+
+@pytest.mark.parametrize("local_output", [True, False])
+@pytest.mark.parametrize("mode", ["layers", "context"])
+def test_tp_parity_and_local_shards(tp_results, local_output, mode):
+    for r in tp_results:
+        ref, got = r[(local_output, "none")], r[(local_output, mode)]
+        assert torch.equal(ref["out"], got["out"])
+        for a, b in zip(ref["grads"], got["grads"], strict=True):
+            assert torch.equal(a, b)
+        shp = r["shapes"]
+        expected = shp["layers"] * shp["batch"] * (shp["hidden"] + shp["inner"] // WORLD) * 4
+        assert got["stats"]["offloaded_bytes"] == expected

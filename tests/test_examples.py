@@ -1,0 +1,50 @@
+"""The scripts in examples/ run as written (on CPU here; on GPUs in RESULTS.md)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, timeout: int = 240) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    with socket.socket() as s:  # a free port for a single-process group
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    done = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_train_fsdp_offload_two_ranks_on_gloo():
+    out = run(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "examples/train_fsdp_offload.py", "--model", "gpt", "--steps", "2",
+    )  # fmt: skip
+    assert "2 rank(s) on cpu" in out
+    assert "losses identical with and without offloading: True" in out
+    lines = [line for line in out.splitlines() if line.startswith("offload ")]
+    assert len(lines) == 1 and "MiB" in lines[0]  # it offloaded something
+
+
+def test_train_fsdp_offload_single_process_llama():
+    pytest.importorskip("transformers")
+    out = run("examples/train_fsdp_offload.py", "--steps", "2", "--batch", "1,2")
+    assert "llama" in out and "1 rank(s) on cpu" in out
+    assert out.count("losses identical with and without offloading: True") == 2
+
+
+def test_generate_streamed():
+    pytest.importorskip("transformers")
+    out = run("examples/generate_streamed.py", "--new-tokens", "8")
+    assert "tokens identical to the all-on-device run: True" in out
+    assert "stream_weights" in out
