@@ -221,6 +221,10 @@ def fsdp_worker(rank: int, world: int, device: str, *, steps: int = 50) -> dict[
         mixed = dict(kw, mixed=True, steps=3)
         results["mixed_none"] = fsdp_scenario(rank, world, device, "none", **mixed)
         results["mixed_after"] = fsdp_scenario(rank, world, device, "after", **mixed)
+        if gpu:  # positive control: the sync counter does see a host sync
+            with _count_syncs(device) as syncs:
+                torch.ones(1, device=device).item()
+            results["sync_control"] = len(syncs)
         results["plain_bytes"] = {
             mode: plain_offloaded_bytes(config, device, batch, mode)
             for mode in ("after", "context")
