@@ -53,7 +53,7 @@ def generate(model, prompt, new_tokens: int, device: torch.device) -> tuple[torc
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     kwargs["pad_token_id"] = 0
     with torch.inference_mode():
-        model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        model.generate(prompt, **kwargs)  # warm-up (and, when streamed, the schedule)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
