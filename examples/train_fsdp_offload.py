@@ -52,6 +52,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--deterministic", action="store_true", help="bitwise-comparable GPU runs")
     p.add_argument("--profile", action="store_true", help="measure exposed communication")
     p.add_argument("--json", default=None, help="write the results (rank 0) to this file")
+    p.add_argument("--trace", default=None, help="rank 0 writes a Chrome trace of one step here")
     args = p.parse_args(argv)
     if args.model is None:
         try:
@@ -128,6 +129,11 @@ def build(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     return model.to(dtype)
 
 
+def _mark(marks, i: int) -> None:
+    if marks is not None:
+        marks[i].record()
+
+
 def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     if hasattr(model, "loss"):  # torchoffload's GPT
         return model.loss(tokens)
@@ -151,6 +157,7 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
     gpu = device.type == "cuda"
     losses, times = [], []
+    phases = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, args.vocab, (batch, args.seq), generator=gen).to(device)
         if step == args.warmup:
@@ -159,19 +166,28 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
                 torch.cuda.reset_peak_memory_stats()
             if handle is not None:
                 handle.reset_stats()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if gpu else None
         start = time.perf_counter()
+        _mark(marks, 0)
         loss = loss_of(model, tokens)
+        _mark(marks, 1)
         loss.backward()
+        _mark(marks, 2)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        _mark(marks, 3)
         if gpu:
             torch.cuda.synchronize()
+            if step >= args.warmup:  # GPU time of forward, backward, optimizer
+                for phase, i in (("fwd", 0), ("bwd", 1), ("opt", 2)):
+                    phases[phase] += marks[i].elapsed_time(marks[i + 1]) / args.steps
         times.append(time.perf_counter() - start)
         losses.append(loss.detach().float().cpu())
     result = {
         "mode": "offload" if offload else "no offload",
         "batch": batch,
         "step_ms": 1e3 * sum(times[args.warmup :]) / args.steps,
+        "phase_ms": phases if gpu else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
         "losses": [float(x) for x in losses],
         "offloaded_bytes_per_step": 0,
@@ -184,6 +200,18 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
         result["compute_wait_ms_per_step"] = (stats.compute_wait_ms or 0.0) / args.steps
     if args.profile and gpu:
         result["exposed_comm_ms"] = exposed_comm_ms(model, args, batch, device, gen)
+    if args.trace and gpu:  # every rank runs the step (collectives); rank 0 records it
+        from torch.profiler import ProfilerActivity, profile
+
+        tokens = torch.randint(0, args.vocab, (batch, args.seq), generator=gen).to(device)
+        acts = [ProfilerActivity.CUDA, ProfilerActivity.CPU]
+        with profile(activities=acts) if rank == 0 else contextlib.nullcontext() as prof:
+            loss_of(model, tokens).backward()
+            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        if rank == 0:
+            mode = result["mode"].replace(" ", "_")
+            prof.export_chrome_trace(f"{args.trace}.{mode}.{batch}.json")
     if handle is not None:
         handle.remove()
     del model, opt
