@@ -49,11 +49,14 @@ def build(args: argparse.Namespace, device: torch.device):
     return model.to("cpu").eval()
 
 
-def generate(model, prompt, new_tokens: int, device: torch.device) -> tuple[torch.Tensor, float]:
+def generate(model, prompt, new_tokens: int, device: torch.device, after_warmup=None):
+    """Greedy generation, timed after one full warm-up run; returns (tokens, seconds)."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     kwargs["pad_token_id"] = 0
     with torch.inference_mode():
         model.generate(prompt, **kwargs)  # warm-up (and, when streamed, the schedule)
+        if after_warmup is not None:
+            after_warmup()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -117,7 +120,7 @@ def main() -> None:
     handle = torchoffload.stream_weights(model, device, budget_bytes=budget, pin_memory=gpu)
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    got, seconds = generate(model, prompt, args.new_tokens, device)
+    got, seconds = generate(model, prompt, args.new_tokens, device, handle.reset_stats)
     peak = torch.cuda.max_memory_allocated() if gpu else None
     stats = handle.stats()
     rows.append(("stream_weights", seconds, peak, stats))
