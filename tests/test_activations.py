@@ -541,3 +541,22 @@ def test_no_warnings_in_normal_use(small_gpt, batches):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         train_steps(model, batches, lambda: offloader())
+
+
+def test_storage_with_views_saved_by_several_nodes_is_reloaded_once():
+    """q, k and v projections each save their own [tokens, hidden] view of one normed input.
+    Autograd frees each node's saved tensors right after the node runs; the device copy must
+    stay until the last of the three is unpacked (Note: [When a device copy is no longer
+    needed]), not be dropped one view early and copied back again."""
+    torch.manual_seed(0)
+    ws = [torch.randn(64, 64, requires_grad=True) for _ in range(3)]
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    with offloader() as ctx:
+        normed = x * 2  # one storage, saved through three views
+        q, k, v = (torch.nn.functional.linear(normed, w) for w in ws)
+        loss = (q * k * v).sum()
+    loss.backward()
+    s = ctx.stats()
+    assert s.shared_storage_tensors >= 2
+    assert s.reloaded_bytes == s.offloaded_bytes
+    assert s.reloaded_tensors == s.offloaded_tensors - s.shared_storage_tensors

@@ -528,3 +528,43 @@ def test_stats_report_layers_and_budget():
     s = handle.stats()
     assert s.per_layer_bytes and s.compute_wait_ms is None  # not timed on the CPU
     assert "ActivationOffloadHandle" in repr(handle)
+
+
+class SharedTable(nn.Module):
+    """Like Hugging Face's rotary embedding: one tensor computed before the layers and saved
+    by every layer."""
+
+    class Layer(nn.Module):
+        def __init__(self, hidden):
+            super().__init__()
+            self.lin = nn.Linear(hidden, hidden)
+
+        def forward(self, h, table):
+            return self.lin(h) * table  # mul saves table (h's gradient needs it)
+
+    def __init__(self, layers=4, hidden=64):
+        super().__init__()
+        self.inp = nn.Linear(hidden, hidden)
+        self.layers = nn.ModuleList(self.Layer(hidden) for _ in range(layers))
+        self.register_buffer("freq", torch.linspace(0.1, 1.0, hidden))
+
+    def forward(self, x):
+        table = torch.cos(self.freq * torch.arange(x.shape[1], dtype=x.dtype)[:, None])
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, table)
+        return h
+
+
+def test_storage_saved_by_later_layers_is_prefetched_with_them_and_reloaded_once():
+    torch.manual_seed(0)
+    model = SharedTable()
+    handle = apply(model, prefetch_layers=1, skip_last_layers=1)
+    x = torch.randn(2, 32, 64)
+    for _ in range(2):
+        model(x).square().sum().backward()
+    s = handle.stats()
+    assert s.shared_storage_tensors > 0
+    assert s.prefetch_misses == 0
+    assert s.reloaded_bytes == s.offloaded_bytes
+    handle.remove()

@@ -70,6 +70,18 @@ __all__ = ["ActivationStats", "no_offload", "offload_activations"]
 # id) is not prefetched again; a second backward (retain_graph) starts a new pass and prefetches
 # again.
 #
+# Note: [When a device copy is no longer needed]
+# A storage saved through several views (q, k and v as views of one projection; one input saved
+# by three linears) has one handle per view, and its device copy (the source while it is held,
+# or a reload) is dropped once every live handle has been unpacked from it. `views` counts live
+# handles and `unpacked` the live handles unpacked since the copy appeared. Autograd frees a
+# node's saved tensors right after the node runs, so a handle usually dies soon after its unpack;
+# it must then leave both counts, or the copy is dropped one view too early and the last view
+# is reloaded on demand (seen on an H200 with Hugging Face Llama under FSDP2: one 64 MiB storage
+# per layer copied back twice, 4% more H2D traffic and a miss per layer). So each handle
+# remembers the epoch (the device copy) it was unpacked from, and its retirement takes it out
+# of `unpacked` when that epoch is still current; a handle unpacked twice counts once.
+#
 # Note: [Why handles retire through a graveyard]
 # A saved tensor's handle dies when autograd frees the graph, which can happen on any thread
 # and, through the garbage collector, in the middle of our own code while it holds the lock.
@@ -258,6 +270,7 @@ class _Storage:
         "prefetched",
         "views",
         "unpacked",
+        "epoch",
         "pass_id",
         "layer",
         "reload_kind",
@@ -282,7 +295,8 @@ class _Storage:
         self.ready: Any = None
         self.prefetched = False
         self.views = 0  # live handles
-        self.unpacked = 0  # unpacks since the current device copy appeared
+        self.unpacked = 0  # live handles unpacked since the current device copy appeared
+        self.epoch = 0  # bumped whenever a new device copy appears (a reload)
         self.pass_id: int | None = None  # graph task of the last unpack
         self.layer: int | None = None  # layer index (layer-aware mode)
         self.reload_kind: str | None = None  # "ahead" or "demand", until its first unpack
@@ -291,17 +305,18 @@ class _Storage:
 class _Saved:
     """What the pack hook returns for an offloaded tensor."""
 
-    __slots__ = ("storage", "meta", "alias", "version")
+    __slots__ = ("storage", "meta", "alias", "version", "epoch")
 
     def __init__(self, storage: _Storage, meta: ViewMeta, alias: torch.Tensor, version: int):
         self.storage = storage
         self.meta = meta
         self.alias = alias  # shares the saved tensor's version counter, holds no memory
         self.version = version
+        self.epoch = -1  # the storage's epoch in which this handle was last unpacked
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
-            self.storage.session.owner._retire_view(self.storage)
+            self.storage.session.owner._retire_view(self.storage, self.epoch)
 
 
 class _Composite:
@@ -403,6 +418,7 @@ class _Session:
         if rec is not None:
             rec.views += 1
             c.shared_storage_tensors += 1
+            self._shared_view(rec)
         else:
             reason = self._admit(storage)
             if reason is not None:
@@ -417,6 +433,9 @@ class _Session:
     def _admit(self, storage: torch.UntypedStorage) -> str | None:
         """Why an eligible ``storage`` stays on the device, or None to offload it."""
         return None
+
+    def _shared_view(self, rec: _Storage) -> None:
+        """Another view of an offloaded storage was saved (the layer mode tracks where)."""
 
     def _shared(self, storage: torch.UntypedStorage, version: int) -> _Storage | None:
         entry = self.by_storage.get(storage._cdata)
@@ -546,7 +565,9 @@ class _Session:
                 base = rec.dev
             out = handle.meta.rebuild(base.untyped_storage())
             rec.pass_id = pass_id
-            rec.unpacked += 1
+            if handle.epoch != rec.epoch:  # See Note: [When a device copy is no longer needed]
+                handle.epoch = rec.epoch
+                rec.unpacked += 1
             if rec.unpacked >= rec.views:  # every view has its tensor: stop holding the storage
                 self._drop_src(rec, done=False)
                 self._drop_dev(rec)
@@ -563,6 +584,7 @@ class _Session:
         if rec.ready is not None:
             rec.last_event = rec.ready
         rec.unpacked = 0
+        rec.epoch += 1
         owner._counters.reloaded_tensors += 1
         owner._counters.reloaded_bytes += rec.nbytes
 
@@ -708,10 +730,10 @@ class _Offloader:
         else:
             CopyEngine.release_after(stream, event)
 
-    def _retire_view(self, rec: _Storage) -> None:
+    def _retire_view(self, rec: _Storage, epoch: int) -> None:
         """Called from `_Saved.__del__` on any thread. See Note: [Why handles retire through
         a graveyard]."""
-        self._graveyard.append(rec)
+        self._graveyard.append((rec, epoch))
         if self._lock.acquire(blocking=False):
             try:
                 self._drain()
@@ -721,8 +743,10 @@ class _Offloader:
     def _drain(self) -> None:
         graveyard = self._graveyard
         while graveyard:
-            rec = graveyard.pop()
+            rec, epoch = graveyard.pop()
             rec.views -= 1
+            if epoch == rec.epoch:  # it was counted in `unpacked`: no longer a live handle
+                rec.unpacked -= 1
             if rec.views == 0:
                 rec.session.retire(rec)
 

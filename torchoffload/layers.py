@@ -160,6 +160,7 @@ class _LayerSession(_Session):
         self.issued_upto: int | None = None  # lowest layer whose reloads were issued
         self.freed_from = self.nlayers  # backward: layers >= this had their reloads freed
         self.hooks: Any = None  # saved-tensor hooks pushed for the current layer
+        self.extra: set[tuple[int, int]] = set()  # (id(rec), layer): joined a later group
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -199,6 +200,18 @@ class _LayerSession(_Session):
         if rec.layer is not None:
             per_layer = self.owner._counters.per_layer_bytes
             per_layer[rec.layer] = per_layer.get(rec.layer, 0) + rec.nbytes
+
+    def _shared_view(self, rec: _Storage) -> None:
+        # A storage that a later layer saves too (Hugging Face's rotary cos/sin, computed once
+        # and passed to every layer) is first needed in that layer's backward, so it joins that
+        # layer's group: reloaded with it, not on demand long before its own layer.
+        # It also stays in its own layer's group, whose backward frees it (`_release_reloads`
+        # skips a storage in a later layer's group), so the layers in between find it loaded.
+        i = self.current
+        if i is None or rec.layer is None or i <= rec.layer or (id(rec), i) in self.extra:
+            return
+        self.extra.add((id(rec), i))
+        self.layer_recs[i].append(rec)
 
     def enter_layer(self, i: int) -> None:
         self.current = i
@@ -260,6 +273,8 @@ class _LayerSession(_Session):
 
     def _release_reloads(self, layer: int | None) -> None:
         for rec in self.layer_recs.get(layer, ()):
+            if layer is not None and rec.layer is not None and rec.layer < layer:
+                continue  # joined from an earlier layer (`_shared_view`): freed with that one
             if rec.src is not None:
                 self._drop_src(rec, done=False)
             if rec.dev is not None:
