@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import time
@@ -141,6 +142,8 @@ def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def train(args, rank: int, world: int, device: torch.device, offload: bool, batch: int) -> dict:
+    gpu = device.type == "cuda"
+    start_bytes = torch.cuda.memory_allocated() if gpu else 0  # what an earlier run left
     model = build(args, device)
     # 1. FSDP2: each decoder layer, then the root.
     layers = torchoffload.find_layers(model)
@@ -155,7 +158,6 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
         handle = torchoffload.apply_activation_offloading(model, layers=layers, config=config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
-    gpu = device.type == "cuda"
     losses, times = [], []
     phases = {"fwd": 0.0, "bwd": 0.0, "opt": 0.0}
     for step in range(args.warmup + args.steps):
@@ -189,6 +191,7 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
         "step_ms": 1e3 * sum(times[args.warmup :]) / args.steps,
         "phase_ms": phases if gpu else None,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+        "start_gib": start_bytes / 2**30,
         "losses": [float(x) for x in losses],
         "offloaded_bytes_per_step": 0,
         "exposed_comm_ms": None,
@@ -214,7 +217,8 @@ def train(args, rank: int, world: int, device: torch.device, offload: bool, batc
             prof.export_chrome_trace(f"{args.trace}.{mode}.{batch}.json")
     if handle is not None:
         handle.remove()
-    del model, opt
+    del model, opt, layers, handle
+    gc.collect()  # FSDP and HF modules hold reference cycles: free this run before the next
     if gpu:
         torch.cuda.empty_cache()
     return result
