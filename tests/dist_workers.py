@@ -40,8 +40,19 @@ def spawn(worker, world: int, device: str = "cpu", **kwargs: Any) -> list[Any]:
         return results
 
 
+def loopback_env() -> dict[str, str]:
+    """Gloo on the loopback interface: CI containers may have a hostname that does not resolve."""
+    import socket
+
+    names = {name for _, name in socket.if_nameindex()}
+    return {"GLOO_SOCKET_IFNAME": "lo"} if "lo" in names else {}
+
+
 def _entry(rank: int, world: int, device: str, tmp: str, worker, kwargs) -> None:
     cuda = device == "cuda"
+    if not cuda:
+        for key, value in loopback_env().items():
+            os.environ.setdefault(key, value)
     if cuda:
         torch.cuda.set_device(rank)
     torch.set_num_threads(1)

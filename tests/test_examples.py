@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_workers import loopback_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str, timeout: int = 240) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    for key, value in loopback_env().items():
+        env.setdefault(key, value)
     with socket.socket() as s:  # a free port for a single-process group
         s.bind(("127.0.0.1", 0))
         env["MASTER_PORT"] = str(s.getsockname()[1])
