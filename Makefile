@@ -16,6 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9"
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed.
 	$(PY) -m pip install --quiet transformers || echo "transformers not installed: its tests skip"
+	$(PY) -m pip install --quiet matplotlib || echo "matplotlib not installed: plot tests skip"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -13,6 +13,7 @@ from torchoffload.layers import (
     apply_activation_offloading,
     find_layers,
 )
+from torchoffload.planner import Hardware, InfeasibleBudgetError, Plan, Profile, plan, trace
 from torchoffload.weights import (
     WeightStats,
     WeightStreamHandle,
@@ -26,6 +27,12 @@ __all__ = [
     "ActivationStats",
     "apply_activation_offloading",
     "find_layers",
+    "Hardware",
+    "InfeasibleBudgetError",
+    "plan",
+    "Plan",
+    "Profile",
+    "trace",
     "minimum_budget",
     "PinnedPool",
     "PoolExhaustedError",

@@ -1,12 +1,15 @@
 """``torchoffload demo``: train a small GPT with and without activation offloading, then
-generate from it with and without weight streaming, and compare."""
+generate from it with and without weight streaming, and compare. ``torchoffload plan``: plan
+activation memory for a model under fake tensors (no GPU needed)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -209,15 +212,142 @@ def demo(argv: Sequence[str] | None = None) -> int:
     return 0 if same and same_tokens else 1
 
 
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3,
+          "mb": 10**6, "gb": 10**9, "tb": 10**12}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """``"60GiB"``, ``"512 MiB"``, ``"1.5e9"`` -> bytes."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 60GiB, 512MiB or bytes)")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    return int(value)
+
+
+def _build_for_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, str]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if args.hf_config or args.model == "llama":
+        try:
+            import transformers
+        except ImportError:
+            raise SystemExit(
+                "torchoffload plan: this model needs transformers (pip install torchoffload[hf])"
+            ) from None
+        if args.hf_config:
+            config = transformers.AutoConfig.from_pretrained(args.hf_config)
+        else:
+            hidden = args.hidden
+            config = transformers.LlamaConfig(
+                vocab_size=args.vocab,
+                hidden_size=hidden,
+                intermediate_size=args.intermediate or int(hidden * 8 / 3) // 256 * 256,
+                num_hidden_layers=args.layers,
+                num_attention_heads=args.heads,
+                num_key_value_heads=args.kv_heads or args.heads,
+                max_position_embeddings=max(args.seq, 2048),
+            )
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
+        ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
+        return model, {"input_ids": ids, "labels": ids}, type(model).__name__
+    cfg = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
+                    max_seq=args.seq + 1)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(cfg).to(dtype)
+    tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
+    return model, {"tokens": tokens}, "GPT"
+
+
+def plan_command(argv: Sequence[str] | None = None) -> int:
+    """Plan activation memory for a model without a GPU: trace one training step under fake
+    tensors, print per-layer bytes and FLOPs, and choose keep/offload/recompute per layer for a
+    memory budget."""
+    from torchoffload.planner import Hardware, InfeasibleBudgetError, plan_from_profile, trace
+
+    p = argparse.ArgumentParser(prog="torchoffload plan", description=plan_command.__doc__)
+    p.add_argument("--model", choices=["llama", "gpt"], default="llama")
+    p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its folder)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--intermediate", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
+    p.add_argument(
+        "--budget", type=parse_bytes, default=None, help="peak device memory, e.g. 60GiB"
+    )
+    p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
+    p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
+    p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
+    p.add_argument("--prefetch-layers", type=int, default=1)
+    p.add_argument("--defer-layers", type=int, default=1)
+    p.add_argument("--min-bytes", type=parse_bytes, default=1 << 16)
+    p.add_argument("--plot", default=None, help="write memory over one step to this PNG")
+    args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("torchoffload plan: --plot needs matplotlib (pip install matplotlib)",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+    model, inputs, name = _build_for_plan(args)
+    loss_fn = (lambda out: out.float().mean()) if name == "GPT" else None
+    if name == "GPT":
+        inputs = {"tokens": inputs["tokens"][:, :-1]}
+    start = time.perf_counter()
+    last = [0.0]
+
+    def progress(msg: str) -> None:
+        now = time.perf_counter()
+        if now - last[0] > 2.0:  # a line every 2 s on long traces
+            last[0] = now
+            print(f"  tracing ({now - start:.0f} s): {msg}", file=sys.stderr, flush=True)
+
+    print(f"tracing one training step of {name} under fake tensors ...", file=sys.stderr)
+    profile = trace(model, inputs, loss_fn=loss_fn, optimizer=args.optimizer,
+                    min_bytes=args.min_bytes, progress=progress)  # fmt: skip
+    print(f"traced in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    hw = Hardware.detect(args.link_gbps, args.tflops)
+    if args.efficiency is not None:
+        hw = dataclasses.replace(hw, efficiency=args.efficiency)
+    try:
+        plan = plan_from_profile(profile, args.budget, hardware=hw,
+                                 prefetch_layers=args.prefetch_layers,
+                                 defer_layers=args.defer_layers)  # fmt: skip
+    except InfeasibleBudgetError as e:
+        print(f"torchoffload plan: {e}", file=sys.stderr)
+        return 1
+    print(plan)
+    if args.plot:
+        plan.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchoffload")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo", help="train and run a small GPT with and without offloading", add_help=False
     )
+    sub.add_parser("plan", help="plan activation memory for a model (no GPU needed)",
+                   add_help=False)  # fmt: skip
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
         return demo(rest)
+    if args.command == "plan":
+        return plan_command(rest)
     return 2  # pragma: no cover
 
 

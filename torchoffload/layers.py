@@ -100,6 +100,7 @@ class ActivationOffloadConfig:
     pin_memory: bool = True
     on_pool_exhausted: Literal["fallback", "raise"] = "fallback"
     time_waits: bool = True  # measure how long the compute stream waits on copies (CUDA)
+    offload_layers: frozenset[int] | None = None  # only these layers (a plan's choice); None: all
 
     def __post_init__(self) -> None:
         for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
@@ -115,6 +116,12 @@ class ActivationOffloadConfig:
             raise ValueError(
                 f"on_pool_exhausted must be 'fallback' or 'raise', got {self.on_pool_exhausted!r}"
             )
+        if self.offload_layers is not None:
+            layers = self.offload_layers
+            if not isinstance(layers, frozenset) or not all(
+                isinstance(i, int) and i >= 0 for i in layers
+            ):
+                raise TypeError("offload_layers must be a frozenset of layer indices (ints >= 0)")
         for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -171,6 +178,8 @@ class _LayerSession(_Session):
             return None if cfg.offload_outside_layers else "outside_layers"
         if i >= self.nlayers - cfg.skip_last_layers:
             return "last_layers"
+        if cfg.offload_layers is not None and i not in cfg.offload_layers:
+            return "not_planned"
         key = storage._cdata
         ref = self.kept.get(key)
         if ref is not None and not ref.expired():
@@ -321,6 +330,7 @@ class ActivationOffloadHandle(_Offloader):
         self._hooks_ctx: Any = None
         self._depth = 0
         self._handles: list[Any] = []
+        self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
         self._removed = False
         self._handles.append(model.register_forward_pre_hook(self._model_pre))
         self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
@@ -373,7 +383,10 @@ class ActivationOffloadHandle(_Offloader):
         if session is None or _in_backward():
             return
         session.enter_layer(i)
-        offloadable = i < len(self.layers) - self.config.skip_last_layers
+        cfg = self.config
+        offloadable = i < len(self.layers) - cfg.skip_last_layers and (
+            cfg.offload_layers is None or i in cfg.offload_layers
+        )
         if offloadable and session.hooks is None and not self.config.offload_outside_layers:
             session.hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
             session.hooks.__enter__()
@@ -437,8 +450,34 @@ class ActivationOffloadHandle(_Offloader):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for layer, had, previous in self._wrapped:
+            if had:
+                layer.forward = previous
+            else:
+                del layer.forward
+        self._wrapped.clear()
         self._removed = True
         _PARAMS.release()
+
+    def _recompute(self, indices: list[int]) -> None:
+        """Run these layers under non-reentrant activation checkpointing until `remove()`."""
+        from torch.utils.checkpoint import checkpoint
+
+        for i in indices:
+            layer = self.layers[i]
+            had = "forward" in layer.__dict__
+            previous = layer.__dict__.get("forward")
+            inner = layer.forward
+
+            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+            layer.forward = forward
+            self._wrapped.append((layer, had, previous))
+
+    @property
+    def recomputed_layers(self) -> list[int]:
+        return [self.layers.index(layer) for layer, _, _ in self._wrapped]
 
     def __enter__(self) -> ActivationOffloadHandle:
         return self
@@ -460,6 +499,7 @@ def apply_activation_offloading(
     config: ActivationOffloadConfig | None = None,
     pool: PinnedPool | None = None,
     device: torch.device | str | int | None = None,
+    plan: Any = None,
 ) -> ActivationOffloadHandle:
     """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
 
@@ -470,9 +510,22 @@ def apply_activation_offloading(
         config: an `ActivationOffloadConfig` (defaults if None).
         pool: the `PinnedPool` to copy into; default: the process-wide pool.
         device: the compute device; default: the current accelerator, else the CPU.
+        plan: a `torchoffload.Plan` (instead of ``config``): its offloaded layers are
+            offloaded, its recomputed layers run under ``torch.utils.checkpoint``
+            (non-reentrant) until ``remove()``, the rest keep their activations.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if plan is not None:
+        if config is not None:
+            raise ValueError("pass either config or plan, not both")
+        config = ActivationOffloadConfig(
+            prefetch_layers=plan.prefetch_layers,
+            defer_layers=plan.defer_layers,
+            skip_last_layers=0,
+            min_bytes=plan.profile.min_bytes,
+            offload_layers=plan.offload_layers,
+        )
     config = ActivationOffloadConfig() if config is None else config
     if not isinstance(config, ActivationOffloadConfig):
         raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
@@ -491,4 +544,12 @@ def apply_activation_offloading(
             raise ValueError(f"layer {type(m).__name__} is not a submodule of the model")
     if len({id(m) for m in layer_list}) != len(layer_list):
         raise ValueError("layers contains the same module twice")
-    return ActivationOffloadHandle(model, layer_list, config, pool, device)
+    if plan is not None and len(plan.decisions) != len(layer_list):
+        raise ValueError(
+            f"the plan is for {len(plan.decisions)} layers but the model has {len(layer_list)}: "
+            "plan and apply with the same model and layers"
+        )
+    handle = ActivationOffloadHandle(model, layer_list, config, pool, device)
+    if plan is not None:
+        handle._recompute(sorted(plan.recompute_layers))
+    return handle

@@ -1,0 +1,229 @@
+"""The planner on CPU: tracing under fake tensors, byte and FLOP counts against a hand count,
+decisions on synthetic profiles, applying a plan, and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+from conftest import assert_bitwise, train_steps
+from torch import nn
+
+import torchoffload
+from torchoffload.cli import main, parse_bytes
+from torchoffload.models import GPT, GPTConfig
+from torchoffload.planner import (
+    Hardware,
+    InfeasibleBudgetError,
+    plan_from_profile,
+    synthetic_profile,
+    trace,
+)
+
+
+class ReluStack(nn.Module):
+    """Layers of ``relu(x @ W.T)``: what each saves is easy to count by hand."""
+
+    def __init__(self, hidden=64, layers=3):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden, bias=False), nn.ReLU()) for _ in range(layers)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_trace_counts_bytes_and_flops_by_hand():
+    b, h, n = 32, 64, 3
+    model = ReluStack(h, n)
+    p = trace(model, (torch.randn(b, h),), optimizer="adamw", min_bytes=0)
+    act = b * h * 4  # one float32 [b, h] activation
+    # Layer 0 saves its input x (for the weight gradient) and its ReLU output; layer i > 0 saves
+    # only its ReLU output: its input is the ReLU output layer i - 1 saved already.
+    assert [layer.saved_bytes for layer in p.layers] == [2 * act, act, act]
+    # Recomputing a layer frees all it saved except its input.
+    assert [layer.recompute_bytes for layer in p.layers] == [act, act, act]
+    assert all(layer.input_bytes == act for layer in p.layers)
+    # Forward: one [b, h] x [h, h] matmul. Backward: the weight gradient, plus the input
+    # gradient except in layer 0 (x needs no gradient).
+    mm = 2 * b * h * h
+    assert [layer.fwd_flops for layer in p.layers] == [mm] * n
+    assert [layer.bwd_flops for layer in p.layers] == [mm, 2 * mm, 2 * mm]
+    weights = n * h * h * 4
+    assert p.param_bytes == weights and p.grad_bytes == weights
+    assert p.optimizer_bytes == 2 * weights  # AdamW: exp_avg and exp_avg_sq
+    assert p.static_bytes == 4 * weights
+    # the step starts with the parameters and the batch; forward adds the ReLU outputs
+    assert p.timeline[0] == weights + act
+    assert p.timeline[p.fwd_end[-1]] == weights + 4 * act
+
+
+def test_trace_leaves_the_model_alone_and_allocates_nothing():
+    model = GPT(GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    p = trace(model, (torch.randint(0, 128, (2, 32)),), loss_fn=lambda out: out.float().mean())
+    assert len(p.layers) == 2 and p.layers[0].saved_bytes > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(param.grad is None for param in model.parameters())
+
+
+def test_trace_70b_llama_under_a_minute():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
+    )  # fmt: skip
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+    ids = torch.zeros(1, 4096, dtype=torch.long)
+    p = trace(model, {"input_ids": ids, "labels": ids})
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60, elapsed
+    n_params = sum(t.numel() for t in model.parameters())
+    assert 69e9 < n_params < 72e9
+    assert 2 * n_params <= p.param_bytes < 2 * n_params + (1 << 20)  # + buffers (rotary)
+    assert len(p.layers) == 80 and len({layer.saved_bytes for layer in p.layers[1:]}) == 1
+    # layer 0 also saved the rotary cos/sin tables every layer uses (2 x [1, 4096, 128] bf16)
+    assert p.layers[0].saved_bytes - p.layers[1].saved_bytes == 2 * 4096 * 128 * 2
+    # per layer and token: at least the bf16 hidden state and the MLP's three 28672-wide tensors
+    assert p.layers[0].saved_bytes > 4096 * (8192 + 3 * 28672) * 2
+    assert p.layers[0].fwd_flops > 2 * 4096 * 0.8e9  # ~2 FLOPs per parameter and token
+
+
+# -- decisions on synthetic profiles --------------------------------------------------------------
+
+MB = 1 << 20
+
+
+def test_everything_fits_keeps_everything():
+    prof = synthetic_profile(layers=8, saved_bytes=100 * MB, fwd_flops=10**12, static_bytes=MB)
+    plan = plan_from_profile(prof, 10 << 30)
+    assert set(plan.decisions) == {"keep"}
+    assert plan.predicted == plan.baseline
+    assert plan.baseline.peak_bytes == MB + 8 * 100 * MB
+
+
+def test_infeasible_budget_is_explained():
+    prof = synthetic_profile(layers=8, saved_bytes=100 * MB, fwd_flops=10**12,
+                             static_bytes=2 << 30)  # fmt: skip
+    with pytest.raises(InfeasibleBudgetError, match="needs at least .* alone take 2.00 GiB"):
+        plan_from_profile(prof, 1 << 30)
+
+
+def test_compute_bound_offloads():
+    """100 MB per layer hides behind 5 ms of compute at 55 GB/s (1.8 ms): offload is free."""
+    hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0)
+    prof = synthetic_profile(layers=8, saved_bytes=100 * MB, fwd_flops=5 * 10**11)
+    budget = prof.peak_bytes // 2
+    plan = plan_from_profile(prof, budget, hardware=hw)
+    assert plan.predicted.peak_bytes <= budget
+    assert "offload" in plan.decisions and "recompute" not in plan.decisions
+    assert plan.predicted.step_s == pytest.approx(plan.baseline.step_s, rel=0.02)
+
+
+def test_link_bound_recomputes():
+    """1 GB per layer takes 18 ms to copy against 0.1 ms of compute: recomputing is cheaper."""
+    hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0)
+    prof = synthetic_profile(layers=8, saved_bytes=1000 * MB, fwd_flops=10**10)
+    budget = prof.peak_bytes // 2
+    plan = plan_from_profile(prof, budget, hardware=hw)
+    assert plan.predicted.peak_bytes <= budget
+    assert "recompute" in plan.decisions and "offload" not in plan.decisions
+    # the copies would have bound the step: all-offload is predicted slower than the plan
+    model = torchoffload.planner._Model(prof, hw, 1, 1)
+    offload_all = model.predict(["offload"] * 7 + ["keep"])
+    assert offload_all.step_s > plan.predicted.step_s
+    # ...and at the link bound: 7 GB each way over 55 GB/s
+    assert offload_all.step_s == pytest.approx(2 * 7 * 1000 * MB / 55e9, rel=0.05)
+
+
+def test_tighter_budgets_cost_more_and_fit():
+    hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0)
+    prof = synthetic_profile(layers=12, saved_bytes=300 * MB, fwd_flops=10**11, static_bytes=MB)
+    steps = []
+    for frac in (0.75, 0.5, 0.25):
+        budget = int(prof.peak_bytes * frac)
+        plan = plan_from_profile(prof, budget, hardware=hw)
+        assert plan.predicted.peak_bytes <= budget
+        steps.append(plan.predicted.step_s)
+    assert steps == sorted(steps)
+
+
+# -- applying a plan ----------------------------------------------------------------------------
+
+SMALL4 = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=33)
+
+
+def test_apply_plan_offloads_and_recomputes_bitwise(batches):
+    torch.manual_seed(0)
+    base = train_steps(GPT(SMALL4), batches)
+    torch.manual_seed(0)
+    model = GPT(SMALL4)
+    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean())
+    plan = plan_from_profile(prof, None)
+    plan = dataclasses.replace(plan, decisions=("offload", "recompute", "offload", "keep"))
+    pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
+    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
+    assert handle.recomputed_layers == [1]
+    assert "forward" in vars(model.layers[1])
+    got = train_steps(model, batches)
+    assert set(handle.stats().per_layer_bytes) == {0, 2}  # only the planned layers
+    handle.remove()
+    assert "forward" not in vars(model.layers[1])
+    assert_bitwise(base, got)
+
+
+def test_apply_plan_checks_the_layer_count():
+    prof = synthetic_profile(layers=3, saved_bytes=MB, fwd_flops=10**9)
+    plan = plan_from_profile(prof, None)
+    with pytest.raises(ValueError, match="plan is for 3 layers but the model has 4"):
+        torchoffload.apply_activation_offloading(GPT(SMALL4), plan=plan, device="cpu")
+    with pytest.raises(ValueError, match="either config or plan"):
+        torchoffload.apply_activation_offloading(
+            GPT(SMALL4), plan=plan, config=torchoffload.ActivationOffloadConfig(), device="cpu"
+        )
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+
+GPT_ARGS = ["plan", "--model", "gpt", "--hidden", "256", "--layers", "4", "--heads", "4",
+            "--vocab", "1024", "--batch", "8", "--seq", "128", "--link-gbps", "55",
+            "--tflops", "100"]  # fmt: skip
+
+
+def test_cli_prints_a_table(capsys):
+    assert main([*GPT_ARGS, "--budget", "45MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "layer   saved MiB  offloadable   fwd GFLOP   bwd GFLOP  decision" in out
+    assert "no plan" in out and "this plan" in out and "budget 45.00 MiB" in out
+    assert "decisions: keep" in out
+    peak = float(out.split("this plan")[1].split()[0])
+    assert peak <= 45.0
+
+
+def test_cli_infeasible_budget(capsys):
+    assert main([*GPT_ARGS, "--budget", "1MiB"]) == 1
+    err = capsys.readouterr().err
+    assert "needs at least" in err and "alone take" in err
+
+
+def test_cli_plot_writes_a_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    assert main([*GPT_ARGS, "--budget", "45MiB", "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_bytes():
+    assert parse_bytes("60GiB") == 60 << 30
+    assert parse_bytes("512 MiB") == 512 << 20
+    assert parse_bytes("1.5e9") == 1_500_000_000
+    for bad in ("", "10 parsecs", "-1GiB"):
+        with pytest.raises(Exception, match="size"):
+            parse_bytes(bad)

@@ -1,0 +1,394 @@
+"""One training step under fake tensors: live bytes, saved activations and FLOPs per layer.
+
+Note: [What the trace records]
+One step (forward, backward, optimizer step) runs under `FakeTensorMode` and a dispatch mode
+that sees every op. It records (1) the live bytes of fake storages after every allocation and
+free: storages are tracked by a finalizer on their (preserved) Python object, so a free is seen
+exactly when the last tensor, view or saved reference goes; (2) the FLOPs of each op, by
+`torch.utils.flop_counter`'s formulas, charged to the layer running it, forward and backward
+apart (causal attention counts half); (3) each storage autograd saves, tagged with the layer
+that saved it; (4) markers where each layer's forward ends and its backward starts. Parameters,
+gradients and optimizer state are counted as they are allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from torchoffload._modules import find_layers
+
+__all__ = ["LayerProfile", "Profile", "trace"]
+
+_log = logging.getLogger(__name__)
+
+
+# -- what one step needs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """One repeated block, as traced."""
+
+    index: int
+    name: str
+    saved_bytes: int  # distinct storages it saved for backward (parameters excluded)
+    offloadable_bytes: int  # of saved_bytes: at least min_bytes (what offloading moves)
+    recompute_bytes: int  # of saved_bytes: what recomputation frees (all but its input)
+    input_bytes: int  # its input, which recomputation keeps
+    saved_tensors: tuple[tuple[str, int], ...]  # (dtype[shape] of the first view, bytes)
+    fwd_flops: int
+    bwd_flops: int
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One training step of a model, as traced under fake tensors. See Note: [What the trace
+    records]. ``timeline`` is the live bytes after each allocation or free; the markers index
+    into it."""
+
+    layers: tuple[LayerProfile, ...]
+    timeline: tuple[int, ...]
+    fwd_end: tuple[int, ...]  # per layer: timeline index where its forward ended
+    bwd_start: tuple[int, ...]  # per layer: timeline index where its backward started
+    step_marks: dict[str, int]  # forward_end, backward_end, step_end
+    param_bytes: int  # parameters and buffers
+    grad_bytes: int
+    optimizer_bytes: int
+    outside_fwd_flops: int
+    outside_bwd_flops: int
+    outside_saved_bytes: int
+    tokens: int | None
+    description: str = ""
+    min_bytes: int = 1 << 16
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients and optimizer state: what no activation plan can remove."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.timeline)
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(layer.saved_bytes for layer in self.layers) + self.outside_saved_bytes
+
+
+class _Tracer(TorchDispatchMode):
+    """Counts live storage bytes and FLOPs per layer. See Note: [What the trace records]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry = flop_registry
+        self.live = 0
+        self.timeline: list[int] = [0]
+        self.keys: set[int] = set()
+        self.layer: int | None = None
+        self.backward = False
+        self.flops: dict[tuple[int | None, bool], int] = defaultdict(int)
+        self._finalizers: list[Any] = []
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = st._cdata
+        if key in self.keys:
+            return
+        nbytes = st.nbytes()
+        self.keys.add(key)
+        self.live += nbytes
+        self.timeline.append(self.live)
+        self._finalizers.append(weakref.finalize(st, self._free, key, nbytes))
+
+    def _free(self, key: int, nbytes: int) -> None:
+        if key in self.keys:
+            self.keys.discard(key)
+            self.live -= nbytes
+            self.timeline.append(self.live)
+
+    def close(self) -> None:
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.flops[(self.layer, self.backward)] += _flops(self.registry, func, args, kwargs, out)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+                self.track(t)
+        return out
+
+
+def _flops(registry, func, args, kwargs, out) -> int:
+    packet = func.overloadpacket
+    name = str(packet)
+    if "flash_attention_for_cpu" in name:  # not in torch's registry; same as CUDA flash
+        from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+        if name.endswith("_backward"):
+            grad, q, k, v = args[:4]
+            count = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+            causal = args[7] if len(args) > 7 else kwargs.get("is_causal", False)
+        else:
+            q, k, v = args[:3]
+            count = sdpa_flop_count(q.shape, k.shape, v.shape)
+            causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        return count // 2 if causal else count
+    fn = registry.get(packet)
+    if fn is None:
+        return 0
+    count = fn(*args, **kwargs, out_val=out)
+    if "attention" in name and kwargs.get("is_causal", False) is True:
+        count //= 2  # causal kernels skip the masked half
+    return int(count)
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor):
+            return t
+    return None
+
+
+def _default_loss(output: Any) -> torch.Tensor:
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    t = _first_tensor(output)
+    if t is None:
+        raise TypeError("the model returned no tensor: pass loss_fn=")
+    return t.float().mean()
+
+
+def _is_param_view(t: torch.Tensor, params: set[int]) -> bool:
+    root = t if t._base is None else t._base
+    if isinstance(root, nn.Parameter) or t.untyped_storage()._cdata in params:
+        return True
+    return root.requires_grad and root.grad_fn is None
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | dict[str, Any],
+    *,
+    layers: nn.ModuleList | list[nn.Module] | str = "auto",
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    optimizer: Literal["adamw", "sgd", "none"] = "adamw",
+    min_bytes: int = 1 << 16,
+    progress: Callable[[str], None] | None = None,
+) -> Profile:
+    """Trace one training step of ``model`` under fake tensors and return its `Profile`.
+
+    ``model`` may live on any device, including ``meta`` (build huge models that way); it is
+    not changed and nothing is allocated. ``example_inputs`` are positional arguments (or a dict
+    of keyword arguments) whose shapes and dtypes matter, not their values. ``loss_fn`` maps
+    the output to a scalar (default: ``output.loss`` when there is one, else the mean of the
+    first tensor). ``optimizer`` decides what state is counted (AdamW: two tensors per
+    parameter).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if optimizer not in ("adamw", "sgd", "none"):
+        raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}")
+    layer_list = list(find_layers(model) if isinstance(layers, str) else layers)
+    if not layer_list:
+        raise ValueError("no layers to plan for")
+    say = progress or (lambda msg: None)
+    start = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    tracer = _Tracer()
+    index = {id(m): i for i, m in enumerate(layer_list)}
+    names = {id(m): name for name, m in model.named_modules()}
+    fwd_end: dict[int, int] = {}
+    bwd_start: dict[int, int] = {}
+    saved: dict[int | None, dict[int, tuple[str, int]]] = defaultdict(dict)
+    first_saver: dict[int, int | None] = {}
+    inputs_of: dict[int, int] = {}  # layer -> storage key of its input
+    input_bytes: dict[int, int] = {}
+    handles = []
+
+    def pre(module, args):
+        i = index[id(module)]
+        if torch._C._current_graph_task_id() != -1:
+            return
+        tracer.layer = i
+        x = _first_tensor(args)
+        if x is not None:
+            inputs_of[i] = x.untyped_storage()._cdata
+            input_bytes[i] = x.untyped_storage().nbytes()
+
+    def post(module, args, output):
+        i = index[id(module)]
+        if torch._C._current_graph_task_id() != -1:
+            return
+        tracer.layer = None
+        fwd_end[i] = len(tracer.timeline) - 1
+        say(f"forward: layer {i + 1}/{len(layer_list)}")
+        out = _first_tensor(output)
+        if out is not None and out.requires_grad:
+
+            def on_grad(grad, i=i):
+                bwd_start.setdefault(i, len(tracer.timeline) - 1)
+                tracer.layer = i
+                say(f"backward: layer {i + 1}/{len(layer_list)}")
+
+            out.register_hook(on_grad)
+
+    for m in layer_list:
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+
+    try:
+        with mode:
+            fake = {}
+            for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+                t = torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu")
+                fake[name] = t.requires_grad_(p.requires_grad) if p.is_floating_point() else t
+            args, kwargs = _fake_inputs(example_inputs)
+            params = [t for t in fake.values() if t.requires_grad]
+            param_keys = {t.untyped_storage()._cdata for t in fake.values()}
+            opt = _make_optimizer(optimizer, params)
+            with tracer:
+                for t in fake.values():
+                    tracer.track(t)
+                param_bytes = tracer.live
+                for t in tree_flatten((args, kwargs))[0]:  # the batch is on the device too
+                    if isinstance(t, torch.Tensor):
+                        tracer.track(t)
+                tracer.timeline = [tracer.live]  # the step starts with parameters and batch
+
+                def pack(t: torch.Tensor) -> torch.Tensor:
+                    if t.layout is not torch.strided or _is_param_view(t, param_keys):
+                        return t
+                    st = t.untyped_storage()
+                    key = st._cdata
+                    layer = tracer.layer if not tracer.backward else None
+                    if key not in first_saver:
+                        first_saver[key] = layer
+                        what = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+                        saved[layer][key] = (what, st.nbytes())
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = torch.func.functional_call(model, fake, args, kwargs)
+                    loss = (loss_fn or _default_loss)(out)
+                del out
+                tracer.layer = None
+                forward_end = len(tracer.timeline) - 1
+                tracer.backward = True
+                loss.backward()
+                del loss
+                backward_end = len(tracer.timeline) - 1
+                grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.grad is not None)
+                tracer.layer = None
+                before_opt = tracer.live
+                if opt is not None:
+                    opt.step()
+                optimizer_bytes = max(0, _state_bytes(opt))
+                step_end = len(tracer.timeline) - 1
+                del before_opt
+    finally:
+        for h in handles:
+            h.remove()
+        tracer.close()
+
+    missing = [i for i in range(len(layer_list)) if i not in fwd_end]
+    if missing:
+        raise RuntimeError(f"layers {missing} did not run in forward: are they all used?")
+    profiles = []
+    for i, m in enumerate(layer_list):
+        mine = saved.get(i, {})
+        sizes = [n for _, n in mine.values()]
+        offloadable = sum(n for n in sizes if n >= max(min_bytes, 1))
+        recompute = sum(n for key, (_, n) in mine.items() if key != inputs_of.get(i))
+        profiles.append(
+            LayerProfile(
+                index=i,
+                name=names.get(id(m), f"layer{i}"),
+                saved_bytes=sum(sizes),
+                offloadable_bytes=offloadable,
+                recompute_bytes=recompute,
+                input_bytes=input_bytes.get(i, 0),
+                saved_tensors=tuple(mine.values()),
+                fwd_flops=tracer.flops[(i, False)],
+                bwd_flops=tracer.flops[(i, True)],
+            )
+        )
+    # A layer whose output needs no grad has no backward marker: use the next one's.
+    starts = []
+    for i in range(len(layer_list)):
+        starts.append(bwd_start.get(i, bwd_start.get(i + 1, backward_end)))
+    profile = Profile(
+        layers=tuple(profiles),
+        timeline=tuple(tracer.timeline),
+        fwd_end=tuple(fwd_end[i] for i in range(len(layer_list))),
+        bwd_start=tuple(starts),
+        step_marks={"forward_end": forward_end, "backward_end": backward_end, "step_end": step_end},
+        param_bytes=param_bytes,
+        grad_bytes=grad_bytes,
+        optimizer_bytes=optimizer_bytes,
+        outside_fwd_flops=tracer.flops[(None, False)],
+        outside_bwd_flops=tracer.flops[(None, True)],
+        outside_saved_bytes=sum(n for _, n in saved.get(None, {}).values()),
+        tokens=_tokens(args, kwargs),
+        description=type(model).__name__,
+        min_bytes=min_bytes,
+    )
+    _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)
+    return profile
+
+
+def _fake_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Inputs as fake tensors of the same shape and dtype (their values never matter)."""
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+
+    if isinstance(example_inputs, dict):
+        return (), tree_map_only(torch.Tensor, fake, dict(example_inputs))
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    return tuple(tree_map_only(torch.Tensor, fake, list(example_inputs))), {}
+
+
+def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, torch.Tensor) and not t.is_floating_point() and t.dim() == 2:
+            return t.numel()
+    return None
+
+
+def _make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
+    if kind == "none" or not params:
+        return None
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3)
+    return torch.optim.AdamW(params, lr=1e-3, foreach=False)
+
+
+def _state_bytes(opt: torch.optim.Optimizer | None) -> int:
+    if opt is None:
+        return 0
+    total = 0
+    for state in opt.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                total += v.untyped_storage().nbytes()
+    return total
