@@ -227,3 +227,27 @@ def test_parse_bytes():
     for bad in ("", "10 parsecs", "-1GiB"):
         with pytest.raises(Exception, match="size"):
             parse_bytes(bad)
+
+
+def test_attention_flops_grouped_query_and_causal():
+    """CPU flash attention (what a fake trace runs) is counted per query head, causal halved:
+    forward Q K^T and P V, backward five matmuls of the same size."""
+
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Identity(), nn.Identity()])
+
+        def forward(self, q, k):
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, k, is_causal=True, enable_gqa=True
+            )
+            return self.layers[1](self.layers[0](out))
+
+    b, h, kv, s, d = 2, 8, 2, 128, 64
+    q = torch.randn(b, h, s, d, requires_grad=True)
+    k = torch.randn(b, kv, s, d, requires_grad=True)
+    p = trace(Attn(), (q, k), optimizer="none")
+    one = 2 * b * h * s * s * d // 2  # one causal [s, d] x [d, s] product over all query heads
+    assert p.outside_fwd_flops == 2 * one
+    assert p.outside_bwd_flops == 5 * one

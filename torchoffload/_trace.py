@@ -137,17 +137,19 @@ class _Tracer(TorchDispatchMode):
 def _flops(registry, func, args, kwargs, out) -> int:
     packet = func.overloadpacket
     name = str(packet)
-    if "flash_attention_for_cpu" in name:  # not in torch's registry; same as CUDA flash
-        from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
-
+    if "flash_attention_for_cpu" in name:  # not in torch's registry; counted like CUDA flash
         if name.endswith("_backward"):
-            grad, q, k, v = args[:4]
-            count = sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape)
+            q, k, v = args[1:4]
             causal = args[7] if len(args) > 7 else kwargs.get("is_causal", False)
         else:
             q, k, v = args[:3]
-            count = sdpa_flop_count(q.shape, k.shape, v.shape)
             causal = args[4] if len(args) > 4 else kwargs.get("is_causal", False)
+        # Per query head (grouped-query attention shares key/value heads): Q K^T and P V
+        # forward; backward recomputes Q K^T and does dV, dP, dQ and dK.
+        b, h, sq, d = q.shape[0], q.shape[-3], q.shape[-2], q.shape[-1]
+        sk, dv = k.shape[-2], v.shape[-1]
+        qk, pv = 2 * b * h * sq * sk * d, 2 * b * h * sq * sk * dv
+        count = (3 * qk + 2 * pv) if name.endswith("_backward") else (qk + pv)
         return count // 2 if causal else count
     fn = registry.get(packet)
     if fn is None:
