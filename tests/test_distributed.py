@@ -32,6 +32,26 @@ def check_fsdp_parity(results, modes=("after", "before", "context"), base="none"
                 assert torch.equal(a, b), (rank, mode)
 
 
+def check_offloaded_bytes_match_unsharded(results):
+    for r in results:
+        for mode in ("after", "context"):
+            assert r[mode]["offloaded_bytes_per_step"] > 0
+            assert r[mode]["offloaded_bytes_per_step"] == r["plain_bytes"][mode], mode
+
+
+def check_tp_parity(results, local_output, mode):
+    for r in results:
+        ref, got = r[(local_output, "none")], r[(local_output, mode)]
+        assert torch.equal(ref["out"], got["out"])
+        for a, b in zip(ref["grads"], got["grads"], strict=True):
+            assert torch.equal(a, b)
+
+
+def tp_local_shard_bytes(shapes):
+    """See test_tp_offloads_local_shards."""
+    return shapes["layers"] * shapes["batch"] * (shapes["hidden"] + shapes["inner"] // WORLD) * 4
+
+
 @pytest.fixture(scope="module")
 def fsdp_results():
     return spawn(fsdp_worker, WORLD, "cpu")
@@ -53,10 +73,9 @@ def test_fsdp_mixed_precision_parity(fsdp_results):
 def test_fsdp_offloads_activations_only(fsdp_results):
     """Per step, each rank offloads exactly the bytes an unsharded copy of the model offloads
     on the same batch: FSDP's unsharded parameters (all-gather outputs) are never copied."""
+    check_offloaded_bytes_match_unsharded(fsdp_results)
     for r in fsdp_results:
         for mode in ("after", "context"):
-            assert r[mode]["offloaded_bytes_per_step"] > 0
-            assert r[mode]["offloaded_bytes_per_step"] == r["plain_bytes"][mode], mode
             assert r[mode]["skip_reasons"].get("parameter", 0) > 0  # they were seen, and kept
 
 
@@ -88,11 +107,7 @@ def tp_results():
 @pytest.mark.parametrize("local_output", [True, False])
 @pytest.mark.parametrize("mode", ["layers", "context"])
 def test_tp_parity(tp_results, local_output, mode):
-    for r in tp_results:
-        ref, got = r[(local_output, "none")], r[(local_output, mode)]
-        assert torch.equal(ref["out"], got["out"])
-        for a, b in zip(ref["grads"], got["grads"], strict=True):
-            assert torch.equal(a, b)
+    check_tp_parity(tp_results, local_output, mode)
 
 
 @pytest.mark.parametrize("local_output", [True, False])
@@ -104,8 +119,7 @@ def test_tp_offloads_local_shards(tp_results, local_output):
     dimension: [batch, inner / world] per rank), which both the ReLU and the row-parallel
     linear save. A copy of whole DTensors would move [batch, inner] for the second."""
     for r in tp_results:
-        shp = r["shapes"]
-        expected = shp["layers"] * shp["batch"] * (shp["hidden"] + shp["inner"] // WORLD) * 4
+        expected = tp_local_shard_bytes(r["shapes"])
         for mode in ("layers", "context"):
             stats = r[(local_output, mode)]["stats"]
             assert stats["composite_tensors"] > 0

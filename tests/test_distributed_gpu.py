@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_workers import fsdp_worker, spawn, tp_worker
-from test_distributed import STEPS, check_fsdp_parity
+from test_distributed import (
+    STEPS,
+    check_fsdp_parity,
+    check_offloaded_bytes_match_unsharded,
+    check_tp_parity,
+    tp_local_shard_bytes,
+)
 
 pytestmark = [
     pytest.mark.multi_gpu,
@@ -36,10 +42,7 @@ def test_fsdp_parity_either_order_and_context(fsdp_results):
 
 
 def test_fsdp_offloads_activations_only(fsdp_results):
-    for r in fsdp_results:
-        for mode in ("after", "context"):
-            assert r[mode]["offloaded_bytes_per_step"] > 0
-            assert r[mode]["offloaded_bytes_per_step"] == r["plain_bytes"][mode], mode
+    check_offloaded_bytes_match_unsharded(fsdp_results)
 
 
 def test_fsdp_no_extra_collective_and_no_host_sync(fsdp_results):
@@ -75,11 +78,7 @@ def tp_results():
 @pytest.mark.parametrize("local_output", [True, False])
 @pytest.mark.parametrize("mode", ["layers", "context"])
 def test_tp_parity_and_local_shards(tp_results, local_output, mode):
+    check_tp_parity(tp_results, local_output, mode)
     for r in tp_results:
-        ref, got = r[(local_output, "none")], r[(local_output, mode)]
-        assert torch.equal(ref["out"], got["out"])
-        for a, b in zip(ref["grads"], got["grads"], strict=True):
-            assert torch.equal(a, b)
-        shp = r["shapes"]
-        expected = shp["layers"] * shp["batch"] * (shp["hidden"] + shp["inner"] // WORLD) * 4
-        assert got["stats"]["offloaded_bytes"] == expected
+        expected = tp_local_shard_bytes(r["shapes"])
+        assert r[(local_output, mode)]["stats"]["offloaded_bytes"] == expected

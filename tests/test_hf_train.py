@@ -16,30 +16,24 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 256
 
 
+# Llama and Qwen2 take the same config fields.
+DECODER = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+
+
 def llama():
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER))
 
 
 def qwen2():
-    cfg = transformers.Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-    )
-    return transformers.Qwen2ForCausalLM(cfg)
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**DECODER))
 
 
 def gpt2():

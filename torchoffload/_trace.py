@@ -300,12 +300,10 @@ def trace(
                 backward_end = len(tracer.timeline) - 1
                 grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.grad is not None)
                 tracer.layer = None
-                before_opt = tracer.live
                 if opt is not None:
                     opt.step()
-                optimizer_bytes = max(0, _state_bytes(opt))
+                optimizer_bytes = _state_bytes(opt)
                 step_end = len(tracer.timeline) - 1
-                del before_opt
     finally:
         for h in handles:
             h.remove()

@@ -257,11 +257,10 @@ def _build_for_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, st
         ids = torch.zeros(args.batch, args.seq, dtype=torch.long)
         return model, {"input_ids": ids, "labels": ids}, type(model).__name__
     cfg = GPTConfig(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab,
-                    max_seq=args.seq + 1)  # fmt: skip
+                    max_seq=args.seq)  # fmt: skip
     with torch.device("meta"):
         model = GPT(cfg).to(dtype)
-    tokens = torch.zeros(args.batch, args.seq + 1, dtype=torch.long)
-    return model, {"tokens": tokens}, "GPT"
+    return model, {"tokens": torch.zeros(args.batch, args.seq, dtype=torch.long)}, "GPT"
 
 
 def plan_command(argv: Sequence[str] | None = None) -> int:
@@ -303,8 +302,6 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
             return 1
     model, inputs, name = _build_for_plan(args)
     loss_fn = (lambda out: out.float().mean()) if name == "GPT" else None
-    if name == "GPT":
-        inputs = {"tokens": inputs["tokens"][:, :-1]}
     start = time.perf_counter()
     last = [0.0]
 

@@ -59,9 +59,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-Decision = Literal["keep", "offload", "recompute"]
-
-
 # -- the machine ----------------------------------------------------------------------------------
 
 
@@ -292,13 +289,12 @@ def _choose(model: _Model, budget: int) -> list[str]:
             break
         _, decisions, current = best
     # Undo what the budget no longer needs, latest layers first (they cost the most to move).
+    lighter = {"keep": (), "offload": ("keep",), "recompute": ("keep", "offload")}
     changed = True
     while changed:
         changed = False
         for i in range(n - 1, -1, -1):
-            for option in ("keep", "offload"):
-                if decisions[i] == option or (option == "offload" and decisions[i] == "keep"):
-                    continue
+            for option in lighter[decisions[i]]:
                 trial = decisions.copy()
                 trial[i] = option
                 pred = model.predict(trial)
@@ -525,18 +521,17 @@ def synthetic_profile(
     tests and what-ifs."""
     timeline = [static_bytes]
     live = static_bytes
-    fwd_end, bwd_start = [], []
+    fwd_end = []
     for _ in range(layers):
         live += saved_bytes
         timeline.append(live)
         fwd_end.append(len(timeline) - 1)
     forward_end = len(timeline) - 1
-    starts = [0] * layers
+    bwd_start = [0] * layers
     for i in range(layers - 1, -1, -1):
-        starts[i] = len(timeline) - 1
+        bwd_start[i] = len(timeline) - 1
         live -= saved_bytes
         timeline.append(live)
-    bwd_start = starts
     backward_end = len(timeline) - 1
     layer_profiles = tuple(
         LayerProfile(i, f"layers.{i}", saved_bytes, saved_bytes, saved_bytes - input_bytes,
