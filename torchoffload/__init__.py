@@ -10,6 +10,7 @@ from torchoffload.activations import ActivationStats, no_offload, offload_activa
 from torchoffload.layers import (
     ActivationOffloadConfig,
     ActivationOffloadHandle,
+    ModelOffloadHandle,
     apply_activation_offloading,
     find_layers,
 )
@@ -24,6 +25,7 @@ from torchoffload.weights import (
 __all__ = [
     "ActivationOffloadConfig",
     "ActivationOffloadHandle",
+    "ModelOffloadHandle",
     "ActivationStats",
     "apply_activation_offloading",
     "find_layers",

@@ -6,9 +6,13 @@ that sees every op. It records (1) the live bytes of fake storages after every a
 free: storages are tracked by a finalizer on their (preserved) Python object, so a free is seen
 exactly when the last tensor, view or saved reference goes; (2) the FLOPs of each op, by
 `torch.utils.flop_counter`'s formulas, charged to the layer running it, forward and backward
-apart (causal attention counts half); (3) each storage autograd saves, tagged with the layer
-that saved it; (4) markers where each layer's forward ends and its backward starts. Parameters,
-gradients and optimizer state are counted as they are allocated.
+apart (causal attention counts half), and the bytes each op reads and writes (views move
+nothing), so the planner can price each op at the slower of its FLOPs and its memory traffic;
+(3) each storage autograd saves, tagged with the layer that saved it, and how many of the
+layer's forward ops had run at its last save (what recomputation replays: non-reentrant
+checkpointing stops once the last saved tensor is rebuilt); (4) markers where each layer's
+forward ends and its backward starts. Parameters, gradients and optimizer state are counted as
+they are allocated.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -29,6 +33,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from torchoffload._modules import find_layers
 
 __all__ = ["LayerProfile", "Profile", "trace"]
+
+MEMORY, MATMUL, ATTENTION = 0, 1, 2  # kinds of traced op, each with its own achieved rate
 
 _log = logging.getLogger(__name__)
 
@@ -46,9 +52,15 @@ class LayerProfile:
     offloadable_bytes: int  # of saved_bytes: at least min_bytes (what offloading moves)
     recompute_bytes: int  # of saved_bytes: what recomputation frees (all but its input)
     input_bytes: int  # its input, which recomputation keeps
+    input_offloadable_bytes: int  # of it: what offloading it while recomputing would free
     saved_tensors: tuple[tuple[str, int], ...]  # (dtype[shape] of the first view, bytes)
     fwd_flops: int
     bwd_flops: int
+    # (FLOPs, bytes read and written, kind) of each aten op, in order (kind: MATMUL, ATTENTION
+    # or MEMORY); the first ``recompute_ops`` forward ops are what recomputation replays
+    fwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    bwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    recompute_ops: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,13 @@ class Profile:
     tokens: int | None
     description: str = ""
     min_bytes: int = 1 << 16
+    # every storage saved for backward (parameters and the batch excluded): (layer or None,
+    # bytes, timeline index when saved, when freed, saved inside the model's forward)
+    saved_storages: tuple[tuple[int | None, int, int, int, bool], ...] = field(
+        default=(), repr=False
+    )
+    outside_fwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    outside_bwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
 
     @property
     def static_bytes(self) -> int:
@@ -100,7 +119,10 @@ class _Tracer(TorchDispatchMode):
         self.layer: int | None = None
         self.backward = False
         self.flops: dict[tuple[int | None, bool], int] = defaultdict(int)
+        self.ops: dict[tuple[int | None, bool], list[tuple[int, int, int]]] = defaultdict(list)
         self._finalizers: list[Any] = []
+        self.saved_log: list[list[Any]] = []  # [layer, bytes, saved at, freed at, in model]
+        self.watch: dict[int, list[Any]] = {}
 
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -118,6 +140,15 @@ class _Tracer(TorchDispatchMode):
             self.keys.discard(key)
             self.live -= nbytes
             self.timeline.append(self.live)
+            entry = self.watch.pop(key, None)
+            if entry is not None:
+                entry[3] = len(self.timeline) - 1
+
+    def saved(self, key: int, layer: int | None, nbytes: int, in_model: bool) -> None:
+        """A storage autograd saved: when it was saved and (at its free) when it went."""
+        entry = [layer, nbytes, len(self.timeline) - 1, -1, in_model]
+        self.saved_log.append(entry)
+        self.watch[key] = entry
 
     def close(self) -> None:
         for f in self._finalizers:
@@ -127,7 +158,13 @@ class _Tracer(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.flops[(self.layer, self.backward)] += _flops(self.registry, func, args, kwargs, out)
+        if func.namespace != "aten":  # metadata queries fake tensors dispatch (prim.device)
+            return out
+        flops = _flops(self.registry, func, args, kwargs, out)
+        where = (self.layer, self.backward)
+        self.flops[where] += flops
+        kind = ATTENTION if "attention" in func.__name__ else (MATMUL if flops else MEMORY)
+        self.ops[where].append((flops, _traffic(func, args, kwargs, out), kind))
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.layout is torch.strided:
                 self.track(t)
@@ -158,6 +195,30 @@ def _flops(registry, func, args, kwargs, out) -> int:
     if "attention" in name and kwargs.get("is_causal", False) is True:
         count //= 2  # causal kernels skip the masked half
     return int(count)
+
+
+def _traffic(func, args, kwargs, out) -> int:
+    """Bytes an op reads and writes: its tensor arguments and results, as viewed. A view or an
+    op that only allocates moves nothing."""
+    if func.is_view or func.overloadpacket in _NO_TRAFFIC:
+        return 0
+    total = 0
+    for t in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+            total += t.numel() * t.element_size()
+    return total
+
+
+_NO_TRAFFIC = {
+    torch.ops.aten.empty,
+    torch.ops.aten.empty_like,
+    torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty,
+    torch.ops.aten.new_empty_strided,
+    torch.ops.aten._unsafe_view,
+    torch.ops.aten.detach,
+    torch.ops.aten.lift_fresh,
+}
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
@@ -224,6 +285,7 @@ def trace(
     first_saver: dict[int, int | None] = {}
     inputs_of: dict[int, int] = {}  # layer -> storage key of its input
     input_bytes: dict[int, int] = {}
+    last_save: dict[int, int] = {}  # layer -> forward ops run at its last save
     handles = []
 
     def pre(module, args):
@@ -271,9 +333,11 @@ def trace(
                 for t in fake.values():
                     tracer.track(t)
                 param_bytes = tracer.live
+                batch_keys = set()
                 for t in tree_flatten((args, kwargs))[0]:  # the batch is on the device too
                     if isinstance(t, torch.Tensor):
                         tracer.track(t)
+                        batch_keys.add(t.untyped_storage()._cdata)
                 tracer.timeline = [tracer.live]  # the step starts with parameters and batch
 
                 def pack(t: torch.Tensor) -> torch.Tensor:
@@ -282,14 +346,20 @@ def trace(
                     st = t.untyped_storage()
                     key = st._cdata
                     layer = tracer.layer if not tracer.backward else None
+                    if layer is not None:  # recomputing the layer replays its ops up to here
+                        last_save[layer] = len(tracer.ops[(layer, False)])
                     if key not in first_saver:
                         first_saver[key] = layer
                         what = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
                         saved[layer][key] = (what, st.nbytes())
+                        if key not in batch_keys:
+                            tracer.saved(key, layer, st.nbytes(), in_model)
                     return t
 
+                in_model = True
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                     out = torch.func.functional_call(model, fake, args, kwargs)
+                    in_model = False  # the loss is outside the model
                     loss = (loss_fn or _default_loss)(out)
                 del out
                 tracer.layer = None
@@ -316,8 +386,13 @@ def trace(
     for i, m in enumerate(layer_list):
         mine = saved.get(i, {})
         sizes = [n for _, n in mine.values()]
-        offloadable = sum(n for n in sizes if n >= max(min_bytes, 1))
+        # the batch is held by the caller: copying it frees nothing
+        offloadable = sum(
+            n for key, (_, n) in mine.items() if n >= max(min_bytes, 1) and key not in batch_keys
+        )
         recompute = sum(n for key, (_, n) in mine.items() if key != inputs_of.get(i))
+        key = inputs_of.get(i)
+        own_input = key in mine and key not in batch_keys and mine[key][1] >= max(min_bytes, 1)
         profiles.append(
             LayerProfile(
                 index=i,
@@ -326,9 +401,13 @@ def trace(
                 offloadable_bytes=offloadable,
                 recompute_bytes=recompute,
                 input_bytes=input_bytes.get(i, 0),
+                input_offloadable_bytes=input_bytes.get(i, 0) if own_input else 0,
                 saved_tensors=tuple(mine.values()),
                 fwd_flops=tracer.flops[(i, False)],
                 bwd_flops=tracer.flops[(i, True)],
+                fwd_ops=tuple(tracer.ops[(i, False)]),
+                bwd_ops=tuple(tracer.ops[(i, True)]),
+                recompute_ops=last_save.get(i, 0),
             )
         )
     # A layer whose output needs no grad has no backward marker: use the next one's.
@@ -350,6 +429,12 @@ def trace(
         tokens=_tokens(args, kwargs),
         description=type(model).__name__,
         min_bytes=min_bytes,
+        saved_storages=tuple(
+            (e[0], e[1], e[2], e[3] if e[3] >= 0 else len(tracer.timeline), e[4])
+            for e in tracer.saved_log
+        ),
+        outside_fwd_ops=tuple(tracer.ops[(None, False)]),
+        outside_bwd_ops=tuple(tracer.ops[(None, True)]),
     )
     _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)
     return profile

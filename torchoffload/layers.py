@@ -35,11 +35,13 @@ from torchoffload.activations import (
     _Session,
     _Storage,
     _unpack,
+    offload_activations,
 )
 
 __all__ = [
     "ActivationOffloadConfig",
     "ActivationOffloadHandle",
+    "ModelOffloadHandle",
     "apply_activation_offloading",
     "find_layers",
 ]
@@ -492,6 +494,46 @@ class ActivationOffloadHandle(_Offloader):
         )
 
 
+class ModelOffloadHandle(offload_activations):
+    """A plan's "stream": `offload_activations` entered around every forward of ``model``
+    (every tensor its forward saves goes to host memory and comes back one by one in backward,
+    prefetched by bytes). Returned by `apply_activation_offloading` for such a plan;
+    `remove()` takes the hooks off."""
+
+    def __init__(self, model: nn.Module, *, min_bytes: int, pool: PinnedPool | None,
+                 device: torch.device | str | int | None) -> None:  # fmt: skip
+        super().__init__(min_bytes=min_bytes, pool=pool, device=device)
+        self.model = model
+        self._depth = 0
+        self._handles = [
+            model.register_forward_pre_hook(self._model_pre),
+            model.register_forward_hook(self._model_post, always_call=True),
+        ]
+
+    recomputed_layers: list[int] = []
+
+    def _model_pre(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():
+            return
+        self._depth += 1
+        if self._depth == 1:
+            self.__enter__()
+
+    def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            self.__exit__(None, None, None)
+
+    def remove(self) -> None:
+        if self._session is not None:
+            raise RuntimeError("cannot remove activation offloading during the model's forward")
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
 def apply_activation_offloading(
     model: nn.Module,
     *,
@@ -500,7 +542,7 @@ def apply_activation_offloading(
     pool: PinnedPool | None = None,
     device: torch.device | str | int | None = None,
     plan: Any = None,
-) -> ActivationOffloadHandle:
+) -> ActivationOffloadHandle | ModelOffloadHandle:
     """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
 
     Args:
@@ -512,13 +554,19 @@ def apply_activation_offloading(
         device: the compute device; default: the current accelerator, else the CPU.
         plan: a `torchoffload.Plan` (instead of ``config``): its offloaded layers are
             offloaded, its recomputed layers run under ``torch.utils.checkpoint``
-            (non-reentrant) until ``remove()``, the rest keep their activations.
+            (non-reentrant) until ``remove()``, the rest keep their activations. A
+            "recompute+offload" layer is checkpointed and its input offloaded. A "stream"
+            plan returns a `ModelOffloadHandle` instead: `offload_activations` around the model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if plan is not None:
         if config is not None:
             raise ValueError("pass either config or plan, not both")
+        if plan.stream:
+            return ModelOffloadHandle(
+                model, min_bytes=plan.profile.min_bytes, pool=pool, device=device
+            )
         config = ActivationOffloadConfig(
             prefetch_layers=plan.prefetch_layers,
             defer_layers=plan.defer_layers,

@@ -1,5 +1,6 @@
 """Know before you run: trace one training step under fake tensors, then choose per layer
-between keeping, offloading and recomputing activations to meet a memory budget.
+between keeping, offloading, recomputing, and recomputing with the input offloaded, to meet a
+memory budget at the least predicted step time.
 
 ::
 
@@ -17,18 +18,25 @@ Note: [How a plan changes memory]
 Offloading layer i removes its eligible saved storages from the device from the end of layer
 i + defer_layers' forward until the backward of layer i + prefetch_layers starts (where the
 layer-aware engine frees and reloads them). Recomputing layer i removes every storage it saved,
-except its input, from the end of its forward until its backward starts. Between two markers the
-live bytes of the baseline trace are shifted by what the plan removes there, so the predicted
-peak is the largest shifted value; it takes one pass over the markers, not a new trace.
+except its input, from the end of its forward until its backward starts. "recompute+offload"
+also offloads that input: non-reentrant checkpointing saves a layer's inputs through the
+saved-tensor hooks outside it, which are the engine's, so the input leaves and comes back in
+the offloading window. Between two markers the live bytes of the baseline trace are shifted by
+what the plan removes there, so the predicted peak is the largest shifted value; it takes one
+pass over the markers, not a new trace.
 
 Note: [How a plan changes time]
-Compute time is FLOPs over an achieved rate (``compute_tflops`` times ``efficiency``). Copies
-take bytes over ``link_gbps``. Forward: layer j cannot start until the copies of layer
-j - defer_layers - 1 are done (the engine's deferred release waits on them). Backward: the
-reloads of layer i are issued when the backward of layer i + prefetch_layers starts, wait for
-the compute issued before them (the engine orders each reload after the compute stream), and
-layer i's backward waits for them; a recomputed layer adds its forward to its backward. The
-optimizer step and the code outside the layers are kept as traced.
+Each traced op takes the slower of its FLOPs at the rate of its kind (matmul or attention) and
+its bytes at the achieved memory bandwidth. A layer's forward or backward takes the longer of
+its ops' device time and the host time to launch them (``host_us_*`` per op, plus the engine's
+time per copied storage): small layers are bound by the host. Copies take bytes over
+``link_gbps``. Forward: layer j cannot start until the copies of layer j - defer_layers - 1 are
+done (the engine's deferred release waits on them). Backward: the reloads of layer i are
+issued when the backward of layer i + prefetch_layers starts, wait for the compute issued
+before them (the engine orders each reload after the compute stream), and layer i's backward
+waits for them; a recomputed layer adds the forward ops up to its last saved tensor (where
+non-reentrant checkpointing stops). The optimizer step streams parameters, gradients and state
+at the memory bandwidth; the code outside the layers is kept as traced.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from torchoffload._trace import LayerProfile, Profile, trace
+from torchoffload._trace import ATTENTION, MATMUL, MEMORY, LayerProfile, Profile, trace
 
 __all__ = [
     "Hardware",
@@ -64,51 +72,87 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the time model needs. The defaults are one H200 as measured on the GPU machine
-    (pinned copies 55 GB/s each way, bf16 matmul 790 TFLOP/s); ``efficiency`` is the share of
-    ``compute_tflops`` a training step's counted FLOPs achieve (elementwise work is not counted,
-    so this absorbs it)."""
+    """What the time model needs; see Note: [How a plan changes time]. The defaults are what
+    `detect` measured on one H200 of the GPU machine (torch 2.11, CUDA 13): pinned copies
+    55.3 GB/s each way, a bf16 8192^3 matmul at 803 TFLOP/s, an elementwise add at 4255 GB/s.
+    The three efficiencies are the shares of those rates that a training step's matmuls,
+    attention kernels and memory-bound ops reached there, read from `torch.profiler`'s
+    per-kernel times of the GPT steps in `benchmarks/planner.py`. The ``host_us_*`` fields are
+    the CPU time per op that eager PyTorch spends launching work, which bounds a step of small
+    kernels."""
 
-    link_gbps: float = 55.0
-    compute_tflops: float = 790.0
-    efficiency: float = 0.6
-    hbm_gbps: float = 3000.0  # for the optimizer step, which streams parameters and state
+    link_gbps: float = 55.3
+    compute_tflops: float = 803.0
+    hbm_gbps: float = 4255.0
+    efficiency: float = 0.9  # matmuls, of compute_tflops
+    attention_efficiency: float = 0.45  # fused attention kernels, of compute_tflops
+    memory_efficiency: float = 0.7  # memory-bound ops, of hbm_gbps
+    host_us_fwd: float = 12.0  # per forward op (Python modules, dispatcher, launch)
+    host_us_bwd: float = 6.0  # per backward op (the autograd engine, in C++)
+    host_us_saved: float = 40.0  # per storage the layer-aware engine offloads (hooks, copies)
+    host_us_checkpoint: float = 50.0  # per storage a checkpointed layer saves (its hooks)
+    workspace_bytes: int = 64 << 20  # cuBLAS/attention workspaces the allocator holds
     source: str = "defaults (one H200)"
 
     def __post_init__(self) -> None:
-        for name in ("link_gbps", "compute_tflops", "efficiency", "hbm_gbps"):
+        for name in (
+            "link_gbps", "compute_tflops", "hbm_gbps", "efficiency", "attention_efficiency",
+            "memory_efficiency",
+        ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"Hardware.{name} must be a positive number, got {value!r}")
+        for name in (
+            "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_checkpoint", "workspace_bytes",
+        ):  # fmt: skip
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise ValueError(f"Hardware.{name} must be a number >= 0, got {value!r}")
 
     @property
     def flops_per_s(self) -> float:
         return self.compute_tflops * 1e12 * self.efficiency
 
+    def op_seconds(self, ops: Sequence[tuple[int, int, int]], flops: int = 0) -> float:
+        """Device time of traced ops, each at the slower of its FLOPs and its memory traffic
+        (a roofline per op, at the rate of its kind); ``flops`` alone at the matmul rate when
+        no ops were traced (a synthetic profile)."""
+        if not ops:
+            return flops / self.flops_per_s
+        peak = self.compute_tflops * 1e12
+        rates = {MATMUL: peak * self.efficiency, ATTENTION: peak * self.attention_efficiency}
+        rates[MEMORY] = rates[MATMUL]
+        bw = self.hbm_gbps * 1e9 * self.memory_efficiency
+        return sum(max(f / rates[k], b / bw) for f, b, k in ops)
+
     @classmethod
     def detect(
         cls, link_gbps: float | None = None, compute_tflops: float | None = None
     ) -> Hardware:
-        """Measured on this machine's GPU when there is one (a few hundred ms), else the
-        defaults; explicit values win."""
+        """Measured on this machine's GPU when there is one (about a second), else the
+        defaults; explicit values win. The efficiencies keep their defaults."""
         measured: dict[str, float] = {}
         source = "defaults (one H200)"
-        if torch.cuda.is_available() and (link_gbps is None or compute_tflops is None):
+        if torch.cuda.is_available():
             measured = _measure_cuda()
+            measured.update(_measure_host(torch.device("cuda", torch.cuda.current_device())))
             source = f"measured on {torch.cuda.get_device_name()}"
-        link = link_gbps if link_gbps is not None else measured.get("link_gbps", cls.link_gbps)
-        tflops = compute_tflops if compute_tflops is not None else measured.get("tflops")
-        if link_gbps is not None and compute_tflops is not None:
-            source = "given"
-        return cls(link_gbps=link, compute_tflops=tflops or cls.compute_tflops, source=source)
+        if link_gbps is not None:
+            measured["link_gbps"] = link_gbps
+        if compute_tflops is not None:
+            measured["compute_tflops"] = compute_tflops
+        return cls(**measured, source=source)
 
 
 def _measure_cuda() -> dict[str, float]:
+    """Link, matmul and memory rates, and host time per op, on the current GPU."""
     dev = torch.device("cuda", torch.cuda.current_device())
     n = 256 << 20
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     buf = torch.empty(n, dtype=torch.uint8, device=dev)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    x = buf.view(torch.bfloat16)
+    y, z = torch.empty_like(x), torch.empty_like(x)
 
     def timed(fn, reps: int) -> float:
         fn()
@@ -123,7 +167,83 @@ def _measure_cuda() -> dict[str, float]:
     h2d = timed(lambda: buf.copy_(host, non_blocking=True), 4)
     d2h = timed(lambda: host.copy_(buf, non_blocking=True), 4)
     mm = timed(lambda: a @ a, 10)
-    return {"link_gbps": n / max(h2d, d2h) / 1e9, "tflops": 2 * 8192**3 / mm / 1e12}
+    add = timed(lambda: torch.add(x, y, out=z), 10)  # reads two, writes one
+    out = {
+        "link_gbps": n / max(h2d, d2h) / 1e9,
+        "compute_tflops": 2 * 8192**3 / mm / 1e12,
+        "hbm_gbps": 3 * n / add / 1e9,
+    }
+    return out
+
+
+def _measure_host(dev: torch.device) -> dict[str, float]:
+    """CPU time per op of a step of tiny blocks, whose kernels take less time than their
+    launch: forward, backward, and what the layer-aware engine adds per offloaded storage."""
+    import statistics
+    import time
+
+    from torchoffload._pool import PinnedPool
+    from torchoffload.layers import ActivationOffloadConfig, apply_activation_offloading
+    from torchoffload.models import BlockStack
+
+    torch.manual_seed(0)
+    model = BlockStack(64, 12, heads=2).to(dev)
+    x = torch.randn(2, 16, 64, device=dev)
+
+    def loss_fn(out: torch.Tensor) -> torch.Tensor:
+        return out.float().pow(2).mean()
+
+    profile = trace(model, (x,), layers=model.layers, loss_fn=loss_fn, optimizer="none")
+    n_fwd = sum(len(layer.fwd_ops) for layer in profile.layers) + len(profile.outside_fwd_ops)
+    n_bwd = sum(len(layer.bwd_ops) for layer in profile.layers) + len(profile.outside_bwd_ops)
+
+    def step_times(reps: int = 30) -> tuple[float, float]:
+        fwd, bwd = [], []
+        for _ in range(reps + 5):
+            torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            loss = loss_fn(model(x))
+            torch.cuda.synchronize(dev)
+            t1 = time.perf_counter()
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(dev)
+            fwd.append(t1 - t0)
+            bwd.append(time.perf_counter() - t1)
+        return statistics.median(fwd[5:]), statistics.median(bwd[5:])
+
+    f0, b0 = step_times()
+    reps = 35  # the steps step_times runs
+    pool = PinnedPool(64 << 20, slab_bytes=16 << 20)
+    cfg = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0, time_waits=False)
+    handle = apply_activation_offloading(model, layers=model.layers, config=cfg, pool=pool)
+    try:
+        handle.reset_stats()
+        f1, b1 = step_times()
+        st = handle.stats()
+        storages = (st.offloaded_tensors - st.shared_storage_tensors) / reps
+    finally:
+        handle.remove()
+        pool.release()
+    # every layer under non-reentrant checkpointing: what it costs beyond replaying the ops,
+    # per storage the layer saves
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in model.layers:
+        layer.forward = lambda *a, _f=layer.forward: checkpoint(_f, *a, use_reentrant=False)
+    try:
+        f2, b2 = step_times()
+    finally:
+        for layer in model.layers:
+            del layer.forward
+    replay = sum(x.recompute_ops for x in profile.layers) * f0 / n_fwd
+    saved = sum(len(x.saved_tensors) for x in profile.layers)
+    return {
+        "host_us_fwd": f0 / n_fwd * 1e6,
+        "host_us_bwd": b0 / n_bwd * 1e6,
+        "host_us_saved": max((f1 + b1 - f0 - b0) / max(storages, 1) * 1e6, 0.0),
+        "host_us_checkpoint": max((f2 + b2 - f0 - b0 - replay) / max(saved, 1) * 1e6, 0.0),
+    }
 
 
 # -- predictions --------------------------------------------------------------------------------
@@ -139,6 +259,11 @@ class Prediction:
     offloaded_bytes: int  # per step, each way
 
 
+KEEP, OFFLOAD, RECOMPUTE, BOTH = "keep", "offload", "recompute", "recompute+offload"
+DECISIONS = (KEEP, OFFLOAD, RECOMPUTE, BOTH)
+STREAM = "stream"  # the whole model under `offload_activations` (every layer at once)
+
+
 class _Model:
     """A profile prepared for fast what-ifs. See Notes: [How a plan changes memory] and
     [How a plan changes time]."""
@@ -150,55 +275,82 @@ class _Model:
         marks = profile.step_marks
         self.bwd_end = marks["backward_end"]
         # Steady state: the optimizer state of earlier steps is live during forward and backward.
-        steady = [v + profile.optimizer_bytes for v in profile.timeline[: self.bwd_end + 1]]
-        self.opt_peak = max(profile.timeline[self.bwd_end :]) if profile.timeline else 0
+        extra = hw.workspace_bytes
+        steady = [v + profile.optimizer_bytes + extra for v in profile.timeline[: self.bwd_end + 1]]
+        self.opt_peak = max(profile.timeline[self.bwd_end :]) + extra if profile.timeline else 0
         self.steady = steady
-        cuts = {0, len(steady)}
-        self.windows: list[dict[str, tuple[int, int]]] = []
-        for i in range(n):
+        last = len(steady)
+        # per layer and decision: (from, to, bytes) the decision removes between two markers
+        self.removals: list[dict[str, list[tuple[int, int, int]]]] = []
+        self.moved: list[dict[str, int]] = []  # bytes copied each way
+        cuts = {0, last}
+        for i, layer in enumerate(profile.layers):
             release = profile.fwd_end[i + defer] if i + defer < n else marks["forward_end"]
             reload = profile.bwd_start[min(i + prefetch, n - 1)]
-            w = {
-                "offload": (release, reload),
-                "recompute": (profile.fwd_end[i], profile.bwd_start[i]),
+            off = (min(release, last), min(reload, last))
+            rec = (min(profile.fwd_end[i], last), min(profile.bwd_start[i], last))
+            r = {
+                KEEP: [],
+                OFFLOAD: [(*off, layer.offloadable_bytes)],
+                RECOMPUTE: [(*rec, layer.recompute_bytes)],
+                BOTH: [(*rec, layer.recompute_bytes), (*off, layer.input_offloadable_bytes)],
             }
-            for a, b in w.values():
-                cuts.update((min(a, len(steady)), min(b, len(steady))))
-            self.windows.append(w)
+            r = {d: [w for w in ws if w[1] > w[0] and w[2]] for d, ws in r.items()}
+            for ws in r.values():
+                for a, b, _ in ws:
+                    cuts.update((a, b))
+            self.removals.append(r)
+            self.moved.append(
+                {KEEP: 0, OFFLOAD: layer.offloadable_bytes, RECOMPUTE: 0,
+                 BOTH: layer.input_offloadable_bytes}
+            )  # fmt: skip
         self.cuts = sorted(cuts)
         self.pos = {c: k for k, c in enumerate(self.cuts)}
         self.seg_max = [
             max(steady[a:b]) if b > a else -(1 << 62)
             for a, b in zip(self.cuts, self.cuts[1:], strict=False)
         ]
-        rate = hw.flops_per_s
-        self.tf = [layer.fwd_flops / rate for layer in profile.layers]
-        self.tb = [layer.bwd_flops / rate for layer in profile.layers]
-        self.t_out_f = profile.outside_fwd_flops / rate
-        self.t_out_b = profile.outside_bwd_flops / rate
+        gpu, us = hw.op_seconds, 1e-6
+        layers = profile.layers
+        # forward, backward and recomputation of each layer: the device's time or the host's
+        # (launching the ops), whichever is longer
+        self.host_f = [len(x.fwd_ops) * hw.host_us_fwd * us for x in layers]
+        self.host_b = [len(x.bwd_ops) * hw.host_us_bwd * us for x in layers]
+        self.gpu_f = [gpu(x.fwd_ops, x.fwd_flops) for x in layers]
+        self.gpu_b = [gpu(x.bwd_ops, x.bwd_flops) for x in layers]
+        self.tr = [  # what recomputation replays (all of the forward when not traced), with
+            # checkpointing's own host time per saved storage
+            max(
+                gpu(x.fwd_ops[: x.recompute_ops]),
+                (x.recompute_ops * hw.host_us_fwd + len(x.saved_tensors) * hw.host_us_checkpoint)
+                * us,
+            )
+            if x.fwd_ops
+            else self.gpu_f[i]
+            for i, x in enumerate(layers)
+        ]
+        # the offloading engine's host time per storage it copies, half in each direction
+        per_copy = hw.host_us_saved * us / 2
+        self.hooks = [
+            {KEEP: 0.0, RECOMPUTE: 0.0, BOTH: per_copy if x.input_offloadable_bytes else 0.0,
+             OFFLOAD: per_copy * sum(1 for _, b in x.saved_tensors if b >= profile.min_bytes)}
+            for x in layers
+        ]  # fmt: skip
+        self.t_out_f = max(gpu(profile.outside_fwd_ops, profile.outside_fwd_flops),
+                           len(profile.outside_fwd_ops) * hw.host_us_fwd * us)  # fmt: skip
+        self.t_out_b = max(gpu(profile.outside_bwd_ops, profile.outside_bwd_flops),
+                           len(profile.outside_bwd_ops) * hw.host_us_bwd * us)  # fmt: skip
         moved = profile.param_bytes * 2 + profile.grad_bytes + profile.optimizer_bytes * 2
-        self.t_opt = moved / (hw.hbm_gbps * 1e9) if profile.optimizer_bytes else 0.0
+        bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+        self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
         self.bw = hw.link_gbps * 1e9
-
-    def removed(self, i: int, decision: str) -> int:
-        layer = self.p.layers[i]
-        if decision == "offload":
-            return layer.offloadable_bytes
-        if decision == "recompute":
-            return layer.recompute_bytes
-        return 0
 
     def peak(self, decisions: Sequence[str]) -> int:
         diff = [0] * (len(self.cuts) + 1)
         for i, d in enumerate(decisions):
-            if d == "keep":
-                continue
-            a, b = self.windows[i][d]
-            amount = self.removed(i, d)
-            if b > a and amount:
-                last = len(self.steady)
-                diff[self.pos[min(a, last)]] -= amount
-                diff[self.pos[min(b, last)]] += amount
+            for a, b, amount in self.removals[i][d]:
+                diff[self.pos[a]] -= amount
+                diff[self.pos[b]] += amount
         best, run = self.opt_peak, 0
         for k, seg in enumerate(self.seg_max):
             run += diff[k]
@@ -209,11 +361,9 @@ class _Model:
         """The predicted live bytes after each traced event (forward and backward)."""
         diff = [0] * (len(self.steady) + 1)
         for i, d in enumerate(decisions):
-            if d != "keep":
-                a, b = self.windows[i][d]
-                if b > a:
-                    diff[a] -= self.removed(i, d)
-                    diff[b] += self.removed(i, d)
+            for a, b, amount in self.removals[i][d]:
+                diff[a] -= amount
+                diff[b] += amount
         out, run = [], 0
         for k, v in enumerate(self.steady):
             run += diff[k]
@@ -222,8 +372,10 @@ class _Model:
 
     def time(self, decisions: Sequence[str]) -> tuple[float, float, float]:
         n, defer, prefetch, bw = self.n, self.defer, self.prefetch, self.bw
-        d = [self.p.layers[i].offloadable_bytes / bw if x == "offload" else 0.0
-             for i, x in enumerate(decisions)]  # fmt: skip
+        d = [self.moved[i][x] / bw for i, x in enumerate(decisions)]
+        hook = [self.hooks[i][x] for i, x in enumerate(decisions)]
+        tf = [max(self.gpu_f[i], self.host_f[i] + hook[i]) for i in range(n)]
+        tb = [max(self.gpu_b[i], self.host_b[i] + hook[i]) for i in range(n)]
         # forward: layer j waits for the copies of layer j - defer - 1
         c, copy_free = 0.0, 0.0
         d2h_end = [0.0] * n
@@ -231,7 +383,7 @@ class _Model:
             start = c
             if j - defer - 1 >= 0:
                 start = max(start, d2h_end[j - defer - 1])
-            c = start + self.tf[j]
+            c = start + tf[j]
             if d[j]:
                 copy_free = max(copy_free, start) + d[j]
             d2h_end[j] = copy_free
@@ -245,14 +397,59 @@ class _Model:
             if d[i]:
                 h2d_free = max(h2d_free, issue) + d[i]
                 ready = h2d_free
-            extra = self.tf[i] if decisions[i] == "recompute" else 0.0
-            end_of[i] = max(end_of[i + 1], ready) + self.tb[i] + extra
+            extra = self.tr[i] if decisions[i] in (RECOMPUTE, BOTH) else 0.0
+            end_of[i] = max(end_of[i + 1], ready) + tb[i] + extra
         backward = end_of[0] - forward
         return forward, backward, self.t_opt
 
+    def stream(
+        self, prefetch_bytes: int = 32 << 20, inflight_bytes: int = 256 << 20
+    ) -> tuple[Prediction, list[int]]:
+        """`offload_activations` around the whole model: every eligible storage saved in the
+        model's forward leaves after its save and comes back just before the op that frees it
+        in backward, with ``inflight_bytes`` held in forward and ``prefetch_bytes`` ahead in
+        backward; copies bound the step when they take longer than compute. Returns the
+        prediction and the timeline."""
+        p = self.p
+        last = len(self.steady)
+        fwd_end = p.step_marks["forward_end"]
+        diff = [0] * (last + 1)
+        moved = count = 0
+        for _, nbytes, saved_at, freed_at, in_model in p.saved_storages:
+            if not in_model or nbytes < max(p.min_bytes, 1):
+                continue
+            moved += nbytes
+            count += 1
+            a, b = min(saved_at + 1, last), min(max(freed_at - 1, 0), last)
+            if b > a:
+                diff[a] -= nbytes
+                diff[b] += nbytes
+        hooks = count * self.hw.host_us_saved * 1e-6 / 2
+        copies = moved / self.bw
+        compute_f = max(sum(self.gpu_f), sum(self.host_f) + hooks) + self.t_out_f
+        # Forward holds what is still being copied: up to the in-flight window when the copies
+        # are slower than compute, else about one layer's worth. Backward holds the prefetch
+        # window plus one storage issued ahead of it (the largest, at worst).
+        largest = max(
+            (b for _, b, _, _, m in p.saved_storages if m and b >= p.min_bytes), default=0
+        )
+        layer_bytes = max((x.offloadable_bytes for x in p.layers), default=0)
+        behind = inflight_bytes if copies > compute_f else min(inflight_bytes, layer_bytes)
+        ahead = prefetch_bytes + largest
+        timeline, run = [], 0
+        for k, v in enumerate(self.steady):
+            run += diff[k]
+            window = behind if k <= fwd_end else ahead  # at most what is away
+            timeline.append(v + run + min(window, -run))
+        peak = max([self.opt_peak, *timeline])
+        fwd = max(sum(self.gpu_f), sum(self.host_f) + hooks) + self.t_out_f
+        bwd = max(sum(self.gpu_b), sum(self.host_b) + hooks) + self.t_out_b
+        f, b = max(fwd, copies), max(bwd, copies)
+        return Prediction(peak, f + b + self.t_opt, f, b, self.t_opt, moved), timeline
+
     def predict(self, decisions: Sequence[str]) -> Prediction:
         f, b, o = self.time(decisions)
-        moved = sum(self.removed(i, x) for i, x in enumerate(decisions) if x == "offload")
+        moved = sum(self.moved[i][x] for i, x in enumerate(decisions))
         return Prediction(self.peak(decisions), f + b + o, f, b, o, moved)
 
 
@@ -267,9 +464,10 @@ def _choose(model: _Model, budget: int) -> list[str]:
     """Greedy: from all-keep, apply the change with the least predicted time per byte of peak
     it removes until the peak fits; then undo changes that are no longer needed."""
     n = model.n
-    decisions = ["keep"] * n
+    decisions = [KEEP] * n
     current = model.predict(decisions)
-    moves = {"keep": ("offload", "recompute"), "offload": ("recompute",), "recompute": ()}
+    moves = {KEEP: (OFFLOAD, RECOMPUTE, BOTH), OFFLOAD: (RECOMPUTE, BOTH), RECOMPUTE: (BOTH,),
+             BOTH: ()}  # fmt: skip
     while current.peak_bytes > budget:
         best = None
         for i in range(n):
@@ -289,7 +487,8 @@ def _choose(model: _Model, budget: int) -> list[str]:
             break
         _, decisions, current = best
     # Undo what the budget no longer needs, latest layers first (they cost the most to move).
-    lighter = {"keep": (), "offload": ("keep",), "recompute": ("keep", "offload")}
+    lighter = {KEEP: (), OFFLOAD: (KEEP,), RECOMPUTE: (KEEP, OFFLOAD),
+               BOTH: (KEEP, OFFLOAD, RECOMPUTE)}  # fmt: skip
     changed = True
     while changed:
         changed = False
@@ -305,15 +504,33 @@ def _choose(model: _Model, budget: int) -> list[str]:
 
 
 def _least_peak(model: _Model) -> tuple[list[str], int]:
-    """The decisions that remove the most from each layer's window, ignoring time."""
-    decisions = []
-    for i in range(model.n):
-        options = sorted(
-            ("offload", "recompute"),
-            key=lambda d: model.removed(i, d) * (model.windows[i][d][1] > model.windows[i][d][0]),
-        )
-        decisions.append(options[-1])
-    return decisions, model.peak(decisions)
+    """The decisions with the least predicted peak, ignoring time: the best uniform plan
+    (which wins depends on the windows: offloaded bytes come back a layer early, recomputed
+    ones keep the layer's input unless it is offloaded too), then improved one layer at a time
+    until no single change lowers the peak."""
+    n = model.n
+    best = min(([d] * n for d in DECISIONS), key=model.peak)
+    peak = model.peak(best)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(n):
+            for option in DECISIONS:
+                if option == best[i]:
+                    continue
+                trial = best.copy()
+                trial[i] = option
+                trial_peak = model.peak(trial)
+                if trial_peak < peak:
+                    best, peak, improved = trial, trial_peak, True
+    return best, peak
+
+
+def _human(nbytes: int) -> str:
+    """Bytes in GiB, or MiB below 1 GiB."""
+    if abs(nbytes) >= 2**30:
+        return f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -331,12 +548,19 @@ class Plan:
     baseline: Prediction
 
     @property
+    def stream(self) -> bool:
+        """Every tensor the model saves is offloaded as with `offload_activations` (reloaded
+        one by one in backward): the least memory, at the link's speed."""
+        return bool(self.decisions) and self.decisions[0] == STREAM
+
+    @property
     def offload_layers(self) -> frozenset[int]:
-        return frozenset(i for i, d in enumerate(self.decisions) if d == "offload")
+        """Layers whose saved activations are offloaded (for "recompute+offload": its input)."""
+        return frozenset(i for i, d in enumerate(self.decisions) if d in (OFFLOAD, BOTH, STREAM))
 
     @property
     def recompute_layers(self) -> frozenset[int]:
-        return frozenset(i for i, d in enumerate(self.decisions) if d == "recompute")
+        return frozenset(i for i, d in enumerate(self.decisions) if d in (RECOMPUTE, BOTH))
 
     def __str__(self) -> str:
         mib = 2**20
@@ -377,17 +601,23 @@ class Plan:
             )
         if self.budget_bytes is not None:
             lines.append(f"budget {self.budget_bytes / gib:.2f} {unit}")
-        counts = {d: self.decisions.count(d) for d in ("keep", "offload", "recompute")}
+        counts = {d: self.decisions.count(d) for d in (*DECISIONS, STREAM)}
         lines.append(
-            f"decisions: keep {counts['keep']}, offload {counts['offload']}, recompute "
-            f"{counts['recompute']} (prefetch {self.prefetch_layers}, defer {self.defer_layers})"
+            f"decisions: keep {counts[KEEP]}, offload {counts[OFFLOAD]}, recompute "
+            f"{counts[RECOMPUTE]}, recompute+offload {counts[BOTH]}"
+            + (
+                " (stream: the whole model under offload_activations)"
+                if self.stream
+                else f" (prefetch {self.prefetch_layers}, defer {self.defer_layers})"
+            )
         )
         return "\n".join(lines)
 
     def memory_timelines(self) -> tuple[list[int], list[int]]:
         """Predicted live bytes over forward and backward: (no plan, this plan)."""
         model = _Model(self.profile, self.hardware, self.defer_layers, self.prefetch_layers)
-        return model.timeline(["keep"] * len(self.decisions)), model.timeline(self.decisions)
+        base = model.timeline([KEEP] * len(self.decisions))
+        return base, model.stream()[1] if self.stream else model.timeline(self.decisions)
 
     def plot(self, path: str) -> None:
         """Write a PNG of memory over one step, without a plan and with this one (needs
@@ -434,25 +664,33 @@ def plan_from_profile(
     naming the least peak and what it is made of, when nothing fits."""
     hw = hardware or Hardware()
     model = _Model(profile, hw, defer_layers, prefetch_layers)
-    keep = ["keep"] * model.n
+    keep = [KEEP] * model.n
     baseline = model.predict(keep)
     if budget_bytes is None or baseline.peak_bytes <= budget_bytes:
         decisions = keep
     else:
         least, least_peak = _least_peak(model)
-        if least_peak > budget_bytes:
-            gib = 2**30
+        stream, _ = model.stream()
+        options = []
+        if least_peak <= budget_bytes:
+            decisions = _choose(model, budget_bytes)
+            options.append((model.predict(decisions).step_s, decisions))
+        if profile.saved_storages and stream.peak_bytes <= budget_bytes:
+            options.append((stream.step_s, [STREAM] * model.n))
+        if not options:
+            g = _human
             raise InfeasibleBudgetError(
-                f"budget {budget_bytes / gib:.2f} GiB is too small: this step needs at least "
-                f"{least_peak / gib:.2f} GiB even with every layer offloaded or recomputed. "
+                f"budget {g(budget_bytes)} is too small: this step needs at least "
+                f"{g(min(least_peak, stream.peak_bytes if profile.saved_storages else least_peak))}"
+                " even with every layer offloaded or "
+                "recomputed. "
                 f"Parameters, gradients and optimizer state alone take "
-                f"{profile.static_bytes / gib:.2f} GiB (parameters "
-                f"{profile.param_bytes / gib:.2f}, "
-                f"gradients {profile.grad_bytes / gib:.2f}, optimizer "
-                f"{profile.optimizer_bytes / gib:.2f}); without a plan the peak is "
-                f"{baseline.peak_bytes / gib:.2f} GiB."
+                f"{g(profile.static_bytes)} (parameters {g(profile.param_bytes)}, "
+                f"gradients {g(profile.grad_bytes)}, optimizer {g(profile.optimizer_bytes)}), "
+                f"the device's workspaces {g(hw.workspace_bytes)}; "
+                f"without a plan the peak is {g(baseline.peak_bytes)}."
             )
-        decisions = _choose(model, budget_bytes)
+        decisions = min(options, key=lambda o: o[0])[1]
     for i, d in enumerate(decisions):
         _log.debug("layer %d: %s", i, d)
     return Plan(
@@ -462,7 +700,7 @@ def plan_from_profile(
         decisions=tuple(decisions),
         prefetch_layers=prefetch_layers,
         defer_layers=defer_layers,
-        predicted=model.predict(decisions),
+        predicted=model.stream()[0] if decisions[0] == STREAM else model.predict(decisions),
         baseline=baseline,
     )
 
@@ -535,7 +773,7 @@ def synthetic_profile(
     backward_end = len(timeline) - 1
     layer_profiles = tuple(
         LayerProfile(i, f"layers.{i}", saved_bytes, saved_bytes, saved_bytes - input_bytes,
-                     input_bytes, (), fwd_flops, 2 * fwd_flops)
+                     input_bytes, input_bytes if i else 0, (), fwd_flops, 2 * fwd_flops)
         for i in range(layers)
     )  # fmt: skip
     return Profile(
