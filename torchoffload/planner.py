@@ -74,23 +74,24 @@ _log = logging.getLogger(__name__)
 class Hardware:
     """What the time model needs; see Note: [How a plan changes time]. The defaults are what
     `detect` measured on one H200 of the GPU machine (torch 2.11, CUDA 13): pinned copies
-    55.3 GB/s each way, a bf16 8192^3 matmul at 803 TFLOP/s, an elementwise add at 4255 GB/s.
+    55.4 GB/s each way, a bf16 8192^3 matmul at 801 TFLOP/s, an elementwise add at 4223 GB/s,
+    and the host times of tiny blocks (benchmarks/RESULTS.md, planner validation, run 3).
     The three efficiencies are the shares of those rates that a training step's matmuls,
     attention kernels and memory-bound ops reached there, read from `torch.profiler`'s
     per-kernel times of the GPT steps in `benchmarks/planner.py`. The ``host_us_*`` fields are
     the CPU time per op that eager PyTorch spends launching work, which bounds a step of small
     kernels."""
 
-    link_gbps: float = 55.3
-    compute_tflops: float = 803.0
-    hbm_gbps: float = 4255.0
+    link_gbps: float = 55.4
+    compute_tflops: float = 801.0
+    hbm_gbps: float = 4223.0
     efficiency: float = 0.9  # matmuls, of compute_tflops
     attention_efficiency: float = 0.45  # fused attention kernels, of compute_tflops
     memory_efficiency: float = 0.7  # memory-bound ops, of hbm_gbps
-    host_us_fwd: float = 12.0  # per forward op (Python modules, dispatcher, launch)
-    host_us_bwd: float = 6.0  # per backward op (the autograd engine, in C++)
-    host_us_saved: float = 40.0  # per storage the layer-aware engine offloads (hooks, copies)
-    host_us_checkpoint: float = 50.0  # per storage a checkpointed layer saves (its hooks)
+    host_us_fwd: float = 9.0  # per forward op (Python modules, dispatcher, launch)
+    host_us_bwd: float = 6.6  # per backward op (the autograd engine, in C++)
+    host_us_saved: float = 221.0  # per storage the layer-aware engine offloads (hooks, copies)
+    host_us_checkpoint: float = 117.0  # per storage a checkpointed layer saves (its hooks)
     workspace_bytes: int = 64 << 20  # cuBLAS/attention workspaces the allocator holds
     source: str = "defaults (one H200)"
 
