@@ -38,7 +38,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,6 +50,7 @@ from torchoffload import (  # noqa: E402
     apply_activation_offloading,
     offload_activations,
 )
+from torchoffload._modules import checkpointed  # noqa: E402
 from torchoffload.models import BlockStack  # noqa: E402
 from torchoffload.planner import (  # noqa: E402
     Hardware,
@@ -66,20 +66,6 @@ FRACTIONS = (0.75, 0.5, 0.25)
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
-
-
-@contextlib.contextmanager
-def checkpointed(layers, m: int):
-    """The first m layers under non-reentrant checkpointing."""
-    for layer in layers[:m]:
-        layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(
-            _f, *a, use_reentrant=False, **k
-        )
-    try:
-        yield
-    finally:
-        for layer in layers[:m]:
-            del layer.forward
 
 
 def measure(model, x, steps, warmup, device, *, ctx=contextlib.nullcontext, phases=False,
@@ -165,7 +151,7 @@ def run_shape(shape, hw, pool, args, device, dtype):
     if args.profile_dir and device.type == "cuda":
         profile_step(model, x, args.profile_dir / f"{name.replace(' ', '_')}.txt")
     for m in range(1, nlayers + 1):
-        r = run(lambda m=m: checkpointed(layers, m))
+        r = run(lambda m=m: checkpointed(layers[:m]))
         row(f"ckpt[{m}]", r, ["recompute"] * m + ["keep"] * (nlayers - m))
     row(
         "save_on_cpu",

@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from torch import nn
 
-__all__ = ["find_layers", "matches"]
+__all__ = ["checkpointed", "find_layers", "matches"]
+
+
+@contextlib.contextmanager
+def checkpointed(layers: Iterable[nn.Module]) -> Iterator[None]:
+    """These layers under plain non-reentrant `torch.utils.checkpoint` until the block ends
+    (for measuring checkpointing itself; `apply_activation_offloading` has its own, undone by
+    ``remove()``)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = list(layers)
+    for layer in layers:
+        layer.forward = lambda *a, _f=layer.forward, **k: checkpoint(
+            _f, *a, use_reentrant=False, **k
+        )
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
 
 
 def find_layers(model: nn.Module) -> nn.ModuleList:

@@ -183,6 +183,7 @@ def _measure_host(dev: torch.device) -> dict[str, float]:
     import statistics
     import time
 
+    from torchoffload._modules import checkpointed
     from torchoffload._pool import PinnedPool
     from torchoffload.layers import ActivationOffloadConfig, apply_activation_offloading
     from torchoffload.models import BlockStack
@@ -198,9 +199,11 @@ def _measure_host(dev: torch.device) -> dict[str, float]:
     n_fwd = sum(len(layer.fwd_ops) for layer in profile.layers) + len(profile.outside_fwd_ops)
     n_bwd = sum(len(layer.bwd_ops) for layer in profile.layers) + len(profile.outside_bwd_ops)
 
-    def step_times(reps: int = 30) -> tuple[float, float]:
+    warm, reps = 5, 30
+
+    def step_times() -> tuple[float, float]:
         fwd, bwd = [], []
-        for _ in range(reps + 5):
+        for _ in range(warm + reps):
             torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
             loss = loss_fn(model(x))
@@ -211,10 +214,9 @@ def _measure_host(dev: torch.device) -> dict[str, float]:
             torch.cuda.synchronize(dev)
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
-        return statistics.median(fwd[5:]), statistics.median(bwd[5:])
+        return statistics.median(fwd[warm:]), statistics.median(bwd[warm:])
 
     f0, b0 = step_times()
-    reps = 35  # the steps step_times runs
     pool = PinnedPool(64 << 20, slab_bytes=16 << 20)
     cfg = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0, time_waits=False)
     handle = apply_activation_offloading(model, layers=model.layers, config=cfg, pool=pool)
@@ -222,21 +224,14 @@ def _measure_host(dev: torch.device) -> dict[str, float]:
         handle.reset_stats()
         f1, b1 = step_times()
         st = handle.stats()
-        storages = (st.offloaded_tensors - st.shared_storage_tensors) / reps
+        storages = (st.offloaded_tensors - st.shared_storage_tensors) / (warm + reps)
     finally:
         handle.remove()
         pool.release()
     # every layer under non-reentrant checkpointing: what it costs beyond replaying the ops,
     # per storage the layer saves
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in model.layers:
-        layer.forward = lambda *a, _f=layer.forward: checkpoint(_f, *a, use_reentrant=False)
-    try:
+    with checkpointed(model.layers):
         f2, b2 = step_times()
-    finally:
-        for layer in model.layers:
-            del layer.forward
     replay = sum(x.recompute_ops for x in profile.layers) * f0 / n_fwd
     saved = sum(len(x.saved_tensors) for x in profile.layers)
     return {
