@@ -122,44 +122,12 @@ def run_shape(shape, hw, pool, args, device, dtype):
     base_plan = plan_from_profile(profile, None, hardware=hw)
     predictor = _Model(profile, hw, base_plan.defer_layers, base_plan.prefetch_layers)
     name = f"h{hidden} L{nlayers} b{batch} s{seq}"
-    rows = []
-
-    def row(config, result, decisions=None, extra=None, pred=None):
-        if pred is None and decisions is not None:
-            pred = predictor.predict(decisions)
-        r = {
-            "shape": name,
-            "config": config,
-            "ms": result["ms"],
-            "peak": result["peak"],
-            "pred_ms": pred.step_s * 1e3 if pred else None,
-            "pred_peak": pred.peak_bytes if pred else None,
-        }
-        r.update(extra or {})
-        rows.append(r)
-        return r
 
     def run(ctx=contextlib.nullcontext, phases=False):
-        return measure(model, x, args.steps, args.warmup, device, ctx=ctx, phases=phases)
-
-    none = run(phases=True)
-    base = row(
-        "none", none, ["keep"] * nlayers, {"fwd_ms": none["fwd_ms"], "bwd_ms": none["bwd_ms"]}
-    )
-    pred_base = predictor.predict(["keep"] * nlayers)
-    base.update(pred_fwd_ms=pred_base.forward_s * 1e3, pred_bwd_ms=pred_base.backward_s * 1e3)
-    if args.profile_dir and device.type == "cuda":
-        profile_step(model, x, args.profile_dir / f"{name.replace(' ', '_')}.txt")
-    for m in range(1, nlayers + 1):
-        r = run(lambda m=m: checkpointed(layers[:m]))
-        row(f"ckpt[{m}]", r, ["recompute"] * m + ["keep"] * (nlayers - m))
-    row(
-        "save_on_cpu",
-        run(lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")),
-    )
-    ctx = offload_activations(pool=pool)  # around forward and loss, as a user writes it
-    r = run(lambda: ctx)
-    row("offload_act", r, extra={"offloaded": ctx.stats().offloaded_bytes // r["steps"]})
+        return measure(
+            model, x, args.steps, args.warmup, device, ctx=ctx, phases=phases,
+            min_ms=args.min_ms,
+        )  # fmt: skip
 
     def with_handle(config=None, plan=None):
         handle = apply_activation_offloading(
@@ -172,40 +140,80 @@ def run_shape(shape, hw, pool, args, device, dtype):
             handle.remove()
         return result
 
-    r = with_handle(ActivationOffloadConfig())
-    row("hand[all]", r, extra={"offloaded": r["offloaded"]})
-    # the budgets' reference: the measured peak (the predicted one on CPU, a smoke run)
-    peak0 = none["peak"] or pred_base.peak_bytes
-    base["ref_peak"] = peak0
-    hands_done = {}
+    ctx = offload_activations(pool=pool)  # around forward and loss, as a user writes it
+
+    def offload_act():
+        ctx.reset_stats()
+        result = run(lambda: ctx)
+        result["offloaded"] = ctx.stats().offloaded_bytes // result["steps"]
+        return result
+
+    # the reference: forward and backward timed apart, and the peak that sets the budgets
+    none = run(phases=True)
+    pred_base = predictor.predict(["keep"] * nlayers)
+    peak0 = none["peak"] or pred_base.peak_bytes  # the predicted one on CPU (a smoke run)
+    # (config, runner, prediction, extra); measured round-robin below
+    configs = [("none", run, pred_base, {})]
+    for m in range(1, nlayers + 1):
+        decisions = ["recompute"] * m + ["keep"] * (nlayers - m)
+        configs.append((f"ckpt[{m}]", lambda m=m: run(lambda: checkpointed(layers[:m])),
+                        predictor.predict(decisions), {}))  # fmt: skip
+    pinned = device.type == "cuda"
+    configs.append(
+        ("save_on_cpu", lambda: run(lambda: torch.autograd.graph.save_on_cpu(pin_memory=pinned)),
+         None, {})
+    )  # fmt: skip
+    configs.append(("offload_act", offload_act, None, {}))
+    configs.append(("hand[all]", lambda: with_handle(ActivationOffloadConfig()), None, {}))
+    infeasible = []
     for f in FRACTIONS:
-        budget = int(f * peak0)
-        need = peak0 - budget
+        need = peak0 - int(f * peak0)
         for k in (1.0, 1.5, 2.0):
             nbytes = int(k * need)
             key = f"hand[{nbytes / GIB:.2f}G]"
-            if key in hands_done:
-                continue
-            r = with_handle(ActivationOffloadConfig(max_offload_bytes=nbytes))
-            hands_done[key] = row(key, r, extra={"offloaded": r["offloaded"]})
+            if key not in {c[0] for c in configs}:
+                cfg = ActivationOffloadConfig(max_offload_bytes=nbytes)
+                configs.append((key, lambda cfg=cfg: with_handle(cfg), None, {}))
+    code = {"keep": "k", "offload": "o", "recompute": "r", "recompute+offload": "R",
+            "stream": "s"}  # fmt: skip
     for f in FRACTIONS:
         budget = int(f * peak0)
         try:
             plan = plan_from_profile(profile, budget, hardware=hw)
         except InfeasibleBudgetError as e:
-            rows.append({"shape": name, "config": f"plan[{f:.2f}]", "infeasible": str(e)})
+            infeasible.append({"shape": name, "config": f"plan[{f:.2f}]", "infeasible": str(e)})
             continue
-        r = with_handle(plan=plan)
-        code = {"keep": "k", "offload": "o", "recompute": "r", "recompute+offload": "R",
-                "stream": "s"}  # fmt: skip
-        row(
-            f"plan[{f:.2f}]",
-            r,
-            extra={"offloaded": r["offloaded"], "budget": budget,
-                   "decisions": "".join(code[d] for d in plan.decisions)},
-            pred=plan.predicted,
-        )  # fmt: skip
-    return rows, profile
+        extra = {"budget": budget, "decisions": "".join(code[d] for d in plan.decisions)}
+        configs.append((f"plan[{f:.2f}]", lambda plan=plan: with_handle(plan=plan),
+                        plan.predicted, extra))  # fmt: skip
+    # Round-robin: the host's speed drifts over a run by as much as a fifth (RESULTS.md), so
+    # every configuration is measured once per round and its median over rounds is kept.
+    results = {c[0]: [] for c in configs}
+    for _ in range(args.rounds):
+        for config, runner, _, _ in configs:
+            results[config].append(runner())
+    rows = []
+    for config, _, pred, extra in configs:
+        rs = results[config]
+        r = {
+            "shape": name,
+            "config": config,
+            "ms": statistics.median(x["ms"] for x in rs),
+            "ms_rounds": [x["ms"] for x in rs],
+            "peak": max(x["peak"] for x in rs),
+            "pred_ms": pred.step_s * 1e3 if pred else None,
+            "pred_peak": pred.peak_bytes if pred else None,
+        }
+        if "offloaded" in rs[0]:
+            r["offloaded"] = rs[0]["offloaded"]
+        r.update(extra)
+        rows.append(r)
+    base = rows[0]
+    base.update(fwd_ms=none["fwd_ms"], bwd_ms=none["bwd_ms"], ref_peak=peak0)
+    base.update(pred_fwd_ms=pred_base.forward_s * 1e3, pred_bwd_ms=pred_base.backward_s * 1e3)
+    if args.profile_dir and device.type == "cuda":
+        profile_step(model, x, args.profile_dir / f"{name.replace(' ', '_')}.txt")
+    return rows + infeasible, profile
 
 
 def profile_step(model, x, path):
@@ -246,8 +254,10 @@ def verdicts(rows, fractions):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="issue")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round, at least")
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--min-ms", type=float, default=500.0, help="timed ms per round, at least")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     p.add_argument("--profile-dir", type=Path, default=None, help="per-op GPU time tables")
     args = p.parse_args(argv)
@@ -263,7 +273,9 @@ def main(argv=None) -> int:
         f"{hw.link_gbps:.1f} GB/s, {hw.compute_tflops:.0f} TFLOP/s x {hw.efficiency:.2f}, "
         f"memory {hw.hbm_gbps:.0f} GB/s, host {hw.host_us_fwd:.1f}/{hw.host_us_bwd:.1f} us per "
         f"fwd/bwd op, {hw.host_us_saved:.1f} us per offloaded storage, "
-        f"{hw.host_us_checkpoint:.1f} us per checkpointed one ({hw.source})"
+        f"{hw.host_us_layer:.1f} us per layer with the engine, "
+        f"{hw.host_us_checkpoint_fwd:.1f}/{hw.host_us_checkpoint_bwd:.1f} us per checkpointed "
+        f"storage fwd/bwd, {hw.kernel_us:.1f} us per kernel ({hw.source})"
     )
     rows = []
     for shape in SHAPES[args.shapes]:

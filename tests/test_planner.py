@@ -88,6 +88,16 @@ def test_trace_prices_each_op_and_records_saved_storages():
     )
 
 
+def test_trace_keeps_the_optimizer_out_of_backward():
+    """The optimizer step is priced on its own (at the memory bandwidth), not as backward."""
+    model = ReluStack()
+    x = torch.randn(4, 64)
+    adamw = trace(model, (x,), layers=model.layers, optimizer="adamw")
+    none = trace(model, (x,), layers=model.layers, optimizer="none")
+    assert adamw.outside_bwd_ops == none.outside_bwd_ops
+    assert adamw.optimizer_bytes > 0 == none.optimizer_bytes
+
+
 def test_trace_leaves_the_model_alone_and_allocates_nothing():
     model = GPT(GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -153,6 +163,59 @@ def test_compute_bound_offloads():
     assert plan.predicted.step_s == pytest.approx(plan.baseline.step_s, rel=0.02)
 
 
+def test_engine_cost_makes_recomputation_win():
+    """Offloading any layer installs the engine's hooks on every layer; when they cost more
+    than recomputing, the plan recomputes only (the greedy alone, one layer at a time, would
+    not see that)."""
+    prof = synthetic_profile(layers=8, saved_bytes=100 * MB, fwd_flops=5 * 10**11)
+    budget = prof.peak_bytes // 2
+    hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0, host_us_layer=1e5)
+    plan = plan_from_profile(prof, budget, hardware=hw)
+    assert plan.predicted.peak_bytes <= budget
+    assert set(plan.decisions) == {"keep", "recompute"}
+
+
+def test_kernel_time_counts_launches_not_views():
+    hw = Hardware(kernel_us=10.0, hbm_gbps=1000.0, memory_efficiency=1.0)
+    ops = [(0, 0, MEMORY), (0, 10**9, MEMORY), (0, 0, MEMORY)]  # a view, a copy, an empty
+    assert hw.op_seconds(ops) == pytest.approx(1e9 / 1e12 + 10e-6)
+
+
+def test_host_measurement_runs_on_cpu():
+    """`detect` measures host costs on the GPU; the same code runs on the CPU (tiny blocks),
+    so CI checks that it yields a valid Hardware."""
+    from torchoffload.planner import _measure_host
+
+    measured = _measure_host(torch.device("cpu"))
+    assert set(measured) == {"host_us_fwd", "host_us_bwd", "host_us_layer", "host_us_saved",
+                             "host_us_checkpoint_fwd", "host_us_checkpoint_bwd"}  # fmt: skip
+    assert measured["host_us_fwd"] > 0 and measured["host_us_bwd"] > 0
+    assert Hardware(**measured).host_us_fwd == measured["host_us_fwd"]
+
+
+def test_host_runs_ahead_of_the_device():
+    """The host launches ahead of the device: in a device-bound step, a recomputed layer whose
+    own launches take longer than its device time costs only its device time, because the
+    layers before it in backward left the host that much ahead."""
+    with torch.device("meta"):
+        model = BlockStack(1024, 8, heads=8).to(torch.bfloat16)
+    x = torch.empty(8, 1024, 1024, dtype=torch.bfloat16, device="meta")
+    prof = trace(model, (x,), loss_fn=lambda out: out.float().pow(2).mean(), optimizer="none")
+    hw = Hardware(host_us_fwd=1.0, host_us_bwd=1.0, host_us_checkpoint_fwd=0.0,
+                  host_us_checkpoint_bwd=150.0)  # fmt: skip
+    m = torchoffload.planner._Model(prof, hw, 1, 1)
+    slack = sum(m.gpu_b[1:]) - sum(m.host_b[1:])
+    excess = m.host_b[0] + m.host_r[0] - m.gpu_b[0] - m.gpu_r[0]
+    assert 0 < excess < slack  # layer 0 alone is bound by the host; the rest left room
+    keep = m.predict(["keep"] * 8)
+    first = m.predict(["recompute"] + ["keep"] * 7)
+    assert first.step_s == pytest.approx(keep.step_s + m.gpu_r[0], rel=1e-9)
+    # all host-bound: the step takes the host's time
+    slow = torchoffload.planner._Model(prof, Hardware(host_us_fwd=1e3, host_us_bwd=1e3), 1, 1)
+    total = sum(slow.host_f) + sum(slow.host_b) + slow.host_out_f + slow.host_out_b
+    assert slow.predict(["keep"] * 8).step_s == pytest.approx(total, rel=1e-9)
+
+
 def test_link_bound_recomputes():
     """1 GB per layer takes 18 ms to copy against 0.1 ms of compute: recomputing is cheaper."""
     hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0)
@@ -202,6 +265,30 @@ def test_apply_plan_offloads_and_recomputes_bitwise(batches):
     assert set(handle.stats().per_layer_bytes) == {0, 2}  # only the planned layers
     handle.remove()
     assert "forward" not in vars(model.layers[1])
+    assert_bitwise(base, got)
+
+
+def test_apply_recompute_only_plan_installs_no_hooks(batches):
+    """A plan that offloads nothing only wraps its recomputed layers: no module hooks, no
+    global hook (Note: [Plans])."""
+    from torch.nn.modules import module as nn_module
+
+    torch.manual_seed(0)
+    base = train_steps(GPT(SMALL4), batches)
+    torch.manual_seed(0)
+    model = GPT(SMALL4)
+    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean())
+    plan = plan_from_profile(prof, None)
+    plan = dataclasses.replace(plan, decisions=("recompute", "recompute", "keep", "keep"))
+    global_hooks = len(nn_module._global_forward_pre_hooks)
+    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu")
+    assert handle.recomputed_layers == [0, 1]
+    assert len(nn_module._global_forward_pre_hooks) == global_hooks
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    got = train_steps(model, batches)
+    assert handle.stats().offloaded_bytes == 0
+    handle.remove()
+    assert "forward" not in vars(model.layers[0])
     assert_bitwise(base, got)
 
 

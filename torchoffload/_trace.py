@@ -117,9 +117,11 @@ class _Tracer(TorchDispatchMode):
         self.timeline: list[int] = [0]
         self.keys: set[int] = set()
         self.layer: int | None = None
-        self.backward = False
-        self.flops: dict[tuple[int | None, bool], int] = defaultdict(int)
-        self.ops: dict[tuple[int | None, bool], list[tuple[int, int, int]]] = defaultdict(list)
+        self.backward: bool | None = False  # None: the optimizer step
+        self.flops: dict[tuple[int | None, bool | None], int] = defaultdict(int)
+        self.ops: dict[tuple[int | None, bool | None], list[tuple[int, int, int]]] = defaultdict(
+            list
+        )
         self._finalizers: list[Any] = []
         self.saved_log: list[list[Any]] = []  # [layer, bytes, saved at, freed at, in model]
         self.watch: dict[int, list[Any]] = {}
@@ -370,6 +372,7 @@ def trace(
                 backward_end = len(tracer.timeline) - 1
                 grad_bytes = sum(p.untyped_storage().nbytes() for p in params if p.grad is not None)
                 tracer.layer = None
+                tracer.backward = None  # the optimizer's ops: priced by the planner on their own
                 if opt is not None:
                     opt.step()
                 optimizer_bytes = _state_bytes(opt)

@@ -312,6 +312,8 @@ class ActivationOffloadHandle(_Offloader):
         config: ActivationOffloadConfig,
         pool: PinnedPool | None,
         device: torch.device | str | int | None,
+        *,
+        hooks: bool = True,
     ) -> None:
         super().__init__(
             min_bytes=config.min_bytes,
@@ -334,6 +336,9 @@ class ActivationOffloadHandle(_Offloader):
         self._handles: list[Any] = []
         self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
         self._removed = False
+        self._hooked = hooks  # False: a plan that only recomputes (Note: [Plans])
+        if not hooks:
+            return
         self._handles.append(model.register_forward_pre_hook(self._model_pre))
         self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
         for i, layer in enumerate(layers):
@@ -459,7 +464,8 @@ class ActivationOffloadHandle(_Offloader):
                 del layer.forward
         self._wrapped.clear()
         self._removed = True
-        _PARAMS.release()
+        if self._hooked:
+            _PARAMS.release()
 
     def _recompute(self, indices: list[int]) -> None:
         """Run these layers under non-reentrant activation checkpointing until `remove()`."""
@@ -597,7 +603,12 @@ def apply_activation_offloading(
             f"the plan is for {len(plan.decisions)} layers but the model has {len(layer_list)}: "
             "plan and apply with the same model and layers"
         )
-    handle = ActivationOffloadHandle(model, layer_list, config, pool, device)
+    # Note: [Plans] A plan that offloads no layer needs none of the engine's hooks: module
+    # hooks on every layer and the global parameter hook cost host time in every layer's
+    # forward and backward, which a host-bound step pays in full (benchmarks/RESULTS.md,
+    # planner validation). Its handle only wraps the recomputed layers.
+    hooked = plan is None or bool(plan.offload_layers)
+    handle = ActivationOffloadHandle(model, layer_list, config, pool, device, hooks=hooked)
     if plan is not None:
         handle._recompute(sorted(plan.recompute_layers))
     return handle

@@ -27,9 +27,13 @@ pass over the markers, not a new trace.
 
 Note: [How a plan changes time]
 Each traced op takes the slower of its FLOPs at the rate of its kind (matmul or attention) and
-its bytes at the achieved memory bandwidth. A layer's forward or backward takes the longer of
-its ops' device time and the host time to launch them (``host_us_*`` per op, plus the engine's
-time per copied storage): small layers are bound by the host. Copies take bytes over
+its bytes at the achieved memory bandwidth, plus ``kernel_us`` per launched kernel (the gaps
+and small-tile losses a roofline misses). The host launches the ops (``host_us_*`` per op, per
+checkpointed storage, per copied storage, and per layer while the layer-aware engine is
+installed) and runs ahead of the device, which cannot finish a layer before the host has
+launched it: the device's clock after layer j is max(its clock before plus the layer's device
+time, the host's clock after launching layer j). Small layers are so bound by the host; a
+layer with spare device time absorbs the host time of its neighbours. Copies take bytes over
 ``link_gbps``. Forward: layer j cannot start until the copies of layer j - defer_layers - 1 are
 done (the engine's deferred release waits on them). Backward: the reloads of layer i are
 issued when the backward of layer i + prefetch_layers starts, wait for the compute issued
@@ -41,9 +45,10 @@ at the memory bandwidth; the code outside the layers is kept as traced.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -75,12 +80,15 @@ class Hardware:
     """What the time model needs; see Note: [How a plan changes time]. The defaults are what
     `detect` measured on one H200 of the GPU machine (torch 2.11, CUDA 13): pinned copies
     55.4 GB/s each way, a bf16 8192^3 matmul at 801 TFLOP/s, an elementwise add at 4223 GB/s,
-    and the host times of tiny blocks (benchmarks/RESULTS.md, planner validation, run 3).
+    and the host times of tiny blocks (benchmarks/RESULTS.md, planner validation, run 5;
+    the host times of two machines of that kind differed by up to 2x).
     The three efficiencies are the shares of those rates that a training step's matmuls,
     attention kernels and memory-bound ops reached there, read from `torch.profiler`'s
-    per-kernel times of the GPT steps in `benchmarks/planner.py`. The ``host_us_*`` fields are
-    the CPU time per op that eager PyTorch spends launching work, which bounds a step of small
-    kernels."""
+    per-kernel times of the GPT steps in `benchmarks/planner.py`; ``kernel_us`` is what the
+    measured baseline steps of those shapes took beyond the roofline, per kernel (fitted, not
+    measured by `detect`). The ``host_us_*`` fields are the CPU time that eager PyTorch spends
+    launching work (per op, and what checkpointing and the engine add), which bounds a step
+    of small kernels."""
 
     link_gbps: float = 55.4
     compute_tflops: float = 801.0
@@ -88,10 +96,13 @@ class Hardware:
     efficiency: float = 0.9  # matmuls, of compute_tflops
     attention_efficiency: float = 0.45  # fused attention kernels, of compute_tflops
     memory_efficiency: float = 0.7  # memory-bound ops, of hbm_gbps
-    host_us_fwd: float = 9.0  # per forward op (Python modules, dispatcher, launch)
-    host_us_bwd: float = 6.6  # per backward op (the autograd engine, in C++)
-    host_us_saved: float = 221.0  # per storage the layer-aware engine offloads (hooks, copies)
-    host_us_checkpoint: float = 117.0  # per storage a checkpointed layer saves (its hooks)
+    kernel_us: float = 9.0  # device time per launched kernel beyond its roofline (fitted)
+    host_us_fwd: float = 16.3  # per forward op (Python modules, dispatcher, launch)
+    host_us_bwd: float = 11.1  # per backward op (the autograd engine, in C++)
+    host_us_saved: float = 324.0  # per storage the layer-aware engine offloads (hooks, copies)
+    host_us_layer: float = 295.0  # per layer and step, the layer-aware engine's hooks
+    host_us_checkpoint_fwd: float = 48.5  # per storage a checkpointed layer saves, in forward
+    host_us_checkpoint_bwd: float = 75.7  # and in backward, beyond replaying its ops
     workspace_bytes: int = 64 << 20  # cuBLAS/attention workspaces the allocator holds
     source: str = "defaults (one H200)"
 
@@ -104,7 +115,8 @@ class Hardware:
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(f"Hardware.{name} must be a positive number, got {value!r}")
         for name in (
-            "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_checkpoint", "workspace_bytes",
+            "kernel_us", "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_layer",
+            "host_us_checkpoint_fwd", "host_us_checkpoint_bwd", "workspace_bytes",
         ):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
@@ -124,7 +136,8 @@ class Hardware:
         rates = {MATMUL: peak * self.efficiency, ATTENTION: peak * self.attention_efficiency}
         rates[MEMORY] = rates[MATMUL]
         bw = self.hbm_gbps * 1e9 * self.memory_efficiency
-        return sum(max(f / rates[k], b / bw) for f, b, k in ops)
+        kernels = sum(1 for f, b, _ in ops if f or b)  # views and allocations launch nothing
+        return sum(max(f / rates[k], b / bw) for f, b, k in ops) + kernels * self.kernel_us * 1e-6
 
     @classmethod
     def detect(
@@ -178,8 +191,9 @@ def _measure_cuda() -> dict[str, float]:
 
 
 def _measure_host(dev: torch.device) -> dict[str, float]:
-    """CPU time per op of a step of tiny blocks, whose kernels take less time than their
-    launch: forward, backward, and what the layer-aware engine adds per offloaded storage."""
+    """CPU time of a step of tiny blocks, whose kernels take less time than their launch: per
+    forward and backward op, what the layer-aware engine adds per layer and per offloaded
+    storage, and what checkpointing adds per saved storage."""
     import statistics
     import time
 
@@ -199,46 +213,69 @@ def _measure_host(dev: torch.device) -> dict[str, float]:
     n_fwd = sum(len(layer.fwd_ops) for layer in profile.layers) + len(profile.outside_fwd_ops)
     n_bwd = sum(len(layer.bwd_ops) for layer in profile.layers) + len(profile.outside_bwd_ops)
 
-    warm, reps = 5, 30
+    warm, reps, rounds = 5, 30, 3
+    nlayers = len(model.layers)
+    pool = PinnedPool(64 << 20, slab_bytes=16 << 20, pin_memory=dev.type == "cuda")
+    hooks_only = ActivationOffloadConfig(skip_last_layers=nlayers, time_waits=False)
+    offload_all = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0, time_waits=False)
+    counted: list[float] = []
+
+    @contextlib.contextmanager
+    def engine(cfg: ActivationOffloadConfig) -> Iterator[None]:
+        with apply_activation_offloading(model, layers=model.layers, config=cfg, pool=pool) as h:
+            yield
+            if cfg is offload_all:  # storages offloaded per step
+                st = h.stats()
+                counted.append((st.offloaded_tensors - st.shared_storage_tensors) / (warm + reps))
+
+    configs = {
+        "none": contextlib.nullcontext,
+        "hooks": lambda: engine(hooks_only),  # the engine on every layer, nothing offloaded
+        "offload": lambda: engine(offload_all),  # every storage of every layer offloaded
+        "checkpoint": lambda: checkpointed(model.layers),  # every layer checkpointed
+    }
+
+    sync = torch.get_device_module(dev.type).synchronize
 
     def step_times() -> tuple[float, float]:
         fwd, bwd = [], []
         for _ in range(warm + reps):
-            torch.cuda.synchronize(dev)
+            sync(dev)
             t0 = time.perf_counter()
             loss = loss_fn(model(x))
-            torch.cuda.synchronize(dev)
+            sync(dev)
             t1 = time.perf_counter()
             loss.backward()
             model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize(dev)
+            sync(dev)
             fwd.append(t1 - t0)
             bwd.append(time.perf_counter() - t1)
         return statistics.median(fwd[warm:]), statistics.median(bwd[warm:])
 
-    f0, b0 = step_times()
-    pool = PinnedPool(64 << 20, slab_bytes=16 << 20)
-    cfg = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0, time_waits=False)
-    handle = apply_activation_offloading(model, layers=model.layers, config=cfg, pool=pool)
+    # Round-robin, median over rounds: the host's speed drifts (benchmarks/RESULTS.md).
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
     try:
-        handle.reset_stats()
-        f1, b1 = step_times()
-        st = handle.stats()
-        storages = (st.offloaded_tensors - st.shared_storage_tensors) / (warm + reps)
+        for _ in range(rounds):
+            for key, ctx in configs.items():
+                with ctx():
+                    times[key].append(step_times())
     finally:
-        handle.remove()
         pool.release()
-    # every layer under non-reentrant checkpointing: what it costs beyond replaying the ops,
-    # per storage the layer saves
-    with checkpointed(model.layers):
-        f2, b2 = step_times()
+    med = {key: [statistics.median(t[k] for t in ts) for k in (0, 1)] for key, ts in times.items()}
+    (f0, b0), (fh, bh), (fo, bo), (fc, bc) = (
+        med[key] for key in ("none", "hooks", "offload", "checkpoint")
+    )
+    storages = statistics.median(counted)
+    # checkpointing: what it costs beyond replaying the ops, per storage the layers save
     replay = sum(x.recompute_ops for x in profile.layers) * f0 / n_fwd
-    saved = sum(len(x.saved_tensors) for x in profile.layers)
+    saved = max(sum(len(x.saved_tensors) for x in profile.layers), 1)
     return {
         "host_us_fwd": f0 / n_fwd * 1e6,
         "host_us_bwd": b0 / n_bwd * 1e6,
-        "host_us_saved": max((f1 + b1 - f0 - b0) / max(storages, 1) * 1e6, 0.0),
-        "host_us_checkpoint": max((f2 + b2 - f0 - b0 - replay) / max(saved, 1) * 1e6, 0.0),
+        "host_us_layer": max((fh + bh - f0 - b0) / nlayers * 1e6, 0.0),
+        "host_us_saved": max((fo + bo - fh - bh) / max(storages, 1) * 1e6, 0.0),
+        "host_us_checkpoint_fwd": max((fc - f0) / saved * 1e6, 0.0),
+        "host_us_checkpoint_bwd": max((bc - b0 - replay) / saved * 1e6, 0.0),
     }
 
 
@@ -308,23 +345,22 @@ class _Model:
         ]
         gpu, us = hw.op_seconds, 1e-6
         layers = profile.layers
-        # forward, backward and recomputation of each layer: the device's time or the host's
-        # (launching the ops), whichever is longer
+        # Device and host (launch) time of each layer's forward, backward and recomputation;
+        # see Note: [How a plan changes time] for how they overlap.
         self.host_f = [len(x.fwd_ops) * hw.host_us_fwd * us for x in layers]
         self.host_b = [len(x.bwd_ops) * hw.host_us_bwd * us for x in layers]
         self.gpu_f = [gpu(x.fwd_ops, x.fwd_flops) for x in layers]
         self.gpu_b = [gpu(x.bwd_ops, x.bwd_flops) for x in layers]
-        self.tr = [  # what recomputation replays (all of the forward when not traced), with
-            # checkpointing's own host time per saved storage
-            max(
-                gpu(x.fwd_ops[: x.recompute_ops]),
-                (x.recompute_ops * hw.host_us_fwd + len(x.saved_tensors) * hw.host_us_checkpoint)
-                * us,
-            )
-            if x.fwd_ops
-            else self.gpu_f[i]
-            for i, x in enumerate(layers)
+        # what recomputation replays (all of the forward when not traced) and checkpointing's
+        # own host time per saved storage, in forward and in backward
+        self.gpu_r = [gpu(x.fwd_ops[: x.recompute_ops]) if x.fwd_ops else self.gpu_f[i]
+                      for i, x in enumerate(layers)]  # fmt: skip
+        self.host_r = [
+            (x.recompute_ops * hw.host_us_fwd + len(x.saved_tensors) * hw.host_us_checkpoint_bwd)
+            * us
+            for x in layers
         ]
+        self.ckpt_f = [len(x.saved_tensors) * hw.host_us_checkpoint_fwd * us for x in layers]
         # the offloading engine's host time per storage it copies, half in each direction
         per_copy = hw.host_us_saved * us / 2
         self.hooks = [
@@ -332,10 +368,11 @@ class _Model:
              OFFLOAD: per_copy * sum(1 for _, b in x.saved_tensors if b >= profile.min_bytes)}
             for x in layers
         ]  # fmt: skip
-        self.t_out_f = max(gpu(profile.outside_fwd_ops, profile.outside_fwd_flops),
-                           len(profile.outside_fwd_ops) * hw.host_us_fwd * us)  # fmt: skip
-        self.t_out_b = max(gpu(profile.outside_bwd_ops, profile.outside_bwd_flops),
-                           len(profile.outside_bwd_ops) * hw.host_us_bwd * us)  # fmt: skip
+        self.engine_layer = hw.host_us_layer * us / 2  # per layer and pass, once installed
+        self.gpu_out_f = gpu(profile.outside_fwd_ops, profile.outside_fwd_flops)
+        self.gpu_out_b = gpu(profile.outside_bwd_ops, profile.outside_bwd_flops)
+        self.host_out_f = len(profile.outside_fwd_ops) * hw.host_us_fwd * us
+        self.host_out_b = len(profile.outside_bwd_ops) * hw.host_us_bwd * us
         moved = profile.param_bytes * 2 + profile.grad_bytes + profile.optimizer_bytes * 2
         bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
         self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
@@ -369,23 +406,27 @@ class _Model:
     def time(self, decisions: Sequence[str]) -> tuple[float, float, float]:
         n, defer, prefetch, bw = self.n, self.defer, self.prefetch, self.bw
         d = [self.moved[i][x] / bw for i, x in enumerate(decisions)]
-        hook = [self.hooks[i][x] for i, x in enumerate(decisions)]
-        tf = [max(self.gpu_f[i], self.host_f[i] + hook[i]) for i in range(n)]
-        tb = [max(self.gpu_b[i], self.host_b[i] + hook[i]) for i in range(n)]
-        # forward: layer j waits for the copies of layer j - defer - 1
-        c, copy_free = 0.0, 0.0
+        # the layer-aware engine is installed only when some layer offloads
+        engine = self.engine_layer if any(x in (OFFLOAD, BOTH) for x in decisions) else 0.0
+        hook = [self.hooks[i][x] + engine for i, x in enumerate(decisions)]
+        rec = [x in (RECOMPUTE, BOTH) for x in decisions]
+        # forward: layer j cannot start until the copies of layer j - defer - 1 are done
+        host = gpu = copy_free = 0.0
         d2h_end = [0.0] * n
         for j in range(n):
-            start = c
+            host += self.host_f[j] + hook[j] + (self.ckpt_f[j] if rec[j] else 0.0)
+            start = gpu
             if j - defer - 1 >= 0:
                 start = max(start, d2h_end[j - defer - 1])
-            c = start + tf[j]
             if d[j]:
                 copy_free = max(copy_free, start) + d[j]
             d2h_end[j] = copy_free
-        forward = max(c + self.t_out_f, copy_free)  # the model's end waits for every copy
+            gpu = max(start + self.gpu_f[j], host)
+        host += self.host_out_f
+        forward = max(gpu + self.gpu_out_f, host, copy_free)  # the model's end waits for copies
         # backward: head and loss first, then the layers in reverse
-        end_of = {n: forward + self.t_out_b}  # when the backward of layers >= k has finished
+        host += self.host_out_b
+        end_of = {n: max(forward + self.gpu_out_b, host)}  # device done with layers >= k
         h2d_free = 0.0
         for i in range(n - 1, -1, -1):
             issue = end_of[min(i + prefetch + 1, n)]
@@ -393,8 +434,9 @@ class _Model:
             if d[i]:
                 h2d_free = max(h2d_free, issue) + d[i]
                 ready = h2d_free
-            extra = self.tr[i] if decisions[i] in (RECOMPUTE, BOTH) else 0.0
-            end_of[i] = max(end_of[i + 1], ready) + tb[i] + extra
+            host += self.host_b[i] + hook[i] + (self.host_r[i] if rec[i] else 0.0)
+            work = self.gpu_b[i] + (self.gpu_r[i] if rec[i] else 0.0)
+            end_of[i] = max(max(end_of[i + 1], ready) + work, host)
         backward = end_of[0] - forward
         return forward, backward, self.t_opt
 
@@ -422,7 +464,8 @@ class _Model:
                 diff[b] += nbytes
         hooks = count * self.hw.host_us_saved * 1e-6 / 2
         copies = moved / self.bw
-        compute_f = max(sum(self.gpu_f), sum(self.host_f) + hooks) + self.t_out_f
+        fwd = max(sum(self.gpu_f) + self.gpu_out_f, sum(self.host_f) + hooks + self.host_out_f)
+        bwd = max(sum(self.gpu_b) + self.gpu_out_b, sum(self.host_b) + hooks + self.host_out_b)
         # Forward holds what is still being copied: up to the in-flight window when the copies
         # are slower than compute, else about one layer's worth. Backward holds the prefetch
         # window plus one storage issued ahead of it (the largest, at worst).
@@ -430,7 +473,7 @@ class _Model:
             (b for _, b, _, _, m in p.saved_storages if m and b >= p.min_bytes), default=0
         )
         layer_bytes = max((x.offloadable_bytes for x in p.layers), default=0)
-        behind = inflight_bytes if copies > compute_f else min(inflight_bytes, layer_bytes)
+        behind = inflight_bytes if copies > fwd else min(inflight_bytes, layer_bytes)
         ahead = prefetch_bytes + largest
         timeline, run = [], 0
         for k, v in enumerate(self.steady):
@@ -438,8 +481,6 @@ class _Model:
             window = behind if k <= fwd_end else ahead  # at most what is away
             timeline.append(v + run + min(window, -run))
         peak = max([self.opt_peak, *timeline])
-        fwd = max(sum(self.gpu_f), sum(self.host_f) + hooks) + self.t_out_f
-        bwd = max(sum(self.gpu_b), sum(self.host_b) + hooks) + self.t_out_b
         f, b = max(fwd, copies), max(bwd, copies)
         return Prediction(peak, f + b + self.t_opt, f, b, self.t_opt, moved), timeline
 
@@ -456,14 +497,16 @@ class InfeasibleBudgetError(ValueError):
     """No plan of keep/offload/recompute per layer meets the budget."""
 
 
-def _choose(model: _Model, budget: int) -> list[str]:
-    """Greedy: from all-keep, apply the change with the least predicted time per byte of peak
-    it removes until the peak fits; then undo changes that are no longer needed."""
+def _choose(model: _Model, budget: int, allowed: Sequence[str] = DECISIONS) -> list[str]:
+    """Greedy: from all-keep, apply the change (among ``allowed``) with the least predicted
+    time per byte of peak it removes until the peak fits; then undo changes that are no
+    longer needed. The result may not fit when no change helps any more."""
     n = model.n
     decisions = [KEEP] * n
     current = model.predict(decisions)
     moves = {KEEP: (OFFLOAD, RECOMPUTE, BOTH), OFFLOAD: (RECOMPUTE, BOTH), RECOMPUTE: (BOTH,),
              BOTH: ()}  # fmt: skip
+    moves = {k: tuple(o for o in v if o in allowed) for k, v in moves.items()}
     while current.peak_bytes > budget:
         best = None
         for i in range(n):
@@ -669,8 +712,15 @@ def plan_from_profile(
         stream, _ = model.stream()
         options = []
         if least_peak <= budget_bytes:
-            decisions = _choose(model, budget_bytes)
-            options.append((model.predict(decisions).step_s, decisions))
+            # Offloading any layer installs the engine's hooks on all of them, which the greedy
+            # step by step cannot weigh: so also try recomputation alone.
+            for allowed in (DECISIONS, (KEEP, RECOMPUTE)):
+                decisions = _choose(model, budget_bytes, allowed)
+                pred = model.predict(decisions)
+                if pred.peak_bytes <= budget_bytes:
+                    options.append((pred.step_s, decisions))
+            if not options:  # the greedy got stuck; the least-peak decisions fit
+                options.append((model.predict(least).step_s, least))
         if profile.saved_storages and stream.peak_bytes <= budget_bytes:
             options.append((stream.step_s, [STREAM] * model.n))
         if not options:
