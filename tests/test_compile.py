@@ -1,0 +1,122 @@
+"""The graph ops on CPU: opcheck, the transfer round trip and its bookkeeping, and that they
+survive Inductor (called in the generated code) and torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchoffload
+import torchoffload.compile as toc
+
+ops = torch.ops.torchoffload
+
+
+@pytest.fixture
+def pool():
+    p = torchoffload.PinnedPool(8 << 20, slab_bytes=1 << 20, pin_memory=False)
+    toc.set_op_pool(p)
+    toc.reset_op_stats()
+    yield p
+    toc.discard_in_flight()
+    toc.set_op_pool(None)
+    p.release()
+
+
+def roundtrip(x: torch.Tensor) -> torch.Tensor:
+    host = ops.offload(x)
+    ops.wait(host)
+    y = ops.reload(host, x.device)
+    ops.wait(y)
+    return y
+
+
+def test_opcheck(pool):
+    x = torch.randn(4, 8)
+    torch.library.opcheck(ops.offload, (x,))
+    host = ops.offload(x)
+    torch.library.opcheck(ops.wait, (host,))
+    torch.library.opcheck(ops.reload, (host, torch.device("cpu")))
+    y = ops.reload(host, torch.device("cpu"))
+    torch.library.opcheck(ops.wait, (y,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_roundtrip_is_exact_and_returns_the_block(pool, dtype):
+    x = (torch.randn(6, 10) * 100).to(dtype)
+    strided = x.t()[2:5]  # a non-contiguous view: copied as its values, contiguous on the host
+    for src in (x, strided):
+        y = roundtrip(src)
+        assert y.shape == src.shape and y.dtype == src.dtype and torch.equal(y, src)
+    s = toc.op_stats()
+    assert s.offloaded_tensors == s.reloaded_tensors == 2 and s.in_flight == 0
+    assert s.offloaded_bytes == x.nbytes + strided.numel() * strided.element_size()
+    assert pool.stats().used_bytes == 0  # every block went back
+
+
+def test_empty_tensor_needs_no_block(pool):
+    y = roundtrip(torch.empty(0, 3))
+    assert y.shape == (0, 3) and pool.stats().used_bytes == 0
+
+
+def test_reload_of_a_callers_tensor_and_twice(pool):
+    mine = torch.randn(3)
+    y = ops.reload(mine, torch.device("cpu"))  # not from offload: a plain copy
+    ops.wait(y)
+    assert torch.equal(y, mine) and y.data_ptr() != mine.data_ptr()
+    host = ops.offload(torch.randn(3))
+    ops.wait(ops.reload(host, torch.device("cpu")))
+    with pytest.raises(RuntimeError, match="reloaded once"):
+        ops.reload(host, torch.device("cpu"))  # its block may hold someone else's bytes now
+
+
+def f(x, w):
+    a = torch.relu(x @ w)
+    host = ops.offload(a)
+    b = (a * 2).sum(dim=1, keepdim=True)
+    ops.wait(host)
+    y = ops.reload(host, x.device)
+    ops.wait(y)
+    return y * b
+
+
+def f_plain(x, w):
+    a = torch.relu(x @ w)
+    b = (a * 2).sum(dim=1, keepdim=True)
+    return a * b
+
+
+def test_ops_survive_inductor(pool):
+    """Inductor keeps all three ops, `wait` included (it returns nothing), and the result is
+    the compiled result without them, bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    torch._dynamo.reset()
+    eager = torch.compile(f_plain, backend="inductor", fullgraph=True)(x, w)
+    out, codes = run_and_get_code(torch.compile(f, backend="inductor", fullgraph=True), x, w)
+    code = "\n".join(codes)
+    for name in ("offload", "reload", "wait"):
+        assert f"torchoffload.{name}" in code, name
+    assert code.count("torchoffload.wait") >= 2
+    assert torch.equal(out, eager)
+    assert toc.op_stats().in_flight == 0
+
+
+def test_ops_survive_export(pool):
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, x):
+            return f(x, self.w)
+
+    m = M()
+    x = torch.randn(8, 16)
+    ep = torch.export.export(m, (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert any("torchoffload.offload" in t for t in targets)
+    assert any("torchoffload.reload" in t for t in targets)
+    assert any("wait" in t for t in targets)
+    assert torch.equal(ep.module()(x), m(x))

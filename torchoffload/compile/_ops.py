@@ -1,0 +1,282 @@
+"""`torch.ops.torchoffload.{offload, reload, wait}`: activation offloading as graph ops.
+
+Hooks do not reach into compiled code, so a graph pass (or a user) puts these ops into the
+graph itself::
+
+    host = torch.ops.torchoffload.offload(x)           # after x's producer: D2H starts
+    torch.ops.torchoffload.wait(host)                   # later in forward: x's memory may go
+    ...                                                 # backward
+    y = torch.ops.torchoffload.reload(host, x.device)  # earlier than needed: H2D starts
+    torch.ops.torchoffload.wait(y)                      # right before y's first use
+
+They run on the transfer engine and the pinned pool of the eager paths (`_transfer.py`,
+`_pool.py`), follow the same protocol, and have fake implementations, so they trace under
+`torch.compile` and `torch.export` and pass `torch.library.opcheck`.
+
+Note: [Graph ops and the transfer protocol]
+- offload(x): reads the compute stream, takes a block of the pool, queues the D2H on the copy
+  stream after the compute stream, records "stored", and keeps x's storage referenced in its
+  record (the graph may drop x right after; the copy still reads it). It returns the host tensor
+  (contiguous, x's shape and dtype, on the CPU).
+- wait(host): the compute stream waits on "stored" and the reference to x is dropped
+  (`release_after`: the allocator reuses x's block only after the copy). Without a wait, the
+  reference is dropped at the next op call that finds "stored" complete, or at reload.
+- reload(host, device): allocates the destination on the compute stream, queues the H2D on the
+  copy stream after the compute stream and after "stored", records "ready", and returns the
+  destination, which is not ready yet. Its pool block goes back to the pool guarded by "ready".
+  A host tensor is reloaded at most once (the pass reloads each activation once).
+- wait(y): the compute stream waits on "ready". Every use of y must come after it; the pass puts
+  it right before the first.
+`wait` declares that it mutates its argument. It does not write to it, but the declaration is
+what keeps every later use ordered after it and keeps Inductor from removing it as dead code
+(tests/test_compile.py checks the generated code calls it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchoffload._pool import HostBlock, PinnedPool, default_pool
+from torchoffload._transfer import CopyEngine, compute_device, copy_engine
+
+__all__ = ["OpStats", "discard_in_flight", "op_stats", "reset_op_stats", "set_op_pool"]
+
+
+@dataclass
+class _Offloaded:
+    block: HostBlock
+    stored: Any  # "stored" event (None: complete)
+    src: torch.Tensor | None  # the device tensor, kept until "stored" completes
+    stream: Any  # the stream src was allocated on (the compute stream at offload)
+    engine: CopyEngine
+    last_ready: Any = None  # "ready" of the latest reload (all reloads share the h2d stream)
+
+
+@dataclass
+class OpStats:
+    """What the graph ops moved since the last `reset_op_stats()`."""
+
+    offloaded_bytes: int = 0
+    offloaded_tensors: int = 0
+    reloaded_bytes: int = 0
+    reloaded_tensors: int = 0
+    in_flight: int = 0  # host tensors offloaded and not yet reloaded
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pool: PinnedPool | None = None
+        self.host: dict[int, _Offloaded] = {}  # by the host tensor's data pointer
+        self.ready: dict[int, tuple[Any, _Offloaded | None, int]] = {}  # (ready, rec, key)
+        self.retired: set[int] = set()  # host blocks given back and not handed out again
+        self.live: deque[_Offloaded] = deque()  # records still holding their device source
+        self.stats = OpStats()
+
+    def get_pool(self) -> PinnedPool:
+        if self.pool is None:
+            self.pool = default_pool()
+        return self.pool
+
+    def sweep(self) -> None:
+        """Drop the device sources whose copies are done, oldest first (no sync; the copies
+        run in order on one copy stream, so the first one not done ends the sweep). Holds
+        the lock."""
+        live = self.live
+        while live and (live[0].src is None or live[0].stored is None or live[0].stored.query()):
+            live.popleft().src = None
+
+
+_state = _State()
+
+
+def set_op_pool(pool: PinnedPool | None) -> None:
+    """The pool the graph ops copy into (None: the process-wide default pool)."""
+    if pool is not None and not isinstance(pool, PinnedPool):
+        raise TypeError(f"pool must be a PinnedPool or None, got {type(pool).__name__}")
+    with _state.lock:
+        if _state.host:
+            raise RuntimeError("cannot change the pool while offloaded tensors are in flight")
+        _state.pool = pool
+
+
+def op_stats() -> OpStats:
+    with _state.lock:
+        s = _state.stats
+        return OpStats(s.offloaded_bytes, s.offloaded_tensors, s.reloaded_bytes,
+                       s.reloaded_tensors, len(_state.host))  # fmt: skip
+
+
+def reset_op_stats() -> None:
+    with _state.lock:
+        _state.stats = OpStats()
+
+
+def discard_in_flight() -> None:
+    """Forget every transfer still in flight (after a step that raised between an offload and
+    its reload): the host blocks go back to the pool once their copies are done."""
+    with _state.lock:
+        records = list(_state.host.values())
+        _state.host.clear()
+        _state.ready.clear()
+        _state.retired.clear()
+        _state.live.clear()
+        for rec in records:
+            CopyEngine.release_after(rec.stream, rec.stored)
+            rec.src = None
+            _state.get_pool().free(rec.block, after=rec.last_ready or rec.stored)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _as(storage_of: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s dtype and shape (contiguous) over the storage of ``storage_of``: a new tensor,
+    not an autograd view (`wait` declares a mutation of it)."""
+    out = torch.empty(0, dtype=like.dtype, device=storage_of.device)
+    return out.set_(storage_of.untyped_storage(), 0, like.shape, _contiguous_strides(like.shape))
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.data_ptr()  # distinct per pool block (and per reloaded tensor) while in use
+
+
+# -- offload ----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchoffload::offload", mutates_args=())
+def offload(x: torch.Tensor) -> torch.Tensor:
+    """Start copying ``x`` to host memory; returns the (contiguous) host tensor. See Note:
+    [Graph ops and the transfer protocol]. On the CPU (tests) the copy is synchronous."""
+    nbytes = x.numel() * x.element_size()
+    if not nbytes:
+        return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+    engine = copy_engine(x.device)
+    with _state.lock:
+        _state.sweep()
+        block = _state.get_pool().allocate(nbytes)
+        _state.retired.discard(block.tensor.data_ptr())
+    # The graph's handle on the block: its own storage over the block's bytes, at offset 0 as
+    # the fake implementation says (a slice of the slab would carry the block's offset). It
+    # does not own the bytes: the record keeps the block until the reload is waited on.
+    storage = torch._C._construct_storage_from_data_pointer(
+        block.tensor.data_ptr(), block.tensor.device, nbytes
+    )
+    host = torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape, _contiguous_strides(x.shape))
+    src = x.contiguous()  # a copy on the compute stream when x is strided
+    stored, stream = engine.offload(src.view(-1).view(torch.uint8), block.tensor)
+    with _state.lock:
+        keep = src if stored is not None else None
+        rec = _Offloaded(block, stored, keep, stream, engine)
+        _state.host[_key(host)] = rec
+        if keep is not None:
+            _state.live.append(rec)
+        _state.stats.offloaded_bytes += nbytes
+        _state.stats.offloaded_tensors += 1
+    return host
+
+
+@offload.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device="cpu")
+
+
+# -- reload -----------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchoffload::reload", mutates_args=())
+def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Start copying a host tensor that `offload` returned back to ``device``; returns the
+    destination, usable after `wait`. See Note: [Graph ops and the transfer protocol]."""
+    nbytes = host.numel() * host.element_size()
+    if not nbytes:
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
+    key = _key(host)
+    with _state.lock:
+        rec = _state.host.get(key)
+        retired = key in _state.retired
+    if retired:
+        raise RuntimeError(
+            "torchoffload.reload: this host tensor's reload was waited on already, and its "
+            "block went back to the pool (each offloaded tensor is reloaded once)"
+        )
+    if rec is None:  # a host tensor of the caller's: a plain copy, nothing to give back
+        engine = copy_engine(compute_device(device))
+        src = host.contiguous().view(-1).view(torch.uint8)
+        dst, ready, _ = engine.reload(src, None)
+        out = _as(dst, host)
+        if ready is not None:
+            with _state.lock:
+                _state.ready[_key(out)] = (ready, None, key)
+        return out
+    engine = rec.engine
+    if compute_device(device) != engine.device:
+        raise ValueError(f"torchoffload.reload: offloaded from {engine.device}, asked for {device}")
+    dst, ready, _ = engine.reload(rec.block.tensor, rec.stored)
+    out = _as(dst, host)
+    with _state.lock:
+        src, rec.src = rec.src, None  # the copy back does not read the device source
+        rec.last_ready = ready
+        _state.stats.reloaded_bytes += nbytes
+        _state.stats.reloaded_tensors += 1
+        _state.ready[_key(out)] = (ready, rec, key)
+    if src is not None:
+        CopyEngine.release_after(rec.stream, rec.stored)
+        del src
+    return out
+
+
+@reload.register_fake
+def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(host.shape, dtype=host.dtype, device=device)
+
+
+# -- wait -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("torchoffload::wait", mutates_args=("t",))
+def wait(t: torch.Tensor) -> None:
+    """Order the compute stream after ``t``'s transfer: for a host tensor from `offload`, the
+    D2H is done and the device source may be reused; for a tensor from `reload`, it is ready,
+    and the host block goes back to the pool. A tensor with no transfer in flight passes
+    through. See Note: [Graph ops and the transfer protocol]."""
+    if not t.numel():
+        return
+    key = _key(t)
+    src = rec = None
+    with _state.lock:
+        pending = _state.ready.pop(key, None)
+        if pending is None:
+            rec = _state.host.get(key)
+            if rec is not None and rec.src is not None:
+                src, rec.src = rec.src, None
+    if pending is not None:
+        ready, rec, host_key = pending
+        if rec is None:  # the reload of a caller's host tensor
+            torch.get_device_module(t.device.type).current_stream(t.device).wait_event(ready)
+            return
+        rec.engine.wait(ready)
+        with _state.lock:
+            if _state.host.pop(host_key, None) is rec:  # the first wait of its reloads
+                rec.src = None
+                CopyEngine.release_after(rec.stream, rec.stored)
+                _state.get_pool().free(rec.block, after=rec.last_ready)
+                _state.retired.add(host_key)
+    elif src is not None:
+        CopyEngine.release_after(rec.stream, rec.stored)
+        del src
+
+
+@wait.register_fake
+def _(t: torch.Tensor) -> None:
+    return None
