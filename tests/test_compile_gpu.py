@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_compile import f, f_plain
 
 import torchoffload
 import torchoffload.compile as toc
@@ -68,22 +69,6 @@ def test_offload_and_wait_release_device_memory(pool):
     y = ops.reload(host, torch.device("cuda"))
     ops.wait(y)
     assert y.shape == (64 << 20,)
-
-
-def f(x, w):
-    a = torch.relu(x @ w)
-    host = ops.offload(a)
-    b = (a * 2).sum(dim=1, keepdim=True)
-    ops.wait(host)
-    y = ops.reload(host, x.device)
-    ops.wait(y)
-    return y * b
-
-
-def f_plain(x, w):
-    a = torch.relu(x @ w)
-    b = (a * 2).sum(dim=1, keepdim=True)
-    return a * b
 
 
 def test_ops_in_inductor_cuda_code(pool):

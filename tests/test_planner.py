@@ -249,14 +249,21 @@ def test_tighter_budgets_cost_more_and_fit():
 SMALL4 = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=33)
 
 
-def test_apply_plan_offloads_and_recomputes_bitwise(batches):
+def small_plan(batches, decisions, **trace_kwargs):
+    """The reference run of SMALL4, a fresh SMALL4 (same seed) and a plan for it with these
+    decisions: (base, model, profile, plan)."""
     torch.manual_seed(0)
     base = train_steps(GPT(SMALL4), batches)
     torch.manual_seed(0)
     model = GPT(SMALL4)
-    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean())
-    plan = plan_from_profile(prof, None)
-    plan = dataclasses.replace(plan, decisions=("offload", "recompute", "offload", "keep"))
+    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean(),
+                 **trace_kwargs)  # fmt: skip
+    plan = dataclasses.replace(plan_from_profile(prof, None), decisions=tuple(decisions))
+    return base, model, prof, plan
+
+
+def test_apply_plan_offloads_and_recomputes_bitwise(batches):
+    base, model, _, plan = small_plan(batches, ("offload", "recompute", "offload", "keep"))
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
     handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
     assert handle.recomputed_layers == [1]
@@ -273,13 +280,7 @@ def test_apply_recompute_only_plan_installs_no_hooks(batches):
     global hook (Note: [Plans])."""
     from torch.nn.modules import module as nn_module
 
-    torch.manual_seed(0)
-    base = train_steps(GPT(SMALL4), batches)
-    torch.manual_seed(0)
-    model = GPT(SMALL4)
-    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean())
-    plan = plan_from_profile(prof, None)
-    plan = dataclasses.replace(plan, decisions=("recompute", "recompute", "keep", "keep"))
+    base, model, _, plan = small_plan(batches, ("recompute", "recompute", "keep", "keep"))
     global_hooks = len(nn_module._global_forward_pre_hooks)
     handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu")
     assert handle.recomputed_layers == [0, 1]
@@ -295,16 +296,9 @@ def test_apply_recompute_only_plan_installs_no_hooks(batches):
 def test_apply_plan_recompute_with_offloaded_input_bitwise(batches):
     """A "recompute+offload" layer is checkpointed and the input checkpointing saves goes to
     host memory through the engine's hooks."""
-    torch.manual_seed(0)
-    base = train_steps(GPT(SMALL4), batches)
-    torch.manual_seed(0)
-    model = GPT(SMALL4)
-    tokens = batches[0][:, :-1]
-    prof = trace(model, (tokens,), loss_fn=lambda out: out.float().mean(), min_bytes=0)
-    assert [layer.input_offloadable_bytes > 0 for layer in prof.layers] == [True] * 4
-    plan = plan_from_profile(prof, None)
     both = "recompute+offload"
-    plan = dataclasses.replace(plan, decisions=(both, both, "keep", "keep"))
+    base, model, prof, plan = small_plan(batches, (both, both, "keep", "keep"), min_bytes=0)
+    assert [layer.input_offloadable_bytes > 0 for layer in prof.layers] == [True] * 4
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
     handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
     assert handle.recomputed_layers == [0, 1]
@@ -320,12 +314,7 @@ def test_apply_plan_recompute_with_offloaded_input_bitwise(batches):
 
 def test_apply_stream_plan_bitwise(batches):
     """A "stream" plan runs the whole model under offload_activations."""
-    torch.manual_seed(0)
-    base = train_steps(GPT(SMALL4), batches)
-    torch.manual_seed(0)
-    model = GPT(SMALL4)
-    prof = trace(model, (batches[0][:, :-1],), loss_fn=lambda out: out.float().mean())
-    plan = dataclasses.replace(plan_from_profile(prof, None), decisions=("stream",) * 4)
+    base, model, _, plan = small_plan(batches, ("stream",) * 4)
     assert plan.stream and plan.offload_layers == frozenset(range(4))
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
     handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)

@@ -56,6 +56,12 @@ class _Offloaded:
     engine: CopyEngine
     last_ready: Any = None  # "ready" of the latest reload (all reloads share the h2d stream)
 
+    def drop_source(self) -> None:
+        """Let the device source go: its stream reuses the block only after "stored"."""
+        if self.src is not None:
+            CopyEngine.release_after(self.stream, self.stored)
+            self.src = None
+
 
 @dataclass
 class OpStats:
@@ -73,7 +79,8 @@ class _State:
         self.lock = threading.Lock()
         self.pool: PinnedPool | None = None
         self.host: dict[int, _Offloaded] = {}  # by the host tensor's data pointer
-        self.ready: dict[int, tuple[Any, _Offloaded | None, int]] = {}  # (ready, rec, key)
+        # reloaded tensor -> ("ready", its engine, the record or None, the host tensor's key)
+        self.ready: dict[int, tuple[Any, CopyEngine, _Offloaded | None, int]] = {}
         self.retired: set[int] = set()  # host blocks given back and not handed out again
         self.live: deque[_Offloaded] = deque()  # records still holding their device source
         self.stats = OpStats()
@@ -127,8 +134,7 @@ def discard_in_flight() -> None:
         _state.retired.clear()
         _state.live.clear()
         for rec in records:
-            CopyEngine.release_after(rec.stream, rec.stored)
-            rec.src = None
+            rec.drop_source()
             _state.get_pool().free(rec.block, after=rec.last_ready or rec.stored)
 
 
@@ -140,11 +146,11 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _as(storage_of: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``like``'s dtype and shape (contiguous) over the storage of ``storage_of``: a new tensor,
+def _over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s dtype and shape (contiguous) over ``storage`` from offset 0: a new tensor,
     not an autograd view (`wait` declares a mutation of it)."""
-    out = torch.empty(0, dtype=like.dtype, device=storage_of.device)
-    return out.set_(storage_of.untyped_storage(), 0, like.shape, _contiguous_strides(like.shape))
+    out = torch.empty(0, dtype=like.dtype, device=storage.device)
+    return out.set_(storage, 0, like.shape, _contiguous_strides(like.shape))
 
 
 def _key(t: torch.Tensor) -> int:
@@ -172,7 +178,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     storage = torch._C._construct_storage_from_data_pointer(
         block.tensor.data_ptr(), block.tensor.device, nbytes
     )
-    host = torch.empty(0, dtype=x.dtype).set_(storage, 0, x.shape, _contiguous_strides(x.shape))
+    host = _over(storage, x)
     src = x.contiguous()  # a copy on the compute stream when x is strided
     stored, stream = engine.offload(src.view(-1).view(torch.uint8), block.tensor)
     with _state.lock:
@@ -214,25 +220,22 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         engine = copy_engine(compute_device(device))
         src = host.contiguous().view(-1).view(torch.uint8)
         dst, ready, _ = engine.reload(src, None)
-        out = _as(dst, host)
+        out = _over(dst.untyped_storage(), host)
         if ready is not None:
             with _state.lock:
-                _state.ready[_key(out)] = (ready, None, key)
+                _state.ready[_key(out)] = (ready, engine, None, key)
         return out
     engine = rec.engine
     if compute_device(device) != engine.device:
         raise ValueError(f"torchoffload.reload: offloaded from {engine.device}, asked for {device}")
     dst, ready, _ = engine.reload(rec.block.tensor, rec.stored)
-    out = _as(dst, host)
+    out = _over(dst.untyped_storage(), host)
     with _state.lock:
-        src, rec.src = rec.src, None  # the copy back does not read the device source
+        rec.drop_source()  # the copy back does not read the device source
         rec.last_ready = ready
         _state.stats.reloaded_bytes += nbytes
         _state.stats.reloaded_tensors += 1
-        _state.ready[_key(out)] = (ready, rec, key)
-    if src is not None:
-        CopyEngine.release_after(rec.stream, rec.stored)
-        del src
+        _state.ready[_key(out)] = (ready, engine, rec, key)
     return out
 
 
@@ -253,28 +256,22 @@ def wait(t: torch.Tensor) -> None:
     if not t.numel():
         return
     key = _key(t)
-    src = rec = None
     with _state.lock:
         pending = _state.ready.pop(key, None)
-        if pending is None:
-            rec = _state.host.get(key)
-            if rec is not None and rec.src is not None:
-                src, rec.src = rec.src, None
-    if pending is not None:
-        ready, rec, host_key = pending
-        if rec is None:  # the reload of a caller's host tensor
-            torch.get_device_module(t.device.type).current_stream(t.device).wait_event(ready)
-            return
-        rec.engine.wait(ready)
-        with _state.lock:
-            if _state.host.pop(host_key, None) is rec:  # the first wait of its reloads
-                rec.src = None
-                CopyEngine.release_after(rec.stream, rec.stored)
-                _state.get_pool().free(rec.block, after=rec.last_ready)
-                _state.retired.add(host_key)
-    elif src is not None:
-        CopyEngine.release_after(rec.stream, rec.stored)
-        del src
+        rec = _state.host.get(key) if pending is None else None
+        if rec is not None:  # a host tensor from offload
+            rec.drop_source()
+    if pending is None:
+        return
+    ready, engine, rec, host_key = pending
+    engine.wait(ready)
+    if rec is None:  # the reload of a caller's host tensor: no block to give back
+        return
+    with _state.lock:
+        if _state.host.pop(host_key, None) is rec:  # the first wait of its reloads
+            rec.drop_source()
+            _state.get_pool().free(rec.block, after=rec.last_ready)
+            _state.retired.add(host_key)
 
 
 @wait.register_fake
