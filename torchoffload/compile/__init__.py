@@ -13,6 +13,7 @@ Status: the ops (this module). The activation graph pass, the `torch.compile` ba
 weight probes for exported programs are not built yet (issue "Compiled graphs").
 """
 
+from torchoffload.compile._backend import ActivationPartitioner, backend
 from torchoffload.compile._ops import (
     OpStats,
     discard_in_flight,
@@ -20,5 +21,23 @@ from torchoffload.compile._ops import (
     reset_op_stats,
     set_op_pool,
 )
+from torchoffload.compile._pass import (
+    ActivationPassConfig,
+    OffloadDecision,
+    PassReport,
+    offload_activations_pass,
+)
 
-__all__ = ["OpStats", "discard_in_flight", "op_stats", "reset_op_stats", "set_op_pool"]
+__all__ = [
+    "ActivationPartitioner",
+    "ActivationPassConfig",
+    "OffloadDecision",
+    "OpStats",
+    "PassReport",
+    "backend",
+    "discard_in_flight",
+    "offload_activations_pass",
+    "op_stats",
+    "reset_op_stats",
+    "set_op_pool",
+]

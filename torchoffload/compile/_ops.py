@@ -18,9 +18,12 @@ Note: [Graph ops and the transfer protocol]
   stream after the compute stream, records "stored", and keeps x's storage referenced in its
   record (the graph may drop x right after; the copy still reads it). It returns the host tensor
   (contiguous, x's shape and dtype, on the CPU).
-- wait(host): the compute stream waits on "stored" and the reference to x is dropped
-  (`release_after`: the allocator reuses x's block only after the copy). Without a wait, the
-  reference is dropped at the next op call that finds "stored" complete, or at reload.
+- wait(host, keepalive=x): the compute stream waits on "stored" and the reference to x is
+  dropped (`release_after`: the allocator reuses x's block only after the copy). Without a
+  wait, the reference is dropped at the next op call that finds "stored" complete, or at
+  reload. In a compiled graph the reference the op holds does not stop Inductor from reusing
+  x's buffer for a later kernel's output once x is dead in the graph (its own memory planning,
+  not the allocator's); passing x as ``keepalive`` keeps x alive in the graph until the wait.
 - reload(host, device): allocates the destination on the compute stream, queues the H2D on the
   copy stream after the compute stream and after "stored", records "ready", and returns the
   destination, which is not ready yet. Its pool block goes back to the pool guarded by "ready".
@@ -248,11 +251,13 @@ def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.library.custom_op("torchoffload::wait", mutates_args=("t",))
-def wait(t: torch.Tensor) -> None:
+def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> None:
     """Order the compute stream after ``t``'s transfer: for a host tensor from `offload`, the
     D2H is done and the device source may be reused; for a tensor from `reload`, it is ready,
     and the host block goes back to the pool. A tensor with no transfer in flight passes
-    through. See Note: [Graph ops and the transfer protocol]."""
+    through. ``keepalive`` (the offloaded source, in graphs) is not read: it keeps a compiler
+    from reusing the source's buffer before this wait. See Note: [Graph ops and the transfer
+    protocol]."""
     if not t.numel():
         return
     key = _key(t)
@@ -275,5 +280,5 @@ def wait(t: torch.Tensor) -> None:
 
 
 @wait.register_fake
-def _(t: torch.Tensor) -> None:
+def _(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> None:
     return None

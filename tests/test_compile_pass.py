@@ -1,0 +1,410 @@
+"""The activation pass on CPU: its decisions on small graphs (layers, views, budget, the
+placement of waits and reloads by node order), and compiled parity with Inductor."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchoffload
+import torchoffload.compile as toc
+from torchoffload.models import GPT, GPTConfig
+
+ops = torch.ops.torchoffload
+
+
+@pytest.fixture
+def pool():
+    p = torchoffload.PinnedPool(16 << 20, slab_bytes=4 << 20, pin_memory=False)
+    toc.set_op_pool(p)
+    toc.reset_op_stats()
+    yield p
+    toc.discard_in_flight()
+    toc.set_op_pool(None)
+    p.release()
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile():
+    """Compile every time: a cache hit would skip the partitioner (and its report)."""
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+
+    torch._dynamo.reset()
+    with fconfig.patch(enable_autograd_cache=False), iconfig.patch(fx_graph_cache=False):
+        yield
+    torch._dynamo.reset()
+
+
+class Layer(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, 2 * d)
+        self.b = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))  # relu's output is saved (for relu and for b)
+        return x + self.b(h)
+
+
+class Stack(nn.Module):
+    def __init__(self, d=32, n=4):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d) for _ in range(n))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def aot(partition_fn, captured=None):
+    """A torch.compile backend: dynamo (which records module paths) and AOTAutograd with
+    ``partition_fn``, running the graphs as they are (no Inductor)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def keep(name):
+        def compiler(gm, _):
+            if captured is not None:
+                captured[name] = gm
+            return make_boxed_func(gm)
+
+        return compiler
+
+    return aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw"), partition_fn=partition_fn)
+
+
+def graphs(model, x, config):
+    """Run one step with the pass and no compiler: (fw graph, bw graph, report)."""
+    captured = {}
+    part = toc.ActivationPartitioner(config)
+    torch.compile(model, backend=aot(part, captured))(x).sum().backward()
+    return captured["fw"], captured["bw"], part.reports[-1]
+
+
+def order(gm):
+    return {n: i for i, n in enumerate(gm.graph.nodes)}
+
+
+def calls(gm, op):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target == op.default]
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="prefetch_layers"):
+        toc.ActivationPassConfig(prefetch_layers=-1)
+    with pytest.raises(ValueError, match="max_offload_bytes"):
+        toc.ActivationPassConfig(max_offload_bytes=1.5)
+    with pytest.raises(TypeError, match="ActivationPassConfig"):
+        toc.ActivationPartitioner({"prefetch_layers": 1})
+
+
+def test_layers_last_layer_and_min_bytes(pool):
+    model, x = Stack(), torch.randn(16, 32, requires_grad=True)
+    fw, bw, report = graphs(model, x, toc.ActivationPassConfig(min_bytes=0, skip_last_layers=1))
+    assert report.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]
+    by_layer = {}
+    for d in report.decisions:
+        by_layer.setdefault(d.layer, []).append(d)
+    assert all(
+        d.offloaded for layer in ("layers.0", "layers.1", "layers.2") for d in by_layer[layer]
+    )
+    assert not any(d.offloaded for d in by_layer["layers.3"])
+    assert all("last 1 layer" in d.reason for d in by_layer["layers.3"])
+    assert all(not d.offloaded and "graph input" in d.reason for d in by_layer[None])
+    # relu's output and the layer's output (the next layer's input; layer 3's is the model's)
+    assert [len(by_layer[f"layers.{i}"]) for i in range(4)] == [2, 2, 2, 1]
+    assert len(calls(fw, ops.offload)) == len(calls(bw, ops.reload)) == len(report.offloaded) == 6
+    # min_bytes: relu's output is 16 x 64 x 4 = 4096 bytes
+    _, _, report = graphs(Stack(), x, toc.ActivationPassConfig(min_bytes=4097))
+    assert not report.offloaded
+    assert sum("min_bytes" in d.reason for d in report.decisions) == 6  # layers 0-2
+
+
+def test_budget_takes_earliest_layers_first(pool):
+    x = torch.randn(16, 32, requires_grad=True)
+    budget = 2 * (4096 + 2048)  # two layers: relu's output and the residual stream
+    _, _, report = graphs(
+        Stack(), x, toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=budget)
+    )
+    assert [d.layer for d in report.offloaded] == ["layers.0"] * 2 + ["layers.1"] * 2
+    assert report.offloaded_bytes == budget
+    assert "max_offload_bytes" in next(d for d in report.decisions if d.layer == "layers.2").reason
+
+
+@pytest.mark.parametrize("defer", [0, 1, 2])
+def test_forward_waits_are_deferred_by_layers(pool, defer):
+    fw, _, report = graphs(
+        Stack(),
+        torch.randn(16, 32, requires_grad=True),
+        toc.ActivationPassConfig(min_bytes=0, defer_layers=defer, skip_last_layers=0),
+    )
+    pos = order(fw)
+    addmms = [n for n in fw.graph.nodes if n.target == torch.ops.aten.addmm.default]  # 2 per layer
+    layer = {f"offload_{d.root}": int(d.layer.split(".")[1]) for d in report.offloaded}
+    for off in calls(fw, ops.offload):
+        i = layer[off.name]
+        (wait,) = [u for u in off.users if u.target == ops.wait.default]
+        src = off.args[0]
+        assert wait.kwargs["keepalive"] is src  # src stays live in the graph until the wait
+        last_use = max(pos[u] for u in src.users if u.op != "output" and u is not wait)
+        assert pos[wait] > last_use  # never before the last use of the tensor
+        layer_end = pos[addmms[min(2 * (i + defer) + 1, len(addmms) - 1)]]
+        assert pos[wait] >= layer_end  # not before the end of layer i + defer
+        if i + defer + 1 < 4 and last_use < pos[addmms[2 * (i + defer + 1)]]:
+            assert pos[wait] < pos[addmms[2 * (i + defer + 1)]]  # and before the next layer
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_reloads_are_moved_earlier_by_layers(pool, prefetch):
+    _, bw, report = graphs(
+        Stack(n=5),
+        torch.randn(16, 32, requires_grad=True),
+        toc.ActivationPassConfig(min_bytes=0, prefetch_layers=prefetch),
+    )
+    pos = order(bw)
+    reloads = calls(bw, ops.reload)  # layers 0..3 (layer 4 is the last, kept), 2 per layer
+    assert len(reloads) == 8
+    layer = {f"offload_{d.root}": int(d.layer.split(".")[1]) for d in report.offloaded}
+    start = {}  # layer -> its first backward use of a saved tensor
+    for p in bw.graph.find_nodes(op="placeholder"):
+        if p.name in layer:
+            continue
+    for r in reloads:
+        (wait,) = [u for u in r.users if u.target == ops.wait.default]
+        users = [u for u in r.users if u is not wait]
+        first = min(pos[u] for u in users)
+        assert pos[r] < pos[wait] < first and all(pos[u] > pos[wait] for u in users)
+        i = layer[r.args[0].name]
+        start[i] = min(start.get(i, first), first)
+    kept = [d for d in report.decisions if d.layer == "layers.4"]
+    bw_inputs = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
+    start[4] = min(pos[u] for d in kept for u in bw_inputs[d.root].users)
+    assert sorted(start, key=start.__getitem__) == [
+        4,
+        3,
+        2,
+        1,
+        0,
+    ]  # backward runs layers in reverse
+    for r in reloads:
+        i = layer[r.args[0].name]
+        target = min(i + prefetch, 4)
+        assert pos[r] <= start[target]  # before the backward of layer i + prefetch
+        if target + 1 <= 4:
+            assert pos[r] > start[target + 1]  # and not earlier than needed
+
+
+class ViewLayer(nn.Module):
+    """Saves its input twice: as it is (for sin) and as the 2-D view the matmul saves."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(x) * torch.sin(x)
+
+
+class Views(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(ViewLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_views_offload_their_storage_once(pool):
+    """With PyTorch's default partitioner (which saves a tensor and its views side by side) and
+    the pass used on its own: each storage is copied once, its saved views are rebuilt from
+    the reload, and the step's bits are those of the same partitioner without the pass."""
+    from functorch.compile import default_partition
+
+    reports = []
+
+    def with_pass(gm, joint_inputs, **kwargs):
+        fw, bw = default_partition(gm, joint_inputs, **kwargs)
+        config = toc.ActivationPassConfig(min_bytes=0)
+        reports.append(
+            toc.offload_activations_pass(fw, bw, config, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        )
+        return fw, bw
+
+    torch.manual_seed(0)
+    model, ref = Views(), None
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 4, 32, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    captured = {}
+    a = torch.compile(model, backend=aot(with_pass, captured))(x)
+    b = torch.compile(ref, backend=aot(default_partition))(xr)
+    a.sum().backward()
+    b.sum().backward()
+    assert torch.equal(a, b) and torch.equal(x.grad, xr.grad)
+    assert all(
+        torch.equal(p.grad, q.grad)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    report = reports[-1]
+    multi = [d for d in report.offloaded if len(d.members) > 1]
+    assert multi, str(report)  # a storage saved as itself and as a view
+    assert any(d.root not in d.members for d in report.offloaded)  # only a view of it saved
+    offloaded = [n.args[0] for n in calls(captured["fw"], ops.offload)]
+    assert len(set(offloaded)) == len(offloaded) == len(report.offloaded)  # one copy per storage
+    s = toc.op_stats()
+    assert s.reloaded_tensors == len(report.offloaded) and s.in_flight == 0
+
+
+def test_decisions_are_logged(pool, caplog):
+    with caplog.at_level(logging.DEBUG, logger="torchoffload.compile._pass"):
+        graphs(
+            Stack(), torch.randn(16, 32, requires_grad=True), toc.ActivationPassConfig(min_bytes=0)
+        )
+    text = caplog.text
+    assert "offload" in text and "in the last 1 layer" in text and "graph input" in text
+
+
+# -- through torch.compile with Inductor --------------------------------------------------------
+
+
+def gpt_step(model, tokens):
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        toc.ActivationPassConfig(min_bytes=0),
+        toc.ActivationPassConfig(
+            min_bytes=0, prefetch_layers=2, defer_layers=0, skip_last_layers=0
+        ),
+        toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=40_000),
+    ],
+)
+def test_compiled_gpt_matches_compiled_without_offloading(pool, config):
+    """Inductor on CPU with the pass gives the bits Inductor gives without it (two steps, so the
+    host blocks are reused), and every offloaded tensor came back."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=32))
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 128, (2, 17))
+    be = toc.backend(config)
+    compiled, plain = torch.compile(model, backend=be), torch.compile(ref, backend="inductor")
+    for step in range(2):
+        if step == 0:
+            a, codes = run_and_get_code(gpt_step, compiled, tokens)
+            code = "\n".join(codes)
+        else:
+            a = gpt_step(compiled, tokens)
+        b = gpt_step(plain, tokens)
+        assert torch.equal(a, b)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad)
+    report = be.reports[-1]
+    assert report.offloaded
+    for name in ("offload", "reload", "wait"):
+        assert f"torchoffload.{name}" in code, name
+    assert code.count("torchoffload.wait") >= 2 * len(report.offloaded)
+    s = toc.op_stats()
+    assert (
+        s.offloaded_tensors == s.reloaded_tensors == 2 * len(report.offloaded) and s.in_flight == 0
+    )
+    assert pool.stats().used_bytes == 0
+    if config.max_offload_bytes is not None:
+        assert report.offloaded_bytes <= config.max_offload_bytes
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, n=3, d=32):
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(d) for _ in range(n))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = (
+                torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+                if i == 0
+                else layer(x)
+            )
+        return x
+
+
+def test_composes_with_checkpointing(pool):
+    """A checkpointed layer saves only its input; what it recomputes is never offloaded."""
+    torch.manual_seed(0)
+    model = Checkpointed()
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    be = toc.backend(toc.ActivationPassConfig(min_bytes=0, skip_last_layers=0))
+    a = torch.compile(model, backend=be)(x)
+    b = torch.compile(ref, backend="inductor")(x)
+    a.sum().backward()
+    b.sum().backward()
+    assert torch.equal(a, b)
+    assert all(
+        torch.equal(p.grad, q.grad)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    report = be.reports[-1]
+    layer0 = [d for d in report.decisions if d.layer == "layers.0"]
+    layer1 = [d for d in report.decisions if d.layer == "layers.1"]
+    assert len(layer1) == 2 and all(d.offloaded for d in layer1)  # relu's output, its input
+    assert not layer0  # layer 0 recomputes relu's output: nothing of it is saved
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.utils.checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD"),
+    reason="this torch has no CheckpointPolicy.MUST_CPU_OFFLOAD",
+)
+def test_sac_must_cpu_offload_is_honoured(pool):
+    """A tensor tagged MUST_CPU_OFFLOAD is offloaded although it is in the last layer."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        if op == torch.ops.aten.relu.default:
+            return CheckpointPolicy.MUST_CPU_OFFLOAD
+        return CheckpointPolicy.PREFER_SAVE
+
+    class Tagged(Stack):
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.utils.checkpoint.checkpoint(
+                    layer,
+                    x,
+                    use_reentrant=False,
+                    context_fn=functools.partial(create_selective_checkpoint_contexts, policy),
+                )
+            return x
+
+    torch.manual_seed(0)
+    model = Tagged(n=2)
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 32)
+    be = toc.backend(toc.ActivationPassConfig(min_bytes=1 << 30, skip_last_layers=2))
+    a = torch.compile(model, backend=be)(x)
+    b = torch.compile(ref, backend="inductor")(x)
+    a.sum().backward()
+    b.sum().backward()
+    assert torch.equal(a, b)
+    assert all(
+        torch.equal(p.grad, q.grad)
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
+    )
+    offloaded = be.reports[-1].offloaded
+    assert len(offloaded) == 2 and all(d.reason == "tagged MUST_CPU_OFFLOAD" for d in offloaded)
