@@ -5,7 +5,11 @@ link bound.
     python benchmarks/activations.py --shapes tiny   # a smoke run (works on CPU)
 
 Rows per shape: no offloading, torch's save_on_cpu(pin_memory=True), full activation
-checkpointing (non-reentrant, every block), torchoffload.offload_activations. The link bound is
+checkpointing (non-reentrant, every block), torchoffload.offload_activations, and (with
+--modes) torch.compile rows: `compiled` (Inductor, no offloading), `compiled_pass` (Inductor
+with torchoffload.compile's activation pass, every eligible storage) and
+`compiled_pass_hidden` (the pass under the hidden budget). A compiled row's link bound uses
+the compiled model's own t_fwd and t_bwd. The link bound is
 max(t_fwd, B/bw_d2h) + max(t_bwd, B/bw_h2d), with t_fwd and t_bwd measured without offloading, B
 the bytes offload_activations moved per step, and bw the pinned copy bandwidth measured in this
 run. Medians over --steps timed steps after --warmup steps.
@@ -35,6 +39,27 @@ from torchoffload import (  # noqa: E402
     offload_activations,
 )
 from torchoffload.models import BlockStack  # noqa: E402
+
+
+class _CompiledStats:
+    """What a compiled-pass row reports (the graph ops count the bytes)."""
+
+    def __init__(self, offloaded_bytes: int):
+        self.offloaded_bytes = offloaded_bytes
+        self.compute_wait_ms = None
+
+
+def _compiled(model, mode: str, hidden_bytes: int):
+    import torchoffload.compile as toc
+
+    torch._dynamo.reset()
+    if mode == "compiled":
+        return torch.compile(model)
+    config = toc.ActivationPassConfig(
+        max_offload_bytes=hidden_bytes if mode == "compiled_pass_hidden" else None
+    )
+    return torch.compile(model, backend=toc.backend(config))
+
 
 SHAPES = {
     "issue": [(4096, 8, 4, 2048), (2048, 12, 8, 2048), (1024, 16, 8, 1024)],
@@ -80,7 +105,17 @@ def copy_bandwidth(nbytes: int = GIB, reps: int = 5) -> tuple[float, float]:
 
 
 def run_mode(
-    model, x, mode, pool, steps, warmup, device, phases=False, windows=None, layer_config=None
+    model,
+    x,
+    mode,
+    pool,
+    steps,
+    warmup,
+    device,
+    phases=False,
+    windows=None,
+    layer_config=None,
+    hidden_bytes=0,
 ):
     """Median ms/step (one timer around forward + backward, no sync inside the step) and peak
     memory. With ``phases``, forward and backward are timed separately instead (a sync between
@@ -90,9 +125,15 @@ def run_mode(
     if layer_config is not None:
         handle = apply_activation_offloading(model, layers=layers, config=layer_config, pool=pool)
 
+    fn = _compiled(model, mode, hidden_bytes) if mode.startswith("compiled") else model
+    if mode.startswith("compiled_pass"):
+        import torchoffload.compile as toc
+
+        toc.set_op_pool(pool)
+
     def forward():
         if mode != "checkpoint":
-            return model(x).float().pow(2).mean()
+            return fn(x).float().pow(2).mean()
         h = x
         for layer in layers:
             h = checkpoint(layer, h, use_reentrant=False)
@@ -117,6 +158,8 @@ def run_mode(
             ctx = contextlib.nullcontext()
         if handle is not None:
             handle.reset_stats()
+        if mode.startswith("compiled_pass"):
+            toc.reset_op_stats()
         if phases:
             with Timer(device) as fwd, ctx:
                 loss = forward()
@@ -139,8 +182,13 @@ def run_mode(
             stats = ctx.stats()
         elif handle is not None:
             stats = handle.stats()
+        elif mode.startswith("compiled_pass"):
+            stats = _CompiledStats(toc.op_stats().offloaded_bytes)
     if handle is not None:
         handle.remove()
+    if mode.startswith("compiled"):
+        del fn
+        torch._dynamo.reset()
     peak = torch.cuda.max_memory_allocated() if is_cuda else 0
     if phases:
         return {"fwd_ms": statistics.median(fwd_times), "bwd_ms": statistics.median(bwd_times)}
@@ -204,7 +252,20 @@ def main(argv=None) -> int:
         results = {}
         for m in modes:
             results[m] = run_mode(
-                model, x, m, pool, args.steps, args.warmup, device, layer_config=layer_modes.get(m)
+                model,
+                x,
+                m,
+                pool,
+                args.steps,
+                args.warmup,
+                device,
+                layer_config=layer_modes.get(m),
+                hidden_bytes=hidden,
+            )
+        compiled_phases = None
+        if any(m.startswith("compiled") for m in modes):
+            compiled_phases = run_mode(
+                model, x, "compiled", pool, args.steps, args.warmup, device, phases=True
             )
         for w in windows:
             results[f"offload_activations[{w[0]}:{w[1]}]"] = run_mode(
@@ -213,10 +274,10 @@ def main(argv=None) -> int:
         results["none"].update(phases)
         base = results.get("none")
 
-        def link_bound(nbytes, base=base):
+        def link_bound(nbytes, phases=base):
             if device.type != "cuda":
                 return None
-            fwd, bwd = base["fwd_ms"], base["bwd_ms"]
+            fwd, bwd = phases["fwd_ms"], phases["bwd_ms"]
             return max(fwd, nbytes / d2h / 1e6) + max(bwd, nbytes / h2d / 1e6)
 
         off = results.get("offload_activations")
@@ -224,11 +285,21 @@ def main(argv=None) -> int:
         print(
             f"{shape}: t_fwd {base['fwd_ms']:.1f} ms, t_bwd {base['bwd_ms']:.1f} ms, "
             f"hidden budget {hidden / GIB:.2f} GiB"
+            + (
+                f"; compiled t_fwd {compiled_phases['fwd_ms']:.1f} ms, "
+                f"t_bwd {compiled_phases['bwd_ms']:.1f} ms"
+                if compiled_phases
+                else ""
+            )
         )
         for m in results:
             r = results[m]
             moved = r["stats"].offloaded_bytes if r["stats"] else 0
-            bound = link_bound(moved) if r["stats"] else ref_bound
+            phases_m = compiled_phases if m.startswith("compiled") else base
+            if m == "compiled":
+                bound = None
+            else:
+                bound = link_bound(moved, phases_m) if r["stats"] else ref_bound
             rows.append(
                 {
                     "shape": shape,
@@ -248,7 +319,7 @@ def main(argv=None) -> int:
                     "prefetch": (
                         f"{r['stats'].prefetch_hits}/{r['stats'].prefetch_misses}"
                         f"/{r['stats'].resident_hits}"
-                        if r["stats"]
+                        if r["stats"] and hasattr(r["stats"], "prefetch_hits")
                         else ""
                     ),
                 }

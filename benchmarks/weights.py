@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3, help="timings per row (median)")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--no-accelerate", action="store_true")
+    p.add_argument(
+        "--exported",
+        action="store_true",
+        help="also torchoffload.compile.stream_exported_weights on the first input shape",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = p.parse_args(argv)
 
@@ -162,7 +167,36 @@ def main(argv=None) -> int:
         del h
         gc.collect()
 
-    # 3. accelerate's cpu_offload (last: it leaves the model on the meta device)
+    # 3. the exported program with weight probes, on the first (bandwidth-bound) shape
+    if args.exported:
+        import torchoffload.compile as toc
+
+        shape, x = next(iter(inputs.items()))
+        ep = torch.export.export(model, (x,))
+        for budget_gib in budgets:
+            t0 = time.perf_counter()
+            runner = toc.stream_exported_weights(
+                ep, device, budget_bytes=int(budget_gib * GIB), prefetch_depth=args.prefetch_depth
+            )
+            setup_s = time.perf_counter() - t0
+            runner(x)
+            runner(x)
+            reset_peak(device)
+            runner.handle.reset_stats()
+            ms = time_forwards(runner, x, args.steps, args.reps, device)
+            st = runner.handle.stats()
+            moved = st.h2d_bytes / max(st.calls, 1)
+            row(
+                shape, f"exported probes {budget_gib:g} GiB", ms, moved, peak_gib(device),
+                units=f"{st.units} weights", kept=st.kept_units, misses=st.misses,
+                arena_gib=round(st.arena_bytes / GIB, 2), setup_s=round(setup_s, 1),
+            )  # fmt: skip
+            runner.remove()
+            del runner
+            gc.collect()
+        del ep
+
+    # 4. accelerate's cpu_offload (last: it leaves the model on the meta device)
     if not args.no_accelerate:
         try:
             import accelerate

@@ -85,3 +85,117 @@ def test_ops_in_inductor_cuda_code(pool):
     assert torch.equal(out, plain)
     torch.cuda.synchronize()
     assert toc.op_stats().offloaded_bytes == 256 * 512 * 4
+
+
+# -- the activation pass and the probe runner on the GPU ----------------------------------------
+
+
+def _gpt_step(model, tokens):
+    import torch.nn.functional as F
+
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("slow_copies", [False, True])
+def test_pass_parity_and_memory_on_gpu(pool, gpu_deterministic, slow_copies):
+    """A GPT compiled with the pass gives the bits of the GPT compiled without it (two steps;
+    with the copy stream slowed, a missing wait would show), and its peak memory drops by
+    the offloaded bytes less the layers in flight (prefetch + deferral windows)."""
+    import copy
+
+    import torch._functorch.config as fconfig
+    import torch._inductor.config as iconfig
+
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    layers = 8
+    model = GPT(GPTConfig(hidden=512, layers=layers, heads=8, vocab=1024, max_seq=512)).cuda()
+    ref = copy.deepcopy(model)
+    tokens = torch.randint(0, 1024, (8, 513), device="cuda")
+    be = toc.backend(toc.ActivationPassConfig())
+    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
+    torch._dynamo.reset()
+    peaks = {}
+    with fconfig.patch(enable_autograd_cache=False), iconfig.patch(fx_graph_cache=False):
+        for name, m, backend in (("pass", model, be), ("plain", ref, "inductor")):
+            compiled = torch.compile(m, backend=backend)
+            for step in range(3):
+                if step == 2:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                    if name == "pass" and slow_copies:
+                        engine.debug_delay_cycles = 20_000_000
+                try:
+                    loss = _gpt_step(compiled, tokens)
+                finally:
+                    engine.debug_delay_cycles = 0
+                peaks.setdefault(name, []).append(loss)
+                if step < 2:
+                    m.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            peaks[name + "_peak"] = torch.cuda.max_memory_allocated() - base
+    for a, b in zip(peaks["pass"], peaks["plain"], strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    report = be.reports[-1]
+    per_layer = report.offloaded_bytes / (layers - 1)
+    saved = peaks["plain_peak"] - peaks["pass_peak"]
+    print(f"offloaded {report.offloaded_bytes / 2**20:.1f} MiB, peak drop {saved / 2**20:.1f} MiB")
+    assert saved >= report.offloaded_bytes - 3 * per_layer > 0
+    assert toc.op_stats().in_flight == 0
+
+
+def test_probe_runner_on_gpu_within_budget(gpu_deterministic):
+    """Streamed exported GPT: the resident program's bits, the arena within its budget, the
+    device peak within budget + the resident run's own working memory; CUDA graph capture is
+    refused."""
+    import gc
+
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(hidden=512, layers=6, heads=8, vocab=1024, max_seq=256)).cuda().eval()
+    tokens = torch.randint(0, 1024, (4, 256), device="cuda")
+    ep = torch.export.export(model, (tokens,))
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        ref = ep.module()(tokens)
+        torch.cuda.synchronize()
+        working = torch.cuda.max_memory_allocated() - before  # activations, resident run
+    budget = weights // 3
+    runner = toc.stream_exported_weights(ep, "cuda", budget_bytes=budget, prefetch_depth=2)
+    del model, ep
+    gc.collect()
+    torch.cuda.empty_cache()
+    outs = [runner(tokens) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    outs.append(runner(tokens))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    for out in outs:
+        assert torch.equal(out, ref)
+    s = runner.handle.stats()
+    print(
+        f"weights {weights / 2**20:.1f} MiB, budget {budget / 2**20:.1f} MiB, "
+        f"arena peak {s.peak_device_bytes / 2**20:.1f} MiB, call peak {peak / 2**20:.1f} MiB, "
+        f"resident working {working / 2**20:.1f} MiB, hits {s.hits} misses {s.misses}"
+    )
+    assert s.peak_device_bytes <= budget
+    held = 3 * ref.nbytes + tokens.nbytes + (1 << 20)  # ref, two outputs, tokens, stand-ins
+    assert before <= budget + held  # no copy of the weights held besides the arena
+    assert peak <= working + (1 << 20)  # the arena is allocated once, at setup
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="CUDA graph"), torch.cuda.graph(g):
+        runner(tokens)
+    runner.remove()

@@ -27,17 +27,25 @@ from torchoffload.compile._pass import (
     PassReport,
     offload_activations_pass,
 )
+from torchoffload.compile._probe import (
+    ExportedWeightRunner,
+    insert_weight_probes,
+    stream_exported_weights,
+)
 
 __all__ = [
     "ActivationPartitioner",
     "ActivationPassConfig",
+    "ExportedWeightRunner",
     "OffloadDecision",
     "OpStats",
     "PassReport",
     "backend",
     "discard_in_flight",
+    "insert_weight_probes",
     "offload_activations_pass",
     "op_stats",
     "reset_op_stats",
     "set_op_pool",
+    "stream_exported_weights",
 ]

@@ -1,0 +1,199 @@
+"""Weight probes: run an exported program with its weights streamed from host memory.
+
+`insert_weight_probes` puts ``torch.ops.torchoffload.probe(w, probe_id)`` in front of every use
+of every weight in a graph; `stream_exported_weights` serves those probes from the weight
+engine of `torchoffload.weights` (pinned host copy, capped device arena, prefetch on a copy
+stream), one unit per weight, so a probe is served by its id and no schedule cursor can serve
+a wrong weight.
+
+Note: [Serving a probe]
+Probe ids are numbered in graph order, and the runner runs the graph in that order (eagerly,
+node by node). Serving probe i starts the unit of its weight (wait for its copy or fetch it
+now, bind it, prefetch the next units of the recorded schedule) and returns the weight as a
+tensor over the arena. That unit is finished (its "done" event recorded on the compute stream,
+after which the copy stream may overwrite its bytes) at the first probe that comes after the
+node that uses it, or at the end of the run: by then the use has been queued on the compute
+stream, so "done" follows it. A weight probed again while still held is returned as it is.
+A probe outside a runner returns a copy of its weight (the program runs unchanged, resident).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from torchoffload._transfer import compute_device
+from torchoffload.weights import WeightStreamHandle, stream_weights
+
+__all__ = ["ExportedWeightRunner", "insert_weight_probes", "stream_exported_weights"]
+
+_active: list[ExportedWeightRunner] = []  # the runner whose graph is running now
+
+
+@torch.library.custom_op("torchoffload::probe", mutates_args=())
+def probe(w: torch.Tensor, probe_id: int) -> torch.Tensor:
+    """The weight for probe ``probe_id``: served by the running `ExportedWeightRunner`, or a
+    copy of ``w`` when no runner is running. See Note: [Serving a probe]."""
+    if _active:
+        return _active[-1]._serve(probe_id)
+    return w.clone()
+
+
+@probe.register_fake
+def _(w: torch.Tensor, probe_id: int) -> torch.Tensor:
+    return torch.empty_like(w)
+
+
+probe.register_autograd(
+    lambda ctx, grad: (grad, None)
+)  # the weight itself, as far as autograd sees
+fx.node.has_side_effect(torch.ops.torchoffload.probe.default)
+
+
+def _weights(gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+    found = dict(gm.named_parameters(remove_duplicate=False))
+    found.update(gm.named_buffers(remove_duplicate=False))
+    return found
+
+
+def insert_weight_probes(gm: fx.GraphModule) -> list[str]:
+    """Insert ``probe(w, id)`` before each use of each parameter or buffer of ``gm`` (read by a
+    ``get_attr`` node, as in ``ExportedProgram.module()``), in place. Returns the weight name of
+    each probe id. ``graph.lint()`` holds afterwards."""
+    graph = gm.graph
+    weights = _weights(gm)
+    names: list[str] = []
+    for node in list(graph.nodes):
+        if node.op == "get_attr" or node.op == "placeholder":
+            continue
+        attrs = [a for a in node.all_input_nodes if a.op == "get_attr" and a.target in weights]
+        for attr in dict.fromkeys(attrs):
+            with graph.inserting_before(node):
+                p = graph.call_function(torch.ops.torchoffload.probe.default, (attr, len(names)))
+            p.meta.update({k: attr.meta[k] for k in ("val", "tensor_meta") if k in attr.meta})
+            node.replace_input_with(attr, p)
+            names.append(str(attr.target))
+    graph.lint()
+    gm.recompile()
+    return names
+
+
+class _One(nn.Module):
+    def __init__(self, t: torch.Tensor):
+        super().__init__()
+        self.register_buffer("w", t.detach())
+
+
+class ExportedWeightRunner:
+    """Runs an exported program with its weights streamed (built by `stream_exported_weights`).
+
+    Call it like the program. ``handle`` is the weight engine's `WeightStreamHandle`
+    (``stats()``, ``schedule``); ``probe_names[i]`` is the weight probe ``i`` serves."""
+
+    def __init__(self, ep: torch.export.ExportedProgram, device: Any, budget_bytes: int,
+                 prefetch_depth: int, pin_memory: bool = True):  # fmt: skip
+        if not isinstance(ep, torch.export.ExportedProgram):
+            raise TypeError(f"ep must be a torch.export.ExportedProgram, got {type(ep).__name__}")
+        self.device = compute_device(device)
+        gm = ep.module()
+        weights = _weights(gm)
+        self.probe_names = insert_weight_probes(gm)
+        if not self.probe_names:
+            raise ValueError(
+                "this exported program uses no parameters or buffers: nothing to stream"
+            )
+        units: dict[int, int] = {}  # id(tensor) -> unit index (tied weights share one unit)
+        tensors: list[torch.Tensor] = []
+        self._unit_of: list[int] = []
+        for name in self.probe_names:
+            t = weights[name]
+            index = units.setdefault(id(t), len(tensors))
+            if index == len(tensors):
+                tensors.append(t)
+            self._unit_of.append(index)
+        self._holder = nn.ModuleList(_One(t) for t in tensors)
+        self.handle: WeightStreamHandle = stream_weights(
+            self._holder, self.device, budget_bytes=budget_bytes, prefetch_depth=prefetch_depth,
+            unit=list(self._holder), pin_memory=pin_memory,
+        )  # fmt: skip
+        # The graph reads its weights only through probes, which serve them by id: what the
+        # get_attr nodes hand them is an empty stand-in, so gm holds no weight memory.
+        for name in weights:
+            owner, _, leaf = name.rpartition(".")
+            mod = gm.get_submodule(owner)
+            stand_in = torch.empty(0, device=self.device)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(stand_in, requires_grad=False)
+            else:
+                mod._buffers[leaf] = stand_in
+        self._gm = gm
+        self._units = self.handle._units
+        positions = {n: i for i, n in enumerate(gm.graph.nodes)}
+        probes = [n for n in gm.graph.nodes if n.target is torch.ops.torchoffload.probe.default]
+        self._probe_pos = [positions[p] for p in probes]
+        self._use_pos = [max(positions[u] for u in p.users) for p in probes]
+        self._held: dict[int, int] = {}  # unit index -> position of its last use so far
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        h = self.handle
+        if self in _active:
+            raise RuntimeError("this ExportedWeightRunner is already running (re-entered)")
+        with torch.no_grad():
+            _active.append(self)
+            h._root_pre(self._holder, ())
+            try:
+                out = self._gm(*args, **kwargs)
+            finally:
+                self._release(None)
+                _active.remove(self)
+                h._root_post(self._holder, (), None)
+        return out
+
+    def _serve(self, probe_id: int) -> torch.Tensor:
+        if not 0 <= probe_id < len(self._unit_of):
+            raise RuntimeError(
+                f"probe id {probe_id} is not one of this program's {len(self._unit_of)} probes"
+            )
+        self._release(self._probe_pos[probe_id])
+        index = self._unit_of[probe_id]
+        unit = self._units[index]
+        if index not in self._held:
+            self.handle._pre(unit)
+        self._held[index] = max(self._held.get(index, -1), self._use_pos[probe_id])
+        return unit.module.w.detach()
+
+    def _release(self, before: int | None) -> None:
+        """Finish the units whose uses are queued (Note: [Serving a probe])."""
+        for index, use in list(self._held.items()):
+            if before is None or use < before:
+                del self._held[index]
+                self.handle._post(self._units[index], None)
+
+    def remove(self) -> None:
+        """Release the host copy and the arena."""
+        self.handle.remove()
+
+    def __repr__(self) -> str:
+        return f"ExportedWeightRunner({len(self.probe_names)} probes, {self.handle!r})"
+
+
+def stream_exported_weights(
+    ep: torch.export.ExportedProgram,
+    device: Any = None,
+    *,
+    budget_bytes: int,
+    prefetch_depth: int = 2,
+    pin_memory: bool = True,
+) -> ExportedWeightRunner:
+    """Run ``ep`` with its parameters and buffers in pinned host memory, streamed through a
+    device arena of at most ``budget_bytes``, ``prefetch_depth`` weights ahead.
+
+    The program runs eagerly (``ep.module()`` with probes, under `torch.no_grad()`); outputs are
+    bitwise those of ``ep.module()`` with the weights resident. Not supported: CUDA graph
+    capture (a replay skips the probes; capturing raises) and compiling the runner. Weights
+    are copied to the host once; drop ``ep`` afterwards to free their original memory.
+    """
+    return ExportedWeightRunner(ep, device, budget_bytes, prefetch_depth, pin_memory)
