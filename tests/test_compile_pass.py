@@ -101,6 +101,8 @@ def test_config_is_validated():
         toc.ActivationPassConfig(prefetch_layers=-1)
     with pytest.raises(ValueError, match="max_offload_bytes"):
         toc.ActivationPassConfig(max_offload_bytes=1.5)
+    with pytest.raises(ValueError, match="budget_policy"):
+        toc.ActivationPassConfig(budget_policy="largest")
     with pytest.raises(TypeError, match="ActivationPassConfig"):
         toc.ActivationPartitioner({"prefetch_layers": 1})
 
@@ -127,15 +129,21 @@ def test_layers_last_layer_and_min_bytes(pool):
     assert sum("min_bytes" in d.reason for d in report.decisions) == 6  # layers 0-2
 
 
-def test_budget_takes_earliest_layers_first(pool):
+@pytest.mark.parametrize(
+    ("policy", "layers"),
+    [
+        ("earliest", ["layers.0", "layers.0", "layers.1", "layers.1"]),  # fill in layer order
+        ("spread", ["layers.0", "layers.1", "layers.2"]),  # 4096 per layer: relu's output each
+    ],
+)
+def test_budget_policies(pool, policy, layers):
     x = torch.randn(16, 32, requires_grad=True)
-    budget = 2 * (4096 + 2048)  # two layers: relu's output and the residual stream
-    _, _, report = graphs(
-        Stack(), x, toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=budget)
-    )
-    assert [d.layer for d in report.offloaded] == ["layers.0"] * 2 + ["layers.1"] * 2
-    assert report.offloaded_bytes == budget
-    assert "max_offload_bytes" in next(d for d in report.decisions if d.layer == "layers.2").reason
+    budget = 2 * (4096 + 2048)  # relu's output is 4096 bytes, the layer's output 2048
+    config = toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=budget, budget_policy=policy)
+    _, _, report = graphs(Stack(), x, config)
+    assert [d.layer for d in report.offloaded] == layers
+    assert report.offloaded_bytes <= budget
+    assert any("max_offload_bytes" in d.reason for d in report.decisions)
 
 
 @pytest.mark.parametrize("defer", [0, 1, 2])

@@ -66,7 +66,11 @@ class ActivationPassConfig:
     - ``defer_layers``: each forward wait (after which the device copy is freed) comes this
       many layers after the layer that produced the tensor.
     - ``skip_last_layers``: the last layers' activations stay (backward needs them first).
-    - ``max_offload_bytes``: at most this many bytes offloaded per step, earliest layers first
+    - ``max_offload_bytes``: at most this many bytes offloaded per step, placed by
+      ``budget_policy``: ``"spread"`` gives each eligible layer an equal share (what a layer
+      does not use passes to the next), so the copies spread over the whole forward and hide
+      behind its compute; ``"earliest"`` fills the earliest layers first (the longest time
+      between offload and reload, but the copies bunch up at the start)
       (None: every eligible storage).
     - ``min_bytes``: storages smaller than this stay on the device.
     """
@@ -76,12 +80,18 @@ class ActivationPassConfig:
     skip_last_layers: int = 1
     max_offload_bytes: int | None = None
     min_bytes: int = 4096
+    budget_policy: str = "spread"
 
     def __post_init__(self) -> None:
         for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"ActivationPassConfig.{name} must be an int >= 0, got {value!r}")
+        if self.budget_policy not in ("spread", "earliest"):
+            raise ValueError(
+                f"ActivationPassConfig.budget_policy must be 'spread' or 'earliest', "
+                f"got {self.budget_policy!r}"
+            )
         m = self.max_offload_bytes
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
             raise ValueError(
@@ -308,7 +318,7 @@ def offload_activations_pass(
                 "cannot offload %s although tagged MUST_CPU_OFFLOAD: %s", g.root.name, g.reason
             )
 
-    chosen = _choose(groups, config.max_offload_bytes)
+    chosen = _choose(groups, config.max_offload_bytes, config.budget_policy)
     for g in groups:
         layer = report.layers[g.layer] if g.layer is not None else None
         d = OffloadDecision(
@@ -402,21 +412,32 @@ def _flat(args: Any) -> list[Any]:
     return out
 
 
-def _choose(groups: list[_Group], budget: int | None) -> list[_Group]:
-    """Forced storages first, then preferred, then the earliest layers (the longest time
-    between offload and reload), while the budget lasts."""
+def _choose(groups: list[_Group], budget: int | None, policy: str) -> list[_Group]:
+    """Forced storages first, then preferred ones, then the rest in layer order under the
+    budget: with ``"spread"`` each layer may use its equal share of what is left plus what
+    earlier layers left unused; with ``"earliest"`` a layer may use all that is left."""
     chosen = [g for g in groups if g.forced and not g.reason]
-    total = sum(g.nbytes for g in chosen)
+    left = None if budget is None else budget - sum(g.nbytes for g in chosen)
     rest = sorted(
         (g for g in groups if not g.reason and not g.forced),
         key=lambda g: (not g.preferred, g.layer),
     )
+    layers = sorted({g.layer for g in rest if not g.preferred})
+    quota, current = 0, None
     for g in rest:
-        if budget is not None and total + g.nbytes > budget:
-            g.reason = f"over max_offload_bytes ({budget})"
+        spread = left is not None and policy == "spread" and not g.preferred
+        if spread and g.layer != current:  # an equal share of what is left (unused shares carry)
+            current = g.layer
+            quota = left // (len(layers) - layers.index(current))
+        cap = quota if spread else left
+        if cap is not None and g.nbytes > cap:
+            g.reason = f"over max_offload_bytes ({budget}, {policy})"
             continue
         chosen.append(g)
-        total += g.nbytes
+        if left is not None:
+            left -= g.nbytes
+        if spread:
+            quota -= g.nbytes
     return chosen
 
 
