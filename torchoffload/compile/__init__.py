@@ -9,8 +9,10 @@
     y = torch.ops.torchoffload.reload(host, x.device)
     torch.ops.torchoffload.wait(y)             # y is ready
 
-Status: the ops (this module). The activation graph pass, the `torch.compile` backend and
-weight probes for exported programs are not built yet (issue "Compiled graphs").
+Training: ``torch.compile(model, backend=toc.backend(toc.ActivationPassConfig()))`` offloads
+saved activations inside the compiled graphs (`offload_activations_pass`). Inference:
+``toc.stream_exported_weights(ep, device, budget_bytes=...)`` runs an exported program with
+its weights streamed through probes (`insert_weight_probes`).
 """
 
 from torchoffload.compile._backend import ActivationPartitioner, backend
