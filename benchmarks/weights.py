@@ -119,6 +119,21 @@ def main(argv=None) -> int:
     )
     rows = []
 
+    def streamed_row(shape, x, name, run, h, setup_s, kind):
+        """Two warm-up calls, then time ``run`` and add a row from its handle ``h``."""
+        with torch.inference_mode():
+            run(x)
+            run(x)
+        reset_peak(device)
+        h.reset_stats()
+        ms = time_forwards(run, x, args.steps, args.reps, device)
+        st = h.stats()
+        row(
+            shape, name, ms, st.h2d_bytes / max(st.calls, 1), peak_gib(device),
+            units=f"{st.units} {kind}", kept=st.kept_units, misses=st.misses,
+            arena_gib=round(st.arena_bytes / GIB, 2), setup_s=round(setup_s, 1),
+        )  # fmt: skip
+
     def row(shape, name, ms, moved, peak, **extra):
         link_ms = moved / (bw * 1e9) * 1e3 if bw == bw else 0.0  # bw is nan on the CPU
         bound = max(resident_ms[shape], link_ms)
@@ -150,19 +165,8 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         for shape, x in inputs.items():
-            with torch.inference_mode():
-                model(x)
-                model(x)
-            reset_peak(device)
-            h.reset_stats()
-            ms = time_forwards(model, x, args.steps, args.reps, device)
-            st = h.stats()
-            moved = st.h2d_bytes / max(st.calls, 1)
-            row(
-                shape, f"stream_weights {budget_gib:g} GiB", ms, moved, peak_gib(device),
-                units=f"{st.units} {h._unit_kind}", kept=st.kept_units, misses=st.misses,
-                arena_gib=round(st.arena_bytes / GIB, 2), setup_s=round(setup_s, 1),
-            )  # fmt: skip
+            name = f"stream_weights {budget_gib:g} GiB"
+            streamed_row(shape, x, name, model, h, setup_s, h._unit_kind)
         h.remove()
         del h
         gc.collect()
@@ -179,18 +183,8 @@ def main(argv=None) -> int:
                 ep, device, budget_bytes=int(budget_gib * GIB), prefetch_depth=args.prefetch_depth
             )
             setup_s = time.perf_counter() - t0
-            runner(x)
-            runner(x)
-            reset_peak(device)
-            runner.handle.reset_stats()
-            ms = time_forwards(runner, x, args.steps, args.reps, device)
-            st = runner.handle.stats()
-            moved = st.h2d_bytes / max(st.calls, 1)
-            row(
-                shape, f"exported probes {budget_gib:g} GiB", ms, moved, peak_gib(device),
-                units=f"{st.units} weights", kept=st.kept_units, misses=st.misses,
-                arena_gib=round(st.arena_bytes / GIB, 2), setup_s=round(setup_s, 1),
-            )  # fmt: skip
+            name = f"exported probes {budget_gib:g} GiB"
+            streamed_row(shape, x, name, runner, runner.handle, setup_s, "weights")
             runner.remove()
             del runner
             gc.collect()

@@ -58,6 +58,21 @@ def gpu_deterministic():
 
 
 @pytest.fixture
+def op_pool():
+    """A small host pool for the graph ops (torchoffload.compile), reset around each test."""
+    import torchoffload
+    import torchoffload.compile as toc
+
+    p = torchoffload.PinnedPool(8 << 20, slab_bytes=1 << 20, pin_memory=False)
+    toc.set_op_pool(p)
+    toc.reset_op_stats()
+    yield p
+    toc.discard_in_flight()
+    toc.set_op_pool(None)
+    p.release()
+
+
+@pytest.fixture
 def gpu_pool():
     from torchoffload import PinnedPool
 

@@ -6,21 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import torchoffload
 import torchoffload.compile as toc
 
 ops = torch.ops.torchoffload
-
-
-@pytest.fixture
-def pool():
-    p = torchoffload.PinnedPool(8 << 20, slab_bytes=1 << 20, pin_memory=False)
-    toc.set_op_pool(p)
-    toc.reset_op_stats()
-    yield p
-    toc.discard_in_flight()
-    toc.set_op_pool(None)
-    p.release()
 
 
 def roundtrip(x: torch.Tensor) -> torch.Tensor:
@@ -31,7 +19,7 @@ def roundtrip(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def test_opcheck(pool):
+def test_opcheck(op_pool):
     x = torch.randn(4, 8)
     torch.library.opcheck(ops.offload, (x,))
     host = ops.offload(x)
@@ -42,7 +30,7 @@ def test_opcheck(pool):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
-def test_roundtrip_is_exact_and_returns_the_block(pool, dtype):
+def test_roundtrip_is_exact_and_returns_the_block(op_pool, dtype):
     x = (torch.randn(6, 10) * 100).to(dtype)
     strided = x.t()[2:5]  # a non-contiguous view: copied as its values, contiguous on the host
     for src in (x, strided):
@@ -51,15 +39,15 @@ def test_roundtrip_is_exact_and_returns_the_block(pool, dtype):
     s = toc.op_stats()
     assert s.offloaded_tensors == s.reloaded_tensors == 2 and s.in_flight == 0
     assert s.offloaded_bytes == x.nbytes + strided.numel() * strided.element_size()
-    assert pool.stats().used_bytes == 0  # every block went back
+    assert op_pool.stats().used_bytes == 0  # every block went back
 
 
-def test_empty_tensor_needs_no_block(pool):
+def test_empty_tensor_needs_no_block(op_pool):
     y = roundtrip(torch.empty(0, 3))
-    assert y.shape == (0, 3) and pool.stats().used_bytes == 0
+    assert y.shape == (0, 3) and op_pool.stats().used_bytes == 0
 
 
-def test_reload_of_a_callers_tensor_and_twice(pool):
+def test_reload_of_a_callers_tensor_and_twice(op_pool):
     mine = torch.randn(3)
     y = ops.reload(mine, torch.device("cpu"))  # not from offload: a plain copy
     ops.wait(y)
@@ -86,7 +74,7 @@ def f_plain(x, w):
     return a * b
 
 
-def test_ops_survive_inductor(pool):
+def test_ops_survive_inductor(op_pool):
     """Inductor keeps all three ops, `wait` included (it returns nothing), and the result is
     the compiled result without them, bit for bit."""
     from torch._inductor.utils import run_and_get_code
@@ -103,7 +91,7 @@ def test_ops_survive_inductor(pool):
     assert toc.op_stats().in_flight == 0
 
 
-def test_ops_survive_export(pool):
+def test_ops_survive_export(op_pool):
     class M(torch.nn.Module):
         def __init__(self):
             super().__init__()

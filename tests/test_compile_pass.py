@@ -11,22 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import torchoffload
 import torchoffload.compile as toc
 from torchoffload.models import GPT, GPTConfig
 
 ops = torch.ops.torchoffload
-
-
-@pytest.fixture
-def pool():
-    p = torchoffload.PinnedPool(16 << 20, slab_bytes=4 << 20, pin_memory=False)
-    toc.set_op_pool(p)
-    toc.reset_op_stats()
-    yield p
-    toc.discard_in_flight()
-    toc.set_op_pool(None)
-    p.release()
 
 
 @pytest.fixture(autouse=True)
@@ -107,7 +95,7 @@ def test_config_is_validated():
         toc.ActivationPartitioner({"prefetch_layers": 1})
 
 
-def test_layers_last_layer_and_min_bytes(pool):
+def test_layers_last_layer_and_min_bytes(op_pool):
     model, x = Stack(), torch.randn(16, 32, requires_grad=True)
     fw, bw, report = graphs(model, x, toc.ActivationPassConfig(min_bytes=0, skip_last_layers=1))
     assert report.layers == ["layers.0", "layers.1", "layers.2", "layers.3"]
@@ -136,7 +124,7 @@ def test_layers_last_layer_and_min_bytes(pool):
         ("spread", ["layers.0", "layers.1", "layers.2"]),  # 4096 per layer: relu's output each
     ],
 )
-def test_budget_policies(pool, policy, layers):
+def test_budget_policies(op_pool, policy, layers):
     x = torch.randn(16, 32, requires_grad=True)
     budget = 2 * (4096 + 2048)  # relu's output is 4096 bytes, the layer's output 2048
     config = toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=budget, budget_policy=policy)
@@ -147,7 +135,7 @@ def test_budget_policies(pool, policy, layers):
 
 
 @pytest.mark.parametrize("defer", [0, 1, 2])
-def test_forward_waits_are_deferred_by_layers(pool, defer):
+def test_forward_waits_are_deferred_by_layers(op_pool, defer):
     fw, _, report = graphs(
         Stack(),
         torch.randn(16, 32, requires_grad=True),
@@ -170,7 +158,7 @@ def test_forward_waits_are_deferred_by_layers(pool, defer):
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_reloads_are_moved_earlier_by_layers(pool, prefetch):
+def test_reloads_are_moved_earlier_by_layers(op_pool, prefetch):
     _, bw, report = graphs(
         Stack(n=5),
         torch.randn(16, 32, requires_grad=True),
@@ -228,7 +216,7 @@ class Views(nn.Module):
         return x
 
 
-def test_views_offload_their_storage_once(pool):
+def test_views_offload_their_storage_once(op_pool):
     """With PyTorch's default partitioner (which saves a tensor and its views side by side) and
     the pass used on its own: each storage is copied once, its saved views are rebuilt from
     the reload, and the step's bits are those of the same partitioner without the pass."""
@@ -269,7 +257,7 @@ def test_views_offload_their_storage_once(pool):
     assert s.reloaded_tensors == len(report.offloaded) and s.in_flight == 0
 
 
-def test_decisions_are_logged(pool, caplog):
+def test_decisions_are_logged(op_pool, caplog):
     with caplog.at_level(logging.DEBUG, logger="torchoffload.compile._pass"):
         graphs(
             Stack(), torch.randn(16, 32, requires_grad=True), toc.ActivationPassConfig(min_bytes=0)
@@ -298,7 +286,7 @@ def gpt_step(model, tokens):
         toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=40_000),
     ],
 )
-def test_compiled_gpt_matches_compiled_without_offloading(pool, config):
+def test_compiled_gpt_matches_compiled_without_offloading(op_pool, config):
     """Inductor on CPU with the pass gives the bits Inductor gives without it (two steps, so the
     host blocks are reused), and every offloaded tensor came back."""
     from torch._inductor.utils import run_and_get_code
@@ -328,7 +316,7 @@ def test_compiled_gpt_matches_compiled_without_offloading(pool, config):
     assert (
         s.offloaded_tensors == s.reloaded_tensors == 2 * len(report.offloaded) and s.in_flight == 0
     )
-    assert pool.stats().used_bytes == 0
+    assert op_pool.stats().used_bytes == 0
     if config.max_offload_bytes is not None:
         assert report.offloaded_bytes <= config.max_offload_bytes
 
@@ -348,13 +336,11 @@ class Checkpointed(nn.Module):
         return x
 
 
-def test_composes_with_checkpointing(pool):
-    """A checkpointed layer saves only its input; what it recomputes is never offloaded."""
-    torch.manual_seed(0)
-    model = Checkpointed()
+def compiled_parity(model, x, config):
+    """One step of ``model`` compiled with the pass and of a copy compiled without it: outputs
+    and gradients bitwise equal. Returns the pass's report."""
     ref = copy.deepcopy(model)
-    x = torch.randn(16, 32)
-    be = toc.backend(toc.ActivationPassConfig(min_bytes=0, skip_last_layers=0))
+    be = toc.backend(config)
     a = torch.compile(model, backend=be)(x)
     b = torch.compile(ref, backend="inductor")(x)
     a.sum().backward()
@@ -364,7 +350,14 @@ def test_composes_with_checkpointing(pool):
         torch.equal(p.grad, q.grad)
         for p, q in zip(model.parameters(), ref.parameters(), strict=True)
     )
-    report = be.reports[-1]
+    return be.reports[-1]
+
+
+def test_composes_with_checkpointing(op_pool):
+    """A checkpointed layer saves only its input; what it recomputes is never offloaded."""
+    torch.manual_seed(0)
+    config = toc.ActivationPassConfig(min_bytes=0, skip_last_layers=0)
+    report = compiled_parity(Checkpointed(), torch.randn(16, 32), config)
     layer0 = [d for d in report.decisions if d.layer == "layers.0"]
     layer1 = [d for d in report.decisions if d.layer == "layers.1"]
     assert len(layer1) == 2 and all(d.offloaded for d in layer1)  # relu's output, its input
@@ -375,7 +368,7 @@ def test_composes_with_checkpointing(pool):
     not hasattr(torch.utils.checkpoint.CheckpointPolicy, "MUST_CPU_OFFLOAD"),
     reason="this torch has no CheckpointPolicy.MUST_CPU_OFFLOAD",
 )
-def test_sac_must_cpu_offload_is_honoured(pool):
+def test_sac_must_cpu_offload_is_honoured(op_pool):
     """A tensor tagged MUST_CPU_OFFLOAD is offloaded although it is in the last layer."""
     import functools
 
@@ -398,18 +391,6 @@ def test_sac_must_cpu_offload_is_honoured(pool):
             return x
 
     torch.manual_seed(0)
-    model = Tagged(n=2)
-    ref = copy.deepcopy(model)
-    x = torch.randn(16, 32)
-    be = toc.backend(toc.ActivationPassConfig(min_bytes=1 << 30, skip_last_layers=2))
-    a = torch.compile(model, backend=be)(x)
-    b = torch.compile(ref, backend="inductor")(x)
-    a.sum().backward()
-    b.sum().backward()
-    assert torch.equal(a, b)
-    assert all(
-        torch.equal(p.grad, q.grad)
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True)
-    )
-    offloaded = be.reports[-1].offloaded
+    config = toc.ActivationPassConfig(min_bytes=1 << 30, skip_last_layers=2)
+    offloaded = compiled_parity(Tagged(n=2), torch.randn(16, 32), config).offloaded
     assert len(offloaded) == 2 and all(d.reason == "tagged MUST_CPU_OFFLOAD" for d in offloaded)

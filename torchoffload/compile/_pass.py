@@ -346,9 +346,15 @@ def offload_activations_pass(
     bw_start = _backward_starts(groups, bw_inputs, bw_pos)
     first_compute = next(n for n in bw.nodes if n.op != "placeholder")
 
+    aliases: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes viewing it
+    for n in pos:
+        if n.op == "call_function":
+            aliases.setdefault(_chain(n)[0], []).append(n)
     replaced: dict[fx.Node, fx.Node | None] = {}  # saved output -> host node (None: dropped)
     for g in chosen:
-        host = _rewrite_forward(fw, g, pos, layer_end, n_layers, config.defer_layers)
+        host = _rewrite_forward(
+            fw, g, aliases.get(g.root, []), pos, layer_end, n_layers, config.defer_layers
+        )
         for i, m in enumerate(g.members):
             replaced[m] = host if i == 0 else None
         _rewrite_backward(
@@ -457,7 +463,7 @@ def _backward_starts(groups: list[_Group], bw_inputs: dict, bw_pos: dict) -> dic
     return start
 
 
-def _rewrite_forward(fw, g, pos, layer_end, n_layers, defer) -> fx.Node:
+def _rewrite_forward(fw, g, aliases, pos, layer_end, n_layers, defer) -> fx.Node:
     root = g.root
     val = _tensor(root)
     order = _dense_order(val)
@@ -472,7 +478,6 @@ def _rewrite_forward(fw, g, pos, layer_end, n_layers, defer) -> fx.Node:
         )
     host.meta["val"] = src.meta["val"].to("cpu")
     # Note: [Forward waits]
-    aliases = [n for n in pos if n.op == "call_function" and _chain(n)[0] is root]
     last = max(
         (u for a in aliases for u in a.users if u.op != "output" and u in pos),
         key=pos.__getitem__,
