@@ -157,8 +157,29 @@ def test_forward_waits_are_deferred_by_layers(op_pool, defer):
             assert pos[wait] < pos[addmms[2 * (i + defer + 1)]]  # and before the next layer
 
 
+def _is_view(n):
+    target = n.target
+    return isinstance(target, torch._ops.OpOverload) and any(
+        r.alias_info is not None for r in target._schema.returns[:1]
+    )
+
+
+def _through_views(nodes):
+    """``nodes`` and, through view ops (whose outputs alias their input), their users."""
+    out, todo = [], list(nodes)
+    while todo:
+        n = todo.pop()
+        out.append(n)
+        if _is_view(n):
+            todo += list(n.users)
+    return out
+
+
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_reloads_are_moved_earlier_by_layers(op_pool, prefetch):
+    """Note: [Where reloads go]: layer i's reloads go into the backward of layer
+    a = i + prefetch, after a has released half of its saved bytes (at a's start when a keeps
+    its tensors, or with prefetch 0), in order of first use; each wait right before its use."""
     _, bw, report = graphs(
         Stack(n=5),
         torch.randn(16, 32, requires_grad=True),
@@ -168,30 +189,50 @@ def test_reloads_are_moved_earlier_by_layers(op_pool, prefetch):
     reloads = calls(bw, ops.reload)  # layers 0..3 (layer 4 is the last, kept), 2 per layer
     assert len(reloads) == 8
     layer = {f"offload_{d.root}": int(d.layer.split(".")[1]) for d in report.offloaded}
-    start = {}  # layer -> its first backward use of a saved tensor
+    start, first_use, last_use = {}, {}, {}  # start: per layer, its first use
     for r in reloads:
         (wait,) = [u for u in r.users if u.target == ops.wait.default]
         users = [u for u in r.users if u is not wait]
-        first = min(pos[u] for u in users)
-        assert pos[r] < pos[wait] < first and all(pos[u] > pos[wait] for u in users)
+        first_use[r] = min(pos[u] for u in users)
+        last_use[r] = max(pos[u] for u in _through_views(users))
+        assert pos[r] < pos[wait] < first_use[r] and all(pos[u] > pos[wait] for u in users)
         i = layer[r.args[0].name]
-        start[i] = min(start.get(i, first), first)
+        start[i] = min(start.get(i, first_use[r]), first_use[r])
+    free = {}  # per layer: where its backward has released half of its bytes
+    for i in range(4):
+        # (the layer's output is released before its backward starts: by layer i + 1)
+        rel = sorted(
+            (last_use[r], r.meta["val"].nbytes)
+            for r in reloads
+            if layer[r.args[0].name] == i and last_use[r] > start[i]
+        )
+        total, done = sum(b for _, b in rel), 0
+        for at, nbytes in rel:
+            done += nbytes
+            if 2 * done >= total:
+                free[i] = at
+                break
     kept = [d for d in report.decisions if d.layer == "layers.4"]
     bw_inputs = {p.name: p for p in bw.graph.find_nodes(op="placeholder")}
     start[4] = min(pos[u] for d in kept for u in bw_inputs[d.root].users)
-    assert sorted(start, key=start.__getitem__) == [
-        4,
-        3,
-        2,
-        1,
-        0,
-    ]  # backward runs layers in reverse
+    assert sorted(start, key=start.__getitem__) == [4, 3, 2, 1, 0]  # layers in reverse
     for r in reloads:
         i = layer[r.args[0].name]
-        target = min(i + prefetch, 4)
-        assert pos[r] <= start[target]  # before the backward of layer i + prefetch
-        if target + 1 <= 4:
-            assert pos[r] > start[target + 1]  # and not earlier than needed
+        a = min(i + prefetch, 4)
+        if a == 4 or a == i:  # at the start of layer a's backward
+            assert pos[r] <= start[a]
+            if a + 1 <= 4:
+                assert pos[r] > start[a + 1]  # and not earlier
+        else:  # right after layer a released half of its bytes, before layer a - 1 starts
+            assert free[a] < pos[r] < start[a - 1]
+            nodes = list(bw.graph.nodes)
+            between = nodes[free[a] + 1 : pos[r]]  # only other transfers (and saved views)
+            assert all(
+                n.target in (ops.reload.default, ops.wait.default) or _is_view(n) for n in between
+            ), between
+    for i in range(4):
+        mine = sorted((r for r in reloads if layer[r.args[0].name] == i), key=pos.__getitem__)
+        assert [first_use[r] for r in mine] == sorted(first_use[r] for r in mine)
 
 
 class ViewLayer(nn.Module):
@@ -319,6 +360,15 @@ def test_compiled_gpt_matches_compiled_without_offloading(op_pool, config):
     assert op_pool.stats().used_bytes == 0
     if config.max_offload_bytes is not None:
         assert report.offloaded_bytes <= config.max_offload_bytes
+
+
+def test_backend_turns_off_inductor_memory_features_that_fight_the_pass():
+    """Note in `backend`: peak-memory reordering and buffer reuse are off unless asked for."""
+    patches = toc.backend().config_patches
+    assert patches["reorder_for_peak_memory"] is False
+    assert patches["allow_buffer_reuse"] is False
+    assert isinstance(patches["custom_partitioner_fn"], toc.ActivationPartitioner)
+    assert toc.backend(allow_buffer_reuse=True).config_patches["allow_buffer_reuse"] is True
 
 
 class Checkpointed(nn.Module):

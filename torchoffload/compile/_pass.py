@@ -28,8 +28,23 @@ Layers are read from each node's ``nn_module_stack``: the first module path with
 component (``layers.3``, ``h[3]``) names the layer; layers are numbered in forward order, and
 nodes outside any (embeddings, head, loss) belong to none and are not offloaded. Backward nodes
 carry no reliable module path, so the backward start of layer i is where the backward graph
-first uses a tensor saved by layer i: a reload ``prefetch_layers`` earlier goes in front of
-the start of layer i + prefetch_layers (the backward runs the layers in reverse).
+first uses a tensor saved by layer i (the backward runs the layers in reverse).
+
+Note: [Where reloads go]
+The reloads of layer i go into the backward of layer a = i + ``prefetch_layers``:
+- When layer a has offloaded storages of its own, right after the node where layer a's
+  backward has released half of the bytes of its saved storages (in a transformer block:
+  the MLP's two 4h-wide activations, once the second matmul's gradients and the GELU's are
+  done). Before that the device would hold layer a's saved tensors, its first gradients and
+  layer i's reloads at once. On the H200 (h2048, benchmarks/RESULTS.md) reloads at the very
+  start of layer a peaked 0.33 GiB above eager offloading; after layer a's first release,
+  0.08 GiB above; after half, the same (the peak had moved), at no cost in step time. The
+  copy stream loses little: it is still bringing layer a's later tensors when the compute
+  stream gets there, since reloads are issued in order of first use (layer a's first-needed
+  tensors arrive first).
+- Otherwise (layer a kept on the device, or no layer a) at the start of layer a's backward, or
+  at the start of the backward graph: the copy stream is idle there.
+Each reload's wait goes right before its first use; a reload never goes after that use.
 
 Note: [Forward waits]
 ``wait(h, keepalive=a)`` goes after the last forward use of any alias of ``a`` and after the
@@ -72,14 +87,16 @@ class ActivationPassConfig:
       behind its compute; ``"earliest"`` fills the earliest layers first (the longest time
       between offload and reload, but the copies bunch up at the start)
       (None: every eligible storage).
-    - ``min_bytes``: storages smaller than this stay on the device.
+    - ``min_bytes``: storages smaller than this stay on the device (64 KiB, as in the eager
+      `ActivationOffloadConfig`): each offloaded storage costs about 0.4 ms of host time in
+      its four op calls (profiled on the H200), which layer-norm statistics do not repay.
     """
 
     prefetch_layers: int = 1
     defer_layers: int = 1
     skip_last_layers: int = 1
     max_offload_bytes: int | None = None
-    min_bytes: int = 4096
+    min_bytes: int = 1 << 16
     budget_policy: str = "spread"
 
     def __post_init__(self) -> None:
@@ -345,21 +362,29 @@ def offload_activations_pass(
     bw_pos = {n: i for i, n in enumerate(bw.nodes)}
     bw_start = _backward_starts(groups, bw_inputs, bw_pos)
     first_compute = next(n for n in bw.nodes if n.op != "placeholder")
+    first_free = _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, config.min_bytes)
 
     aliases: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes viewing it
     for n in pos:
         if n.op == "call_function":
             aliases.setdefault(_chain(n)[0], []).append(n)
     replaced: dict[fx.Node, fx.Node | None] = {}  # saved output -> host node (None: dropped)
+    hosts = []
     for g in chosen:
         host = _rewrite_forward(
             fw, g, aliases.get(g.root, []), pos, layer_end, n_layers, config.defer_layers
         )
+        hosts.append(host)
         for i, m in enumerate(g.members):
             replaced[m] = host if i == 0 else None
-        _rewrite_backward(
-            bw, g, host, bw_inputs, bw_pos, bw_start, first_compute, config.prefetch_layers
-        )
+    # Note: [Where reloads go]: issued in order of first use (a reload placed at a point
+    # follows the ones placed there before it).
+    by_use = sorted(
+        zip(chosen, hosts, strict=True), key=lambda gh: _first_use_pos(gh[0], bw_inputs, bw_pos)
+    )
+    for g, host in by_use:
+        at = _reload_point(g, bw_start, first_free, first_compute, config.prefetch_layers)
+        _rewrite_backward(bw, g, host, bw_inputs, bw_pos, at)
 
     out = fw.find_nodes(op="output")[0]
     new_outputs = list(outputs[:num_fwd_outputs])
@@ -463,6 +488,66 @@ def _backward_starts(groups: list[_Group], bw_inputs: dict, bw_pos: dict) -> dic
     return start
 
 
+def _first_use_pos(g: _Group, bw_inputs: dict, bw_pos: dict) -> int:
+    uses = [bw_pos[u] for m in g.members for u in bw_inputs[m.name].users]
+    return min(uses, default=len(bw_pos))
+
+
+def _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, min_bytes) -> dict:
+    """Note: [Where reloads go]: for each layer with offloaded storages, the node right after
+    the one where its backward has released half of the bytes of its saved storages (of at
+    least ``min_bytes``; a storage is released at the last use of any alias of it). Only
+    releases after the layer's backward started count: a layer's output, saved by the next
+    layer, is released where the next layer's backward ends. Read before the backward is
+    rewritten."""
+    aliases: dict[fx.Node, list[fx.Node]] = {}  # bw placeholder -> the nodes viewing it
+    for n in bw.nodes:
+        if n.op == "call_function":
+            root = _chain(n)[0]
+            if root.op == "placeholder":
+                aliases.setdefault(root, []).append(n)
+    end = len(bw_pos)
+    offloaded_layers = {g.layer for g in chosen if g.layer is not None}
+    releases: dict[int, list[tuple[int, int, fx.Node]]] = {}  # layer -> (pos, bytes, node)
+    for g in groups:
+        if g.layer not in offloaded_layers or g.layer not in bw_start or g.nbytes < min_bytes:
+            continue
+        last, last_pos = None, -1
+        for m in g.members:
+            p = bw_inputs.get(m.name)
+            for a in [p, *aliases.get(p, [])] if p is not None else []:
+                for u in a.users:
+                    i = end if u.op == "output" else bw_pos[u]
+                    if i > last_pos:
+                        last, last_pos = u, i
+        if last is not None and last.op != "output" and last_pos > bw_pos[bw_start[g.layer]]:
+            releases.setdefault(g.layer, []).append((last_pos, g.nbytes, last))
+    frees = {}
+    for layer, rel in releases.items():
+        rel.sort(key=lambda r: r[0])
+        total, done = sum(r[1] for r in rel), 0
+        for _, nbytes, node in rel:
+            done += nbytes
+            if 2 * done >= total:
+                frees[layer] = node.next
+                break
+    return frees
+
+
+def _reload_point(g, bw_start, first_free, first_compute, prefetch) -> fx.Node:
+    """Note: [Where reloads go]: the node the reloads of ``g`` go in front of (before its
+    first use, which `_rewrite_backward` enforces)."""
+    if g.layer is None:
+        return first_compute
+    later = [layer for layer in bw_start if layer >= g.layer + prefetch]
+    if not later:
+        return first_compute
+    a = min(later)
+    if a in first_free and a != g.layer:
+        return first_free[a]
+    return bw_start[a]
+
+
 def _rewrite_forward(fw, g, aliases, pos, layer_end, n_layers, defer) -> fx.Node:
     root = g.root
     val = _tensor(root)
@@ -494,7 +579,7 @@ def _rewrite_forward(fw, g, aliases, pos, layer_end, n_layers, defer) -> fx.Node
     return host
 
 
-def _rewrite_backward(bw, g, host, bw_inputs, bw_pos, bw_start, first_compute, prefetch) -> None:
+def _rewrite_backward(bw, g, host, bw_inputs, bw_pos, at) -> None:
     members = [bw_inputs[m.name] for m in g.members]
     users = [u for p in members for u in p.users]
     first_use = min(users, key=bw_pos.__getitem__) if users else None
@@ -505,11 +590,6 @@ def _rewrite_backward(bw, g, host, bw_inputs, bw_pos, bw_start, first_compute, p
         for p in members:
             bw.erase_node(p)
         return
-    at = first_compute
-    if g.layer is not None:
-        later = [layer for layer in bw_start if layer >= g.layer + prefetch]
-        if later:
-            at = bw_start[min(later)]
     if bw_pos.get(at, -1) > bw_pos[first_use]:
         at = first_use
     val = _tensor(g.root)
