@@ -198,6 +198,7 @@ def run_mode(
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shapes", choices=sorted(SHAPES), default="issue")
+    p.add_argument("--only", default="", help="comma-separated shape names (h1024,...)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument(
@@ -229,7 +230,10 @@ def main(argv=None) -> int:
         f"pinned copy bandwidth d2h {d2h:.1f} GB/s, h2d {h2d:.1f} GB/s"
     )
     rows = []
+    only = {o for o in args.only.split(",") if o}
     for hidden, nlayers, batch, seq in SHAPES[args.shapes]:
+        if only and f"h{hidden}" not in only:
+            continue
         torch.manual_seed(0)
         model = BlockStack(hidden, nlayers, heads=max(1, hidden // 128)).to(device, dtype)
         x = torch.randn(batch, seq, hidden, device=device, dtype=dtype)

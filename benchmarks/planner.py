@@ -24,6 +24,11 @@ forward + backward + zero_grad, no optimizer):
 The checkpointing rows are predicted too (a plan that recomputes the first m layers), which
 tests the time model on more points than the plans. The verdict per budget compares the plan
 with the fastest alternative whose measured peak fits the budget.
+
+Where the host binds (small shapes), its speed drifts between rounds by more than the verdict's
+differences; ``--pairs N`` then measures, per budget, the plan and that alternative
+alternately N times in short segments and reports the median ratio with a bootstrap 90%
+interval (Note: [Paired comparison]). ``--only h1024`` runs one shape.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import contextlib
 import datetime
 import gc
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -68,7 +74,7 @@ def loss_of(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def measure(model, x, steps, warmup, device, *, ctx=contextlib.nullcontext, phases=False,
+def measure(model, x, *, steps, warmup, device, ctx=contextlib.nullcontext, phases=False,
             min_ms=1500.0):  # fmt: skip
     """Median ms/step and peak bytes over the timed steps (``phases``: forward and backward
     timed apart as well, with a sync between them). Short steps are timed more often: at
@@ -123,11 +129,10 @@ def run_shape(shape, hw, pool, args, device, dtype):
     predictor = _Model(profile, hw, base_plan.defer_layers, base_plan.prefetch_layers)
     name = f"h{hidden} L{nlayers} b{batch} s{seq}"
 
+    timing = {"steps": args.steps, "warmup": args.warmup, "min_ms": args.min_ms}
+
     def run(ctx=contextlib.nullcontext, phases=False):
-        return measure(
-            model, x, args.steps, args.warmup, device, ctx=ctx, phases=phases,
-            min_ms=args.min_ms,
-        )  # fmt: skip
+        return measure(model, x, device=device, ctx=ctx, phases=phases, **timing)
 
     def with_handle(config=None, plan=None):
         handle = apply_activation_offloading(
@@ -211,9 +216,35 @@ def run_shape(shape, hw, pool, args, device, dtype):
     base = rows[0]
     base.update(fwd_ms=none["fwd_ms"], bwd_ms=none["bwd_ms"], ref_peak=peak0)
     base.update(pred_fwd_ms=pred_base.forward_s * 1e3, pred_bwd_ms=pred_base.backward_s * 1e3)
+    if args.pairs:
+        runners = {c[0]: c[1] for c in configs}
+        timing.update(steps=args.pair_steps, warmup=1, min_ms=0.0)
+        for _, f, _, plan, best in verdicts(rows, FRACTIONS):
+            if plan and best and "ms" in plan:
+                rows.append(paired(name, f, plan["config"], best["config"], runners, args.pairs))
     if args.profile_dir and device.type == "cuda":
         profile_step(model, x, args.profile_dir / f"{name.replace(' ', '_')}.txt")
     return rows + infeasible, profile
+
+
+def paired(shape, fraction, a, b, runners, pairs, seed=0):
+    """Note: [Paired comparison]: ``a`` and ``b`` measured alternately, ``pairs`` times (the
+    order flips every pair), each a short segment of a few steps; the ratio a/b per pair, its
+    median, and a bootstrap 90% interval of that median."""
+    ratios, ms_a, ms_b = [], [], []
+    for i in range(pairs):
+        order = (a, b) if i % 2 == 0 else (b, a)
+        got = {c: runners[c]()["ms"] for c in order}
+        ms_a.append(got[a])
+        ms_b.append(got[b])
+        ratios.append(got[a] / got[b])
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
+    return {
+        "shape": shape, "config": f"paired[{fraction:.2f}]", "fraction": fraction,
+        "a": a, "b": b, "pairs": pairs, "ratios": ratios, "ms_a": ms_a, "ms_b": ms_b,
+        "ratio": statistics.median(ratios), "ci": (medians[100], medians[1899]),
+    }  # fmt: skip
 
 
 def profile_step(model, x, path):
@@ -243,8 +274,8 @@ def verdicts(rows, fractions):
             plan = next((r for r in mine if r["config"] == f"plan[{f:.2f}]"), None)
             alts = [
                 r for r in mine
-                if not r["config"].startswith("plan") and "ms" in r and r["config"] != "none"
-                and r["peak"] <= budget
+                if not r["config"].startswith(("plan", "paired")) and "ms" in r
+                and r["config"] != "none" and r["peak"] <= budget
             ]  # fmt: skip
             best = min(alts, key=lambda r: r["ms"], default=None)
             out.append((shape, f, budget, plan, best))
@@ -258,6 +289,12 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--min-ms", type=float, default=500.0, help="timed ms per round, at least")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--only", default="", help="comma-separated shape names (h1024,...)")
+    p.add_argument(
+        "--pairs", type=int, default=0,
+        help="per budget, this many paired segments of the plan and the best alternative",
+    )  # fmt: skip
+    p.add_argument("--pair-steps", type=int, default=3, help="timed steps per paired segment")
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     p.add_argument("--profile-dir", type=Path, default=None, help="per-op GPU time tables")
     args = p.parse_args(argv)
@@ -278,7 +315,10 @@ def main(argv=None) -> int:
         f"storage fwd/bwd, {hw.kernel_us:.1f} us per kernel ({hw.source})"
     )
     rows = []
+    only = {o for o in args.only.split(",") if o}
     for shape in SHAPES[args.shapes]:
+        if only and f"h{shape[0]}" not in only:
+            continue
         shape_rows, _ = run_shape(shape, hw, pool, args, device, dtype)
         gc.collect()
         if device.type == "cuda":
@@ -301,6 +341,8 @@ def main(argv=None) -> int:
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:]))
     for r in rows:
+        if r["config"].startswith("paired"):
+            continue
         if "infeasible" in r:
             print(f"| {r['shape']:<20} | {r['config']:<16} | infeasible: {r['infeasible']}")
             continue
@@ -331,6 +373,23 @@ def main(argv=None) -> int:
             f"| {shape:<20} | {f:>5.0%} | {budget / GIB:>6.2f} | {pms:>8.1f} | {pgb:>8.2f} | "
             f"{fits:>4} | {bname:<16} | {bms:>8.1f} | {bgb:>8.2f} | {pms / bms:>8.2f} |"
         )
+    pairs = [r for r in rows if r["config"].startswith("paired")]
+    if pairs:
+        print()
+        print(
+            f"| {'shape':<20} | budget | {'plan':<16} | {'alternative':<16} | pairs | "
+            f"{'plan ms':>8} | {'alt ms':>8} | plan/alt | {'90% interval':>13} |"
+        )
+        print("|" + "|".join(["-" * 22, "-" * 8, "-" * 18, "-" * 18, "-" * 7, "-" * 10,
+                              "-" * 10, "-" * 10, "-" * 15]) + "|")  # fmt: skip
+        for r in pairs:
+            lo, hi = r["ci"]
+            print(
+                f"| {r['shape']:<20} | {r['fraction']:>5.0%} | {r['a']:<16} | {r['b']:<16} | "
+                f"{r['pairs']:>5} | {statistics.median(r['ms_a']):>8.1f} | "
+                f"{statistics.median(r['ms_b']):>8.1f} | {r['ratio']:>8.3f} | "
+                f"{lo:>6.3f}-{hi:<6.3f} |"
+            )
     if args.json:
         args.json.write_text(json.dumps({"gpu": gpu, "hardware": hw.__dict__, "rows": rows}))
     return 0
