@@ -5,8 +5,8 @@ the tensors saved for backward, and a backward graph, whose first inputs are tho
 `offload_activations_pass` rewrites both (in place)::
 
     forward                                   backward
-    a = producer(...)                         # start of layer i + prefetch_layers
-    h = offload(a)        # right after it    y = reload(h, device)
+    a = producer(...)                         # in layer i + prefetch_layers (Note: [Where
+    h = offload(a)        # right after it    y = reload(h, device)   #   reloads go])
     ... uses of a (and its views) ...         ...
     # end of layer i + defer_layers            wait(y)              # right before first use
     wait(h, keepalive=a)  # a's memory may go  v = view(y, ...)      # saved views, replayed
