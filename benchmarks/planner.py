@@ -216,15 +216,16 @@ def run_shape(shape, hw, pool, args, device, dtype):
     base = rows[0]
     base.update(fwd_ms=none["fwd_ms"], bwd_ms=none["bwd_ms"], ref_peak=peak0)
     base.update(pred_fwd_ms=pred_base.forward_s * 1e3, pred_bwd_ms=pred_base.backward_s * 1e3)
+    pairs = []
     if args.pairs:
         runners = {c[0]: c[1] for c in configs}
         timing.update(steps=args.pair_steps, warmup=1, min_ms=0.0)
         for _, f, _, plan, best in verdicts(rows, FRACTIONS):
             if plan and best and "ms" in plan:
-                rows.append(paired(name, f, plan["config"], best["config"], runners, args.pairs))
+                pairs.append(paired(name, f, plan["config"], best["config"], runners, args.pairs))
     if args.profile_dir and device.type == "cuda":
         profile_step(model, x, args.profile_dir / f"{name.replace(' ', '_')}.txt")
-    return rows + infeasible, profile
+    return rows + infeasible, pairs
 
 
 def paired(shape, fraction, a, b, runners, pairs, seed=0):
@@ -241,8 +242,8 @@ def paired(shape, fraction, a, b, runners, pairs, seed=0):
     rng = random.Random(seed)
     medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(2000))
     return {
-        "shape": shape, "config": f"paired[{fraction:.2f}]", "fraction": fraction,
-        "a": a, "b": b, "pairs": pairs, "ratios": ratios, "ms_a": ms_a, "ms_b": ms_b,
+        "shape": shape, "fraction": fraction, "a": a, "b": b, "pairs": pairs,
+        "ratios": ratios, "ms_a": ms_a, "ms_b": ms_b,
         "ratio": statistics.median(ratios), "ci": (medians[100], medians[1899]),
     }  # fmt: skip
 
@@ -274,8 +275,8 @@ def verdicts(rows, fractions):
             plan = next((r for r in mine if r["config"] == f"plan[{f:.2f}]"), None)
             alts = [
                 r for r in mine
-                if not r["config"].startswith(("plan", "paired")) and "ms" in r
-                and r["config"] != "none" and r["peak"] <= budget
+                if not r["config"].startswith("plan") and "ms" in r and r["config"] != "none"
+                and r["peak"] <= budget
             ]  # fmt: skip
             best = min(alts, key=lambda r: r["ms"], default=None)
             out.append((shape, f, budget, plan, best))
@@ -314,12 +315,13 @@ def main(argv=None) -> int:
         f"{hw.host_us_checkpoint_fwd:.1f}/{hw.host_us_checkpoint_bwd:.1f} us per checkpointed "
         f"storage fwd/bwd, {hw.kernel_us:.1f} us per kernel ({hw.source})"
     )
-    rows = []
+    rows, pairs = [], []
     only = {o for o in args.only.split(",") if o}
     for shape in SHAPES[args.shapes]:
         if only and f"h{shape[0]}" not in only:
             continue
-        shape_rows, _ = run_shape(shape, hw, pool, args, device, dtype)
+        shape_rows, shape_pairs = run_shape(shape, hw, pool, args, device, dtype)
+        pairs += shape_pairs
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -341,8 +343,6 @@ def main(argv=None) -> int:
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:]))
     for r in rows:
-        if r["config"].startswith("paired"):
-            continue
         if "infeasible" in r:
             print(f"| {r['shape']:<20} | {r['config']:<16} | infeasible: {r['infeasible']}")
             continue
@@ -373,7 +373,6 @@ def main(argv=None) -> int:
             f"| {shape:<20} | {f:>5.0%} | {budget / GIB:>6.2f} | {pms:>8.1f} | {pgb:>8.2f} | "
             f"{fits:>4} | {bname:<16} | {bms:>8.1f} | {bgb:>8.2f} | {pms / bms:>8.2f} |"
         )
-    pairs = [r for r in rows if r["config"].startswith("paired")]
     if pairs:
         print()
         print(
@@ -391,7 +390,8 @@ def main(argv=None) -> int:
                 f"{lo:>6.3f}-{hi:<6.3f} |"
             )
     if args.json:
-        args.json.write_text(json.dumps({"gpu": gpu, "hardware": hw.__dict__, "rows": rows}))
+        out = {"gpu": gpu, "hardware": hw.__dict__, "rows": rows, "pairs": pairs}
+        args.json.write_text(json.dumps(out))
     return 0
 
 

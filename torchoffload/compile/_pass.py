@@ -364,10 +364,7 @@ def offload_activations_pass(
     first_compute = next(n for n in bw.nodes if n.op != "placeholder")
     first_free = _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, config.min_bytes)
 
-    aliases: dict[fx.Node, list[fx.Node]] = {}  # storage root -> the nodes viewing it
-    for n in pos:
-        if n.op == "call_function":
-            aliases.setdefault(_chain(n)[0], []).append(n)
+    aliases = _aliases(fw)
     replaced: dict[fx.Node, fx.Node | None] = {}  # saved output -> host node (None: dropped)
     hosts = []
     for g in chosen:
@@ -488,6 +485,15 @@ def _backward_starts(groups: list[_Group], bw_inputs: dict, bw_pos: dict) -> dic
     return start
 
 
+def _aliases(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """Storage root -> the nodes of ``graph`` viewing it (Note: [Storages, not tensors])."""
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for n in graph.nodes:
+        if n.op == "call_function":
+            out.setdefault(_chain(n)[0], []).append(n)
+    return out
+
+
 def _first_use_pos(g: _Group, bw_inputs: dict, bw_pos: dict) -> int:
     uses = [bw_pos[u] for m in g.members for u in bw_inputs[m.name].users]
     return min(uses, default=len(bw_pos))
@@ -500,12 +506,7 @@ def _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, min_bytes) -> 
     releases after the layer's backward started count: a layer's output, saved by the next
     layer, is released where the next layer's backward ends. Read before the backward is
     rewritten."""
-    aliases: dict[fx.Node, list[fx.Node]] = {}  # bw placeholder -> the nodes viewing it
-    for n in bw.nodes:
-        if n.op == "call_function":
-            root = _chain(n)[0]
-            if root.op == "placeholder":
-                aliases.setdefault(root, []).append(n)
+    aliases = _aliases(bw)
     end = len(bw_pos)
     offloaded_layers = {g.layer for g in chosen if g.layer is not None}
     releases: dict[int, list[tuple[int, int, fx.Node]]] = {}  # layer -> (pos, bytes, node)
@@ -515,7 +516,9 @@ def _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, min_bytes) -> 
         last, last_pos = None, -1
         for m in g.members:
             p = bw_inputs.get(m.name)
-            for a in [p, *aliases.get(p, [])] if p is not None else []:
+            if p is None:
+                continue
+            for a in [p, *aliases.get(p, [])]:
                 for u in a.users:
                     i = end if u.op == "output" else bw_pos[u]
                     if i > last_pos:
