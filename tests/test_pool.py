@@ -40,6 +40,21 @@ def test_blocks_are_exact_size_and_64_byte_aligned():
     )
 
 
+def test_block_address_without_its_tensor_and_after_free():
+    """`data_ptr()` needs no tensor (the graph ops' hot path); it is the tensor's address once
+    one is made; both are refused after the block is released."""
+    pool = make_pool()
+    first, second = pool.allocate(100), pool.allocate(300)
+    assert second.data_ptr() == first.data_ptr() + 128  # 100 bytes rounded up to 64-byte units
+    ptr = second.data_ptr()
+    assert second.tensor.data_ptr() == ptr and second.tensor.numel() == 300
+    pool.free(second)
+    with pytest.raises(RuntimeError, match="freed"):
+        second.data_ptr()
+    with pytest.raises(RuntimeError, match="freed"):
+        second.tensor  # noqa: B018
+
+
 def test_mixed_dtypes_share_one_slab_without_overlap():
     pool = make_pool()
     values = [

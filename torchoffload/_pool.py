@@ -73,19 +73,45 @@ class PoolStats:
 class HostBlock:
     """An exact-size byte range of host memory handed out by a `PinnedPool`.
 
-    ``tensor`` is a 1-D ``uint8`` tensor of exactly ``nbytes`` bytes. Do not keep views of it
-    after the block is freed.
+    ``tensor`` is a 1-D ``uint8`` tensor of exactly ``nbytes`` bytes (made on first access:
+    the graph ops need only ``data_ptr``, and slicing the slab costs host time on their hot
+    path). Do not keep views of it after the block is freed.
     """
 
-    __slots__ = ("tensor", "nbytes", "_slab", "_offset", "_span", "_freed")
+    __slots__ = ("_tensor", "_base", "nbytes", "_slab", "_offset", "_span", "_freed")
 
-    def __init__(self, tensor: torch.Tensor, nbytes: int, slab: int, offset: int, span: int):
-        self.tensor = tensor
+    def __init__(
+        self,
+        tensor: torch.Tensor | None,
+        nbytes: int,
+        slab: int,
+        offset: int,
+        span: int,
+        base: torch.Tensor | None = None,
+    ):
+        self._tensor = tensor
+        self._base = base  # the slab's tensor, when ``tensor`` is made on first access
         self.nbytes = nbytes
         self._slab = slab  # -1: fallback allocation outside the slabs
         self._offset = offset
         self._span = span  # bytes taken in the slab, alignment included
         self._freed = False
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        if self._tensor is None:
+            if self._base is None:
+                raise RuntimeError(f"{self!r} was freed")
+            self._tensor = self._base[self._offset : self._offset + self.nbytes]
+        return self._tensor
+
+    def data_ptr(self) -> int:
+        """The address of the block's first byte."""
+        if self._tensor is not None:
+            return self._tensor.data_ptr()
+        if self._base is None:
+            raise RuntimeError(f"{self!r} was freed")
+        return self._base.data_ptr() + self._offset
 
     def __repr__(self) -> str:
         where = "fallback" if self._slab < 0 else f"slab {self._slab} @ {self._offset}"
@@ -290,7 +316,7 @@ class PinnedPool:
         for i, slab in enumerate(self._slabs):
             start = slab.take(span)
             if start is not None:
-                return HostBlock(slab.tensor[start : start + nbytes], nbytes, i, start, span)
+                return HostBlock(None, nbytes, i, start, span, base=slab.tensor)
         return None
 
     def _could_fit_after_pending(self, span: int) -> bool:
@@ -347,7 +373,7 @@ class PinnedPool:
         self._used -= block.nbytes
         if block._slab >= 0:
             self._slabs[block._slab].give(block._offset, block._span)
-        block.tensor = None  # type: ignore[assignment]
+        block._tensor = block._base = None
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
