@@ -80,17 +80,9 @@ class HostBlock:
 
     __slots__ = ("_tensor", "_base", "nbytes", "_slab", "_offset", "_span", "_freed")
 
-    def __init__(
-        self,
-        tensor: torch.Tensor | None,
-        nbytes: int,
-        slab: int,
-        offset: int,
-        span: int,
-        base: torch.Tensor | None = None,
-    ):
-        self._tensor = tensor
-        self._base = base  # the slab's tensor, when ``tensor`` is made on first access
+    def __init__(self, base: torch.Tensor, offset: int, nbytes: int, slab: int, span: int):
+        self._base = base  # the slab (or the fallback allocation) the block lies in
+        self._tensor: torch.Tensor | None = None
         self.nbytes = nbytes
         self._slab = slab  # -1: fallback allocation outside the slabs
         self._offset = offset
@@ -100,18 +92,17 @@ class HostBlock:
     @property
     def tensor(self) -> torch.Tensor:
         if self._tensor is None:
-            if self._base is None:
-                raise RuntimeError(f"{self!r} was freed")
-            self._tensor = self._base[self._offset : self._offset + self.nbytes]
+            self._tensor = self._live_base()[self._offset : self._offset + self.nbytes]
         return self._tensor
 
     def data_ptr(self) -> int:
         """The address of the block's first byte."""
-        if self._tensor is not None:
-            return self._tensor.data_ptr()
+        return self._live_base().data_ptr() + self._offset
+
+    def _live_base(self) -> torch.Tensor:
         if self._base is None:
             raise RuntimeError(f"{self!r} was freed")
-        return self._base.data_ptr() + self._offset
+        return self._base
 
     def __repr__(self) -> str:
         where = "fallback" if self._slab < 0 else f"slab {self._slab} @ {self._offset}"
@@ -316,7 +307,7 @@ class PinnedPool:
         for i, slab in enumerate(self._slabs):
             start = slab.take(span)
             if start is not None:
-                return HostBlock(None, nbytes, i, start, span, base=slab.tensor)
+                return HostBlock(slab.tensor, start, nbytes, i, span)
         return None
 
     def _could_fit_after_pending(self, span: int) -> bool:
@@ -355,7 +346,7 @@ class PinnedPool:
         self._fallback_allocs += 1
         self._fallback_bytes += nbytes
         tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        return HostBlock(tensor, nbytes, -1, 0, span)
+        return HostBlock(tensor, 0, nbytes, -1, span)
 
     def _reclaim(self, wait: bool = False) -> None:
         pending = self._pending

@@ -189,7 +189,7 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     # does not own the bytes: the record keeps the block until the reload is waited on.
     storage = torch._C._construct_storage_from_data_pointer(ptr, _CPU, nbytes)
     host = _over(storage, x)
-    src = x if x.is_contiguous() else x.contiguous()  # a copy on the compute stream if strided
+    src = x.contiguous()  # a copy on the compute stream when x is strided
     stored, stream = engine.offload(src, host)
     with _state.lock:
         keep = src if stored is not None else None
@@ -223,7 +223,7 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
         )
     if rec is None:  # a host tensor of the caller's: a plain copy, nothing to give back
         engine = copy_engine(compute_device(device))
-        src = host if host.is_contiguous() else host.contiguous()
+        src = host.contiguous()
         dst = torch.empty(host.shape, dtype=host.dtype, device=engine.device)  # compute stream
         out, ready, _ = engine.reload(src, None, dst)
         if ready is not None:
