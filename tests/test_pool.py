@@ -113,6 +113,65 @@ def test_full_pool_waits_on_pending_event_instead_of_growing():
     assert s.event_waits == 1 and s.slabs == 1 and s.fallback_allocs == 0
 
 
+class CountingEvent(FakeEvent):
+    def __init__(self, counter: list[int]) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def query(self) -> bool:
+        self.counter[0] += 1
+        return self.done
+
+
+def test_an_allocation_reclaims_a_bounded_number_of_pending_blocks():
+    # A backward frees every block with an event still running; the next step's first
+    # allocation must not pay for all of them at once (Note: [Bounded reclaim]).
+    from torchoffload._pool import _RECLAIM_PER_ALLOC
+
+    pool = make_pool(capacity=1 << 20, slab=1 << 20)
+    queries = [0]
+    blocks = [pool.allocate(1 << 12) for _ in range(100)]
+    events = [CountingEvent(queries) for _ in blocks]
+    for b, ev in zip(reversed(blocks), events, strict=True):
+        pool.free(b, after=ev)
+    for ev in events:
+        ev.done = True
+    queries[0] = 0
+    again = [pool.allocate(1 << 12)]
+    assert queries[0] == _RECLAIM_PER_ALLOC
+    again += [pool.allocate(1 << 12) for _ in range(99)]
+    assert queries[0] == 100  # each pending block queried once, spread over the allocations
+    assert pool._pending_bytes == 0 and pool.stats().slabs == 1  # drained, no growth
+    for b in again:
+        pool.free(b)
+    assert pool.stats().used_bytes == 0
+
+
+def test_an_allocation_that_does_not_fit_reclaims_every_completed_block():
+    pool = make_pool(capacity=1 << 16, slab=1 << 16)
+    blocks = [pool.allocate(1 << 12) for _ in range(16)]  # the whole slab
+    events = [FakeEvent() for _ in blocks]
+    for b, ev in zip(blocks, events, strict=True):
+        pool.free(b, after=ev)
+    for ev in events[:-1]:
+        ev.done = True
+    big = pool.allocate(15 << 12)  # needs the 15 completed blocks merged, not the last one
+    s = pool.stats()
+    assert big.nbytes == 15 << 12 and s.slabs == 1 and s.event_waits == 0
+    assert s.pending_bytes == 1 << 12 and not events[-1].waited
+
+
+def test_peak_counts_live_blocks_not_blocks_waiting_on_their_copies():
+    pool = make_pool(capacity=1 << 20, slab=1 << 20)
+    a = pool.allocate(1 << 12)
+    pool.free(a, after=FakeEvent())  # pending until the pool queries it done
+    pool.reset_peak()
+    b = pool.allocate(1 << 12)
+    s = pool.stats()
+    assert s.used_bytes == 2 << 12 and s.pending_bytes == 1 << 12 and s.peak_bytes == 1 << 12
+    pool.free(b)
+
+
 def test_pool_grows_by_slabs_up_to_capacity():
     pool = make_pool(capacity=3 << 16, slab=1 << 16)
     blocks = [pool.allocate(1 << 16) for _ in range(3)]
