@@ -85,10 +85,12 @@ class ActivationPassConfig:
       many layers after the layer that produced the tensor.
     - ``skip_last_layers``: the last layers' activations stay (backward needs them first).
     - ``max_offload_bytes``: at most this many bytes offloaded per step, placed by
-      ``budget_policy``: ``"spread"`` gives each eligible layer an equal share (what a layer
-      does not use passes to the next), so the copies spread over the whole forward and hide
-      behind its compute; ``"earliest"`` fills the earliest layers first (the longest time
-      between offload and reload, but the copies bunch up at the start)
+      ``budget_policy``: ``"spread"`` gives each eligible layer an equal share, filled with
+      its largest storages (what a layer does not use passes to the next), so the copies
+      spread over the whole forward and hide behind its compute; it leaves out the last
+      ``prefetch_layers`` eligible layers, whose reloads start with the backward, at the
+      peak, as the eager "spread" rule does. ``"earliest"`` fills the earliest layers first
+      (the longest time between offload and reload, but the copies bunch up at the start)
       (None: every eligible storage).
     - ``min_bytes``: storages smaller than this stay on the device (64 KiB, as in the eager
       `ActivationOffloadConfig`): each offloaded storage costs host time in its four op calls
@@ -339,7 +341,7 @@ def offload_activations_pass(
                 "cannot offload %s although tagged MUST_CPU_OFFLOAD: %s", g.root.name, g.reason
             )
 
-    chosen = _choose(groups, config.max_offload_bytes, config.budget_policy)
+    chosen = _choose(groups, config.max_offload_bytes, config.budget_policy, config.prefetch_layers)
     for g in groups:
         layer = report.layers[g.layer] if g.layer is not None else None
         d = OffloadDecision(
@@ -444,31 +446,46 @@ def _flat(args: Any) -> list[Any]:
     return out
 
 
-def _choose(groups: list[_Group], budget: int | None, policy: str) -> list[_Group]:
-    """Forced storages first, then preferred ones, then the rest in layer order under the
-    budget: with ``"spread"`` each layer may use its equal share of what is left plus what
-    earlier layers left unused; with ``"earliest"`` a layer may use all that is left."""
+def _choose(
+    groups: list[_Group], budget: int | None, policy: str, prefetch_layers: int
+) -> list[_Group]:
+    """Forced storages first, then preferred ones, then the rest under the budget. With
+    ``"spread"`` each layer may use its equal share of what is left plus what earlier layers
+    left unused, largest storages first, and the last ``prefetch_layers`` eligible layers get
+    none (they come back as backward starts, when memory peaks, so offloading them would not
+    lower the peak; the eager "spread" rule does the same, Note: [Layer schedule] in layers.py).
+    With ``"earliest"`` the storages go in layer order and a layer may use all that is left."""
     chosen = [g for g in groups if g.forced and not g.reason]
     left = None if budget is None else budget - sum(g.nbytes for g in chosen)
-    rest = sorted(
-        (g for g in groups if not g.reason and not g.forced),
-        key=lambda g: (not g.preferred, g.layer),
-    )
+    spread = left is not None and policy == "spread"
+    rest = [g for g in groups if not g.reason and not g.forced]
     layers = sorted({g.layer for g in rest if not g.preferred})
+    if spread and len(layers) > prefetch_layers:
+        peak_layers = set(layers[len(layers) - prefetch_layers :])
+        layers = layers[: len(layers) - prefetch_layers]
+        for g in rest:
+            if g.layer in peak_layers and not g.preferred:
+                g.reason = (
+                    f"reloaded as backward starts (the last {prefetch_layers} eligible "
+                    "layer(s) under a spread budget): would not lower the peak"
+                )
+        rest = [g for g in rest if not g.reason]
+    # Stable: graph order within a layer, or the largest first under "spread".
+    rest.sort(key=lambda g: (not g.preferred, g.layer, -g.nbytes if spread else 0))
     quota, current = 0, None
     for g in rest:
-        spread = left is not None and policy == "spread" and not g.preferred
-        if spread and g.layer != current:  # an equal share of what is left (unused shares carry)
+        share = spread and not g.preferred
+        if share and g.layer != current:  # an equal share of what is left (unused shares carry)
             current = g.layer
             quota = left // (len(layers) - layers.index(current))
-        cap = quota if spread else left
+        cap = quota if share else left
         if cap is not None and g.nbytes > cap:
             g.reason = f"over max_offload_bytes ({budget}, {policy})"
             continue
         chosen.append(g)
         if left is not None:
             left -= g.nbytes
-        if spread:
+        if share:
             quota -= g.nbytes
     return chosen
 
