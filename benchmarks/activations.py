@@ -12,7 +12,10 @@ with torchoffload.compile's activation pass, every eligible storage) and
 the compiled model's own t_fwd and t_bwd. The link bound is
 max(t_fwd, B/bw_d2h) + max(t_bwd, B/bw_h2d), with t_fwd and t_bwd measured without offloading, B
 the bytes offload_activations moved per step, and bw the pinned copy bandwidth measured in this
-run. Medians over --steps timed steps after --warmup steps.
+run. ms/step: the median over --steps timed steps after --warmup steps, each step timed alone
+(the GPU idle when it starts). b2b ms: then --steps more steps back to back under one timer,
+per step, so that a step's host work at entry (hooks, torch.compile's guards and wrappers)
+overlaps the previous step's GPU work as in a training loop that does not sync every step.
 """
 
 from __future__ import annotations
@@ -139,23 +142,26 @@ def run_mode(
             h = checkpoint(layer, h, use_reentrant=False)
         return h.float().pow(2).mean()
 
+    is_cuda = device.type == "cuda"
+
+    def make_ctx():
+        if mode == "save_on_cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=is_cuda)
+        if mode.startswith("offload_activations"):
+            kw = {}
+            if windows is not None:
+                kw = {"prefetch_bytes": windows[0] << 20, "max_inflight_bytes": windows[1] << 20}
+            return offload_activations(pool=pool, **kw)
+        return contextlib.nullcontext()
+
     stats = None
     times, fwd_times, bwd_times = [], [], []
-    is_cuda = device.type == "cuda"
     for i in range(warmup + steps):
         if i == warmup and is_cuda:
             torch.cuda.synchronize()
             gc.collect()
             torch.cuda.reset_peak_memory_stats()
-        if mode == "save_on_cpu":
-            ctx = torch.autograd.graph.save_on_cpu(pin_memory=is_cuda)
-        elif mode.startswith("offload_activations"):
-            kw = {}
-            if windows is not None:
-                kw = {"prefetch_bytes": windows[0] << 20, "max_inflight_bytes": windows[1] << 20}
-            ctx = offload_activations(pool=pool, **kw)
-        else:
-            ctx = contextlib.nullcontext()
+        ctx = make_ctx()
         if handle is not None:
             handle.reset_stats()
         if mode.startswith("compiled_pass"):
@@ -184,15 +190,28 @@ def run_mode(
             stats = handle.stats()
         elif mode.startswith("compiled_pass"):
             stats = _CompiledStats(toc.op_stats().offloaded_bytes)
+    peak = torch.cuda.max_memory_allocated() if is_cuda else 0
+    b2b_ms = float("nan")
+    if not phases:
+        # The same steps back to back, one timer around them all: a step's host work at entry
+        # (hooks, torch.compile's guards and wrappers) overlaps the previous step's GPU work,
+        # as in a training loop that does not sync every step.
+        with Timer(device) as run:
+            for _ in range(steps):
+                with make_ctx():
+                    loss = forward()
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+        del loss
+        b2b_ms = run.ms / steps
     if handle is not None:
         handle.remove()
     if mode.startswith("compiled"):
         del fn
         torch._dynamo.reset()
-    peak = torch.cuda.max_memory_allocated() if is_cuda else 0
     if phases:
         return {"fwd_ms": statistics.median(fwd_times), "bwd_ms": statistics.median(bwd_times)}
-    return {"ms": statistics.median(times), "peak": peak, "stats": stats}
+    return {"ms": statistics.median(times), "b2b_ms": b2b_ms, "peak": peak, "stats": stats}
 
 
 def main(argv=None) -> int:
@@ -211,6 +230,12 @@ def main(argv=None) -> int:
         "--windows",
         default="",
         help="extra offload_activations rows, 'PREFETCH:INFLIGHT' MiB pairs, comma-separated",
+    )
+    p.add_argument(
+        "--hidden-gib",
+        type=float,
+        default=None,
+        help="the hidden budget in GiB (default: d2h bandwidth x the measured t_fwd)",
     )
     p.add_argument("--json", type=Path, default=None, help="also write raw results here")
     args = p.parse_args(argv)
@@ -241,6 +266,8 @@ def main(argv=None) -> int:
         phases = run_mode(model, x, "none", pool, args.steps, args.warmup, device, phases=True)
         # the budget a link can hide behind forward compute: bytes = bw x t_fwd
         hidden = int(d2h * 1e6 * phases["fwd_ms"]) if device.type == "cuda" else 1 << 20
+        if args.hidden_gib is not None:
+            hidden = int(args.hidden_gib * GIB)
         layer_modes = {
             "layers": ActivationOffloadConfig(),
             "layers_hidden_spread": ActivationOffloadConfig(
@@ -309,6 +336,7 @@ def main(argv=None) -> int:
                     "shape": shape,
                     "mode": m,
                     "ms": r["ms"],
+                    "b2b_ms": r["b2b_ms"],
                     "peak_gib": r["peak"] / GIB,
                     "saved_gib": (base["peak"] - r["peak"]) / GIB,
                     "x_none": r["ms"] / base["ms"] if base else float("nan"),
@@ -334,7 +362,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
 
     header = (
-        f"| {'shape':<22} | {'mode':<30} | {'ms/step':>8} | "
+        f"| {'shape':<22} | {'mode':<30} | {'ms/step':>8} | {'b2b ms':>7} | "
         f"{'peak GiB':>8} | {'saved':>6} | {'x none':>6} | {'x bound':>7} | {'bound ms':>8} | "
         f"{'offl GiB':>8} | {'wait ms':>7} | {'hit/miss/res':>12} |"
     )
@@ -342,7 +370,7 @@ def main(argv=None) -> int:
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         print(
-            f"| {r['shape']:<22} | {r['mode']:<30} | {r['ms']:>8.1f} | "
+            f"| {r['shape']:<22} | {r['mode']:<30} | {r['ms']:>8.1f} | {r['b2b_ms']:>7.1f} | "
             f"{r['peak_gib']:>8.2f} | {r['saved_gib']:>6.2f} | {r['x_none']:>6.2f} | "
             f"{r['x_bound']:>7.2f} | {r['bound_ms']:>8.1f} | {r['offloaded_gib']:>8.2f} | "
             f"{r['wait_ms']:>7.1f} | "
