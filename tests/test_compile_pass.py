@@ -55,7 +55,7 @@ class Stack(nn.Module):
 def deterministic():
     """Inductor's CPU embedding backward adds into the gradient with atomics from several
     threads, so two runs of the same compiled model can differ in the last bits (seen once in
-    about ten runs of this file on 2 cores); deterministic algorithms make it fall back to
+    12 runs of this file on 2 cores); deterministic algorithms make it fall back to
     aten's serial index_put."""
     torch.use_deterministic_algorithms(True)
     yield
