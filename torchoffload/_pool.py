@@ -38,6 +38,19 @@ _log = logging.getLogger(__name__)
 _ALIGN = 64  # bytes; covers every dtype's alignment and a cache line
 _DEFAULT_SLAB = 256 << 20
 _RECLAIM_PER_ALLOC = 4  # Note: [Bounded reclaim]
+
+# Note: [Event-guarded reuse]
+# A host block is written by a device->host copy and read by a host->device copy, both queued on
+# copy streams and both still running when the Python code that queued them has moved on. The
+# caller therefore frees a block with the event recorded after the last copy that touches it.
+# The pool keeps such blocks in a FIFO "pending" list and reclaims one only when its event has
+# completed: `query()` is polled on allocation (no host sync). Only when the pool would
+# otherwise grow or overflow while pending blocks could satisfy the request does it block on the
+# oldest pending event (`event_waits` counts these): at that point the host is ahead of the GPU
+# and waiting costs no device time, whereas growing would pin memory that the next step reuses
+# anyway. Any object with `query()` and `synchronize()` works as an event; None means "complete".
+#
+# Note: [Bounded reclaim]
 # A training step frees every block of its backward with a "ready" event that has not completed
 # yet (the host runs ahead), so the next step's first allocation used to find them all pending
 # and release them at once: 135 event queries and slab merges at the h1024 benchmark shape,
