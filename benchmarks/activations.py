@@ -154,6 +154,12 @@ def run_mode(
             return offload_activations(pool=pool, **kw)
         return contextlib.nullcontext()
 
+    def train_step(ctx):
+        with ctx:
+            loss = forward()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
     stats = None
     times, fwd_times, bwd_times = [], [], []
     for i in range(warmup + steps):
@@ -172,18 +178,15 @@ def run_mode(
             with Timer(device) as bwd:
                 loss.backward()
             model.zero_grad(set_to_none=True)
+            del loss
             if i >= warmup:
                 fwd_times.append(fwd.ms)
                 bwd_times.append(bwd.ms)
         else:
             with Timer(device) as step:
-                with ctx:
-                    loss = forward()
-                loss.backward()
-                model.zero_grad(set_to_none=True)
+                train_step(ctx)
             if i >= warmup:
                 times.append(step.ms)
-        del loss
         if mode.startswith("offload_activations"):
             stats = ctx.stats()
         elif handle is not None:
@@ -198,11 +201,7 @@ def run_mode(
         # as in a training loop that does not sync every step.
         with Timer(device) as run:
             for _ in range(steps):
-                with make_ctx():
-                    loss = forward()
-                loss.backward()
-                model.zero_grad(set_to_none=True)
-        del loss
+                train_step(make_ctx())
         b2b_ms = run.ms / steps
     if handle is not None:
         handle.remove()

@@ -41,9 +41,9 @@ class Layer(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self, d=32, n=4):
+    def __init__(self, d=32, n=4, layer=Layer):
         super().__init__()
-        self.layers = nn.ModuleList(Layer(d) for _ in range(n))
+        self.layers = nn.ModuleList(layer(d) for _ in range(n))
 
     def forward(self, x):
         for layer in self.layers:
@@ -163,20 +163,9 @@ class SmallThenLarge(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
-class MatStack(nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.layers = nn.ModuleList(SmallThenLarge() for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def test_spread_budget_takes_each_layers_largest_storages_first(op_pool):
     x = torch.randn(16, 32, requires_grad=True)
-    _, _, full = graphs(MatStack(), x, toc.ActivationPassConfig(min_bytes=0))
+    _, _, full = graphs(Stack(layer=SmallThenLarge), x, toc.ActivationPassConfig(min_bytes=0))
     sizes = {}
     for d in full.offloaded:
         sizes.setdefault(d.layer, []).append(d.nbytes)
@@ -184,14 +173,14 @@ def test_spread_budget_takes_each_layers_largest_storages_first(op_pool):
     assert sizes["layers.0"][0] < largest  # a smaller storage comes first in the graph
     # each of layers 0-1 gets exactly its largest storage's bytes (layer 2 is left out)
     config = toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=2 * largest)
-    _, _, report = graphs(MatStack(), x, config)
+    _, _, report = graphs(Stack(layer=SmallThenLarge), x, config)
     assert [(d.layer, d.nbytes) for d in report.offloaded] == [
         ("layers.0", largest),
         ("layers.1", largest),
     ]
     # with prefetch_layers=2 the last two eligible layers are left out: layer 0 takes it all
     config = toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=2 * largest, prefetch_layers=2)
-    _, _, report = graphs(MatStack(), x, config)
+    _, _, report = graphs(Stack(layer=SmallThenLarge), x, config)
     assert {d.layer for d in report.offloaded} == {"layers.0"}
     assert report.offloaded_bytes <= 2 * largest
 
