@@ -166,7 +166,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()
         for shape, x in inputs.items():
             name = f"stream_weights {budget_gib:g} GiB"
-            streamed_row(shape, x, name, model, h, setup_s, h._unit_kind)
+            streamed_row(shape, x, name, model, h, setup_s, h.unit_kind)
         h.remove()
         del h
         gc.collect()

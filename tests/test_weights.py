@@ -10,7 +10,7 @@ from torch import nn
 
 from torchoffload import WeightStreamHandle, minimum_budget, stream_weights
 from torchoffload.models import GPT, BlockStack, GPTConfig
-from torchoffload.testing import GroupedTensor, QuantizedTensor, quantize_int8
+from torchoffload.testing import GroupedTensor, QuantizedTensor, quantize_int8, weight_test_hooks
 
 CFG = GPTConfig(hidden=64, layers=6, heads=4, vocab=128, max_seq=64)
 _A = 512  # arena alignment
@@ -93,21 +93,22 @@ def test_budget_never_exceeded(budget_units, depth):
     model = make()
     budget = budget_units * block_bytes() + 1000
     h = stream(model, budget, prefetch_depth=depth, unit="blocks")
-    h._trace = []
+    hooks = weight_test_hooks(h, trace=True)
+    arena = h._runtime.arena
     with torch.no_grad():
         for seq in (16, 5, 33, 16):
             model(tokens(2, seq))
             # Accounting: regions never overlap, stay inside the arena, and loaded units add up.
-            regions = h._regions
-            assert h._starts == [r.start for r in regions]
+            regions = arena.regions
+            assert arena.starts == [r.start for r in regions]
             for a, b in zip(regions, regions[1:], strict=False):
                 assert a.end <= b.start
-            assert all(0 <= r.start < r.end <= h._arena_bytes for r in regions)
+            assert all(0 <= r.start < r.end <= arena.nbytes for r in regions)
             loaded = sum(r.end - r.start for r in regions if r.unit is not None)
-            assert loaded == h._loaded_bytes <= h._arena_bytes
-    assert h._arena.numel() == h.stats().arena_bytes <= budget
+            assert loaded == arena.loaded_bytes <= arena.nbytes
+    assert arena.tensor.numel() == h.stats().arena_bytes <= budget
     assert h.stats().peak_device_bytes <= budget
-    for _, _, start, end, *_ in h._trace:
+    for _, _, start, end, *_ in hooks.trace:
         assert 0 <= start < end <= budget
 
 
@@ -151,7 +152,7 @@ def test_auto_units_choice():
 
 
 def test_plan_kept():
-    from torchoffload.weights import _plan_kept
+    from torchoffload.weights._layout import plan_kept as _plan_kept
 
     assert _plan_kept([10, 10, 10], 30, 3) == [0, 1, 2]  # all fit
     assert _plan_kept([10, 10, 10, 10], 30, 3) == []  # the ring needs 3 x 10
@@ -279,7 +280,7 @@ def test_failing_forward_leaves_a_usable_model():
         for _ in range(5):
             with pytest.raises(IndexError):
                 model(bad)
-        assert h._busy == 0 and not any(u.busy for u in h._units)
+        assert h._runtime._call is None and not any(u.busy for u in h._runtime.units)
         assert torch.equal(model(tokens()), ref(tokens()))
     assert h.stats().schedule_rerecords == 0
     h.remove()
@@ -544,14 +545,13 @@ def test_every_overwrite_waits_on_the_last_reader():
     wrote every byte of it (Note: [Arena regions and done events])."""
     model = make()
     h = stream(model, 3 * block_bytes() + 5000, prefetch_depth=2)
-    h._debug_events = True
-    h._trace = []
+    hooks = weight_test_hooks(h, trace=True, debug_events=True)
     with torch.no_grad():
         for seq in (16, 8, 16, 16):
             model(tokens(2, seq))
     last: dict[int, str] = {}  # 512-byte granule of the arena -> label of its last access
     loads = 0
-    for kind, name, start, end, event, *after in h._trace:  # in call order
+    for kind, name, start, end, event, *after in hooks.trace:  # in call order
         granules = range(start, end, _A)
         if kind == "load":
             loads += 1
@@ -585,8 +585,8 @@ def test_kept_units_stop_streaming():
         model2(tokens())
     st2 = h2.stats()
     assert 0 < st2.kept_units < len(h2.units)
-    kept_bytes = sum(u.nbytes for u in h2._units if u.fixed is not None)
-    streamed = sum(u.copy_bytes for u in h2._units if u.fixed is None)
+    kept_bytes = sum(u.nbytes for u in h2._runtime.units if u.fixed is not None)
+    streamed = sum(u.layout.copy_bytes for u in h2._runtime.units if u.fixed is None)
     # Kept units are never copied again; some ring units may survive a call too.
     assert 0 < st2.h2d_bytes <= streamed and kept_bytes > 0 and st2.misses == 0
 
@@ -601,7 +601,7 @@ def test_stats_repr_and_names():
     h.remove()
     assert "removed" in repr(h)
     with torch.no_grad(), pytest.raises(RuntimeError, match="removed"):
-        h._pre(h._units[0])
+        h._runtime.enter(0, None)
 
 
 @pytest.mark.parametrize("extra", [1, 777, 5000])
@@ -613,7 +613,7 @@ def test_unaligned_budget_keeps_alignment_and_parity(extra):
         for seq in (16, 3, 16, 16):
             assert torch.equal(model(tokens(2, seq)), ref(tokens(2, seq)))
     assert h.stats().kept_units > 0
-    assert all(u.fixed is None or u.fixed % _A == 0 for u in h._units)
+    assert all(u.fixed is None or u.fixed % _A == 0 for u in h._runtime.units)
     h.remove()
 
 

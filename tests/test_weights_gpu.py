@@ -10,7 +10,7 @@ from torch import nn
 from torchoffload import stream_weights
 from torchoffload._transfer import copy_engine
 from torchoffload.models import GPT, GPTConfig
-from torchoffload.testing import GroupedTensor, QuantizedTensor
+from torchoffload.testing import GroupedTensor, QuantizedTensor, weight_test_hooks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -112,8 +112,8 @@ class _SlowCompute:
 
     def __init__(self, model, handle, cycles):
         self.handles = [
-            u.module.register_forward_pre_hook(lambda *_: torch.cuda._sleep(cycles))
-            for u in handle._units
+            u.layout.module.register_forward_pre_hook(lambda *_: torch.cuda._sleep(cycles))
+            for u in handle._runtime.units
         ]
 
     def remove(self):
@@ -138,7 +138,7 @@ def _race(slow: str, dropped: frozenset = frozenset()) -> bool:
         expected = [ref(x) for x in xs]
     model = make()
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
-    h._unsafe_skip = dropped
+    weight_test_hooks(h, skip=dropped)
     engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     hooks = None
     try:
@@ -259,7 +259,7 @@ def test_hf_llama_generates_the_same_tokens(tie):
     assert model.device.type == "cuda"
     out = model.generate(x, **gen)
     st = h.stats()
-    print(f"\nunits {len(h.units)} ({h._unit_kind}), {st}")
+    print(f"\nunits {len(h.units)} ({h.unit_kind}), {st}")
     assert torch.equal(out, expected)
     assert st.schedule_rerecords == 0 and st.calls == gen["max_new_tokens"]
     h.remove()
@@ -271,7 +271,7 @@ def test_host_copy_is_pinned_at_its_exact_size():
     model = make(torch.bfloat16, "cpu")
     before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes(torch.bfloat16) + 4096)
-    host = h._host
+    host = h._runtime.host
     assert host.is_pinned()
     unique = {id(p): p for p in model.parameters()}
     assert host.numel() >= h.stats().streamed_bytes

@@ -28,6 +28,7 @@ __all__ = [
     "grouped_matmul",
     "quantize_int8",
     "quantized_matmul",
+    "weight_test_hooks",
 ]
 
 
@@ -214,3 +215,17 @@ def grouped_matmul(x: torch.Tensor, weights: list[torch.Tensor], splits: list[in
     """Rows ``splits[i]`` of ``x`` go through ``weights[i]`` (a mixture-of-experts layer); the
     routed inputs are saved for backward as one `GroupedTensor`."""
     return _GroupedMatmul.apply(x, list(splits), *weights)
+
+
+def weight_test_hooks(
+    handle: Any, *, trace: bool = False, debug_events: bool = False, skip: Any = ()
+) -> Any:
+    """Instrument a `WeightStreamHandle` for tests: ``trace`` records every load and read of the
+    arena (kind, unit, start, end, event, [events waited on]); ``debug_events`` stands labels
+    in for device events on the CPU; ``skip`` ({"done", "ready"}) drops those waits, to show
+    that a race test catches the missing wait. Returns the hooks (``.trace``)."""
+    from torchoffload.weights._arena import TestHooks
+
+    hooks = TestHooks([] if trace else None, debug_events, frozenset(skip))
+    handle._runtime.arena.testing = hooks
+    return hooks

@@ -26,7 +26,8 @@ import torch.fx as fx
 from torch import nn
 
 from torchoffload._transfer import compute_device
-from torchoffload.weights import WeightStreamHandle, stream_weights
+from torchoffload.weights import WeightStreamHandle, _layout
+from torchoffload.weights._runtime import StreamConfig, WeightRuntime
 
 __all__ = ["ExportedWeightRunner", "insert_weight_probes", "stream_exported_weights"]
 
@@ -115,10 +116,14 @@ class ExportedWeightRunner:
                 tensors.append(t)
             self._unit_of.append(index)
         self._holder = nn.ModuleList(_One(t) for t in tensors)
-        self.handle: WeightStreamHandle = stream_weights(
-            self._holder, self.device, budget_bytes=budget_bytes, prefetch_depth=prefetch_depth,
-            unit=list(self._holder), pin_memory=pin_memory,
+        config = StreamConfig(self.device, budget_bytes, prefetch_depth, pin_memory=pin_memory)
+        layout = _layout.plan(
+            self._holder, budget=budget_bytes, depth=prefetch_depth, resident=(),
+            unit=list(self._holder),
         )  # fmt: skip
+        with torch.inference_mode(False), torch.no_grad():
+            self._runtime = WeightRuntime(layout, config)
+        self.handle = WeightStreamHandle(self._runtime)
         # The graph reads its weights only through probes, which serve them by id: what the
         # get_attr nodes hand them is an empty stand-in, so gm holds no weight memory.
         for name in weights:
@@ -130,7 +135,6 @@ class ExportedWeightRunner:
             else:
                 mod._buffers[leaf] = stand_in
         self._gm = gm
-        self._units = self.handle._units
         positions = {n: i for i, n in enumerate(gm.graph.nodes)}
         probes = [n for n in gm.graph.nodes if n.target is torch.ops.torchoffload.probe.default]
         self._probe_pos = [positions[p] for p in probes]
@@ -138,18 +142,22 @@ class ExportedWeightRunner:
         self._held: dict[int, int] = {}  # unit index -> position of its last use so far
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        h = self.handle
+        rt = self._runtime
         if self in _active:
             raise RuntimeError("this ExportedWeightRunner is already running (re-entered)")
         with torch.no_grad():
+            rt.begin_call(None)  # ended in the finally below, so it needs no frame
             _active.append(self)
-            h._root_pre(self._holder, ())
+            ok = False
             try:
                 out = self._gm(*args, **kwargs)
+                ok = True
             finally:
-                self._release(None)
-                _active.remove(self)
-                h._root_post(self._holder, (), None)
+                try:
+                    self._release(None)
+                finally:
+                    _active.remove(self)
+                    rt.end_call(ok)
         return out
 
     def _serve(self, probe_id: int) -> torch.Tensor:
@@ -159,18 +167,17 @@ class ExportedWeightRunner:
             )
         self._release(self._probe_pos[probe_id])
         index = self._unit_of[probe_id]
-        unit = self._units[index]
         if index not in self._held:
-            self.handle._pre(unit)
+            self._runtime.enter(index, None)
         self._held[index] = max(self._held.get(index, -1), self._use_pos[probe_id])
-        return unit.module.w.detach()
+        return self._runtime.units[index].layout.module.w.detach()
 
     def _release(self, before: int | None) -> None:
         """Finish the units whose uses are queued (Note: [Serving a probe])."""
         for index, use in list(self._held.items()):
             if before is None or use < before:
                 del self._held[index]
-                self.handle._post(self._units[index], None)
+                self._runtime.exit(index, None)
 
     def remove(self) -> None:
         """Release the host copy and the arena."""

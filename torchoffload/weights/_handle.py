@@ -1,0 +1,405 @@
+"""The public face of weight streaming: `stream_weights`, `minimum_budget`, the handle and its
+stats, and the eager module hooks that drive the runtime."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from torchoffload._pool import _check_int
+from torchoffload._transfer import compute_device
+from torchoffload.weights import _layout
+from torchoffload.weights._runtime import STREAMED, StreamConfig, WeightRuntime
+
+_log = logging.getLogger(__name__)
+_MiB = 1 << 20
+_ATTR = "_torchoffload_weights"
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """Counters of a `WeightStreamHandle` since setup (or `reset_stats`). Bytes are exact."""
+
+    units: int  # units the model was cut into
+    streamed_bytes: int  # bytes of the host copy of the streamed tensors (each stored once)
+    resident_bytes: int  # bytes kept on the device outside the budget
+    budget_bytes: int
+    arena_bytes: int  # the device arena: min(budget, what all units need)
+    kept_units: int  # units kept in the arena across calls (Note: [Kept units])
+    calls: int  # completed calls of the model
+    hits: int  # unit found loaded (prefetched or kept) at its pre-forward
+    misses: int  # unit fetched on demand at its pre-forward
+    prefetch_issued: int
+    evictions: int
+    h2d_bytes: int
+    h2d_copies: int
+    peak_device_bytes: int  # high-water mark of unit bytes loaded in the arena
+    schedule_rerecords: int
+    out_of_order: int  # units that ran where the schedule expected another
+    stall_ms: float | None  # time the compute stream waited on copies (time_waits=True)
+    setup_s: float  # seconds setup took (host copy, pinning, arena)
+    interrupted_calls: int = 0  # calls cut short by KeyboardInterrupt and recovered
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+
+class WeightStreamHandle:
+    """What `stream_weights` returns: stats, the schedule, and `remove()`.
+
+    Also a context manager: leaving the ``with`` block calls `remove()`.
+    """
+
+    def __init__(
+        self,
+        runtime: WeightRuntime | None = None,
+        hooks: Sequence[RemovableHandle] = (),
+        model: nn.Module | None = None,
+        setup_s: float = 0.0,
+    ):
+        if not isinstance(runtime, WeightRuntime):
+            raise TypeError("use torchoffload.stream_weights(model, ...) to create a handle")
+        self._runtime = runtime
+        self._hooks = list(hooks)
+        self._model = model
+        self._setup_s = setup_s
+
+    # -- public -----------------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self._runtime.device
+
+    @property
+    def units(self) -> list[str]:
+        """Names of the units, in setup order."""
+        return [u.name for u in self._runtime.units]
+
+    @property
+    def unit_kind(self) -> str:
+        """How the model was cut: ``"blocks"``, ``"leaves"`` or ``"given"``."""
+        return self._runtime.layout.kind
+
+    @property
+    def schedule(self) -> list[str] | None:
+        """Unit names in the recorded call order (None before the first complete call)."""
+        order = self._runtime.schedule.order
+        return None if order is None else [self._runtime.units[i].name for i in order]
+
+    @property
+    def resident(self) -> list[str]:
+        """Names of the tensors kept on the device (outside the budget)."""
+        return list(self._runtime.resident_names)
+
+    @property
+    def kept(self) -> list[str]:
+        """Units kept in the arena across calls (Note: [Kept units])."""
+        return [u.name for u in self._runtime.units if u.fixed is not None]
+
+    @property
+    def removed(self) -> bool:
+        return self._runtime.removed
+
+    def stats(self) -> WeightStats:
+        rt = self._runtime
+        with rt._lock:
+            c = rt.counters
+            stall = rt.waits.collect(block=True) if rt.time_waits else None
+            arena = rt.arena
+            return WeightStats(
+                units=len(rt.units),
+                streamed_bytes=rt.layout.streamed_bytes,
+                resident_bytes=rt.resident_bytes,
+                budget_bytes=rt.config.budget_bytes,
+                arena_bytes=rt.layout.arena_bytes(rt.config.budget_bytes),
+                kept_units=sum(u.fixed is not None for u in rt.units),
+                calls=c.calls,
+                hits=c.hits,
+                misses=c.misses,
+                prefetch_issued=c.prefetch_issued,
+                evictions=c.evictions,
+                h2d_bytes=c.h2d_bytes,
+                h2d_copies=c.h2d_copies,
+                peak_device_bytes=arena.peak if arena is not None else 0,
+                schedule_rerecords=c.schedule_rerecords,
+                out_of_order=c.out_of_order,
+                stall_ms=stall,
+                setup_s=self._setup_s,
+                interrupted_calls=c.interrupted_calls,
+            )
+
+    def reset_stats(self) -> None:
+        rt = self._runtime
+        with rt._lock:
+            for f in fields(rt.counters):
+                setattr(rt.counters, f.name, 0)
+            if rt.arena is not None:
+                rt.arena.peak = rt.arena.loaded_bytes
+            rt.waits.reset()
+
+    def remove(self) -> None:
+        """Put every tensor back where it was (its device, dtype and values; parameters keep
+        their identity) and free the arena and the host copy. Idempotent. A call running in
+        another thread is waited for."""
+        rt = self._runtime
+        with rt._lock:
+            if rt.removed:
+                return
+            rt.restore()  # raises, changing nothing, when called inside a forward
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks.clear()
+            if self._model is not None and getattr(self._model, _ATTR, None) is self:
+                delattr(self._model, _ATTR)
+
+    def __enter__(self) -> WeightStreamHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __repr__(self) -> str:
+        rt = self._runtime
+        state = "removed" if rt.removed else f"{len(rt.units)} units"
+        return (
+            f"WeightStreamHandle({state}, budget={rt.config.budget_bytes / _MiB:.1f} MiB, "
+            f"streamed={rt.layout.streamed_bytes / _MiB:.1f} MiB, device={rt.device})"
+        )
+
+
+_NO_COPY = (
+    "cannot copy or pickle a model while stream_weights is active: its streamed weights live in "
+    "the handle's host store, not in the model. Save model.state_dict() (it holds the real "
+    "values), or call the handle's remove() before copy.deepcopy / torch.save(model)"
+)
+
+
+# -- setup ------------------------------------------------------------------------------------
+
+
+def stream_weights(
+    model: nn.Module,
+    device: torch.device | str | int | None = None,
+    *,
+    budget_bytes: int,
+    prefetch_depth: int = 2,
+    resident: str | Sequence[str] = (),
+    unit: str | Sequence[nn.Module] | None = None,
+    use_streams: bool = True,
+    pin_memory: bool = True,
+    time_waits: bool = False,
+) -> WeightStreamHandle:
+    """Keep ``model``'s weights in pinned host memory and stream them to ``device`` as it runs.
+
+    For inference (call the model under `torch.no_grad()` or `torch.inference_mode()`).
+    Outputs are bitwise identical to the model with all weights on the device.
+
+    Args:
+        model: the model; its parameters and buffers may be on the host or on ``device``.
+        device: where the model computes. ``None``: the current accelerator, else the CPU
+            (the same logic runs there synchronously, for testing).
+        budget_bytes: hard cap on device bytes for streamed weights (the arena).
+        prefetch_depth: units fetched ahead of the one computing. The budget must hold
+            ``prefetch_depth + 1`` of the largest unit; `stream_weights` says the minimum.
+        resident: name patterns of modules, parameters or buffers to keep on the device,
+            outside the budget (``"embed_tokens"``, ``"lm_head"``, ``"layers.0.*"``). A pattern
+            matches a dotted name or any dotted part of it.
+        unit: how the model is cut into units. ``None``: its repeated blocks when the budget
+            holds them, else every module that holds weights itself; ``"blocks"`` or
+            ``"leaves"`` to choose; or a list of modules. Weights outside the given modules
+            are streamed by the module holding them.
+        use_streams: copy on a dedicated stream (overlapping compute); ``False`` queues the
+            copies on the compute stream.
+        pin_memory: page-lock the host copy (only where an accelerator exists).
+        time_waits: measure how long the compute stream waits on copies (``stats().stall_ms``).
+
+    Returns a `WeightStreamHandle`: ``stats()``, ``schedule``, ``remove()``.
+
+    Outside its unit's forward a streamed tensor is empty (Note: [Binding weights in place]):
+    a weight read outside the module that owns it must be resident, or inside a larger unit.
+    ``model.state_dict()`` returns the real values (host copies) and ``load_state_dict``
+    writes into the host store; the README's table states what every other module operation
+    does while streaming.
+    """
+    start_time = time.perf_counter()
+    _check_model(model)
+    resident = _check_resident(resident)
+    config = StreamConfig(
+        compute_device(device), budget_bytes, prefetch_depth, use_streams, pin_memory, time_waits
+    )
+    layout = _layout.plan(
+        model, budget=budget_bytes, depth=prefetch_depth, resident=resident, unit=unit
+    )
+    with torch.inference_mode(False), torch.no_grad():
+        runtime = WeightRuntime(layout, config)
+    hooks = install_hooks(runtime, model)
+    handle = WeightStreamHandle(runtime, hooks, model, time.perf_counter() - start_time)
+    setattr(model, _ATTR, handle)
+    _log.info(
+        "streaming %.1f MiB of weights in %d units through a %.1f MiB arena (%d tensors resident)",
+        layout.streamed_bytes / _MiB, len(layout.units),
+        layout.arena_bytes(budget_bytes) / _MiB, len(runtime.resident_names),
+    )  # fmt: skip
+    return handle
+
+
+def minimum_budget(
+    model: nn.Module,
+    *,
+    prefetch_depth: int = 2,
+    resident: str | Sequence[str] = (),
+    unit: str | Sequence[nn.Module] | None = None,
+) -> int:
+    """The smallest ``budget_bytes`` that `stream_weights` accepts for ``model`` with these
+    settings: ``min(prefetch_depth + 1, units)`` times the largest unit, in arena bytes. With
+    ``unit=None``, the smaller of the blocks and leaves cuts. The model is not changed."""
+    _check_model(model)
+    _check_int("prefetch_depth", prefetch_depth, minimum=0)
+    resident = _check_resident(resident)
+    return min(
+        lay.least_budget(prefetch_depth) for lay in _layout.candidates(model, resident, unit)
+    )
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        raise RuntimeError(
+            "this model already streams its weights (its streamed tensors are empty and live "
+            "in that handle's host store); call that handle's remove() first"
+        )
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t in STREAMED:
+            raise RuntimeError(
+                f"{name!r} already streams with another model (its values live in that "
+                "handle's host store); call that handle's remove() first"
+            )
+
+
+def _check_resident(resident: Any) -> tuple[str, ...]:
+    if isinstance(resident, str):
+        resident = (resident,)
+    try:
+        resident = tuple(resident)
+    except TypeError:
+        raise TypeError("resident must be a name pattern or a sequence of them") from None
+    if not all(isinstance(p, str) for p in resident):
+        raise TypeError("resident must be a name pattern or a sequence of them")
+    return resident
+
+
+# -- eager hooks --------------------------------------------------------------------------------
+
+
+class _Hook:
+    """A module hook of a streamed model: calls ``fn(caller_frame, *hook_args)``. Copying or
+    pickling it (a deepcopy or torch.save of the model) raises with the cause and the fix."""
+
+    def __init__(self, fn: Any):  # no __slots__: torch marks state_dict hooks with attributes
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(sys._getframe(1), *args)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+
+def install_hooks(rt: WeightRuntime, model: nn.Module) -> list[RemovableHandle]:
+    """Drive ``rt`` from ``model``'s forward (the root brackets a call, each unit's module its
+    use) and serve ``state_dict``/``load_state_dict`` of the streamed tensors from the host
+    store. The frame handed to the runtime is the one that calls the hook, which runs until the
+    module's forward ends (Note: [One call at a time])."""
+    hooks: list[RemovableHandle] = []
+    for u in rt.units:
+        module = u.layout.module
+        pre = _Hook(lambda frame, m, args, i=u.index: rt.enter(i, frame))
+        post = _Hook(lambda frame, m, args, out, i=u.index: rt.exit(i, out))
+        hooks.append(module.register_forward_pre_hook(pre))
+        hooks.append(module.register_forward_hook(post, always_call=True))
+    root_pre = _Hook(lambda frame, m, args: rt.begin_call(frame))
+    root_post = _Hook(lambda frame, m, args, out: rt.end_call(ok=sys.exc_info()[1] is None))
+    hooks.append(model.register_forward_pre_hook(root_pre, prepend=True))
+    hooks.append(model.register_forward_hook(root_post, always_call=True))
+
+    # state_dict / load_state_dict: each module that holds streamed tensors reads and writes
+    # them in the host store (a submodule's own state_dict() too).
+    owned: dict[int, tuple[nn.Module, list[tuple[str, Any]]]] = {}
+    for slot in rt.layout.streamed:
+        for module, _, qual in slot.where:
+            owned.setdefault(id(module), (module, []))[1].append((qual.rsplit(".", 1)[-1], slot))
+    taken: set[str] = set()
+    for module, names in owned.values():
+        saved = _state_dict_hook(rt, names)
+        load = _load_hook(rt, names, taken)
+        loaded = _loaded_hook(taken)
+        hooks.append(module.register_state_dict_post_hook(_Hook(lambda f, *a, h=saved: h(*a))))
+        hooks.append(module.register_load_state_dict_pre_hook(_Hook(lambda f, *a, h=load: h(*a))))
+        hooks.append(
+            module.register_load_state_dict_post_hook(_Hook(lambda f, *a, h=loaded: h(*a)))
+        )
+    return hooks
+
+
+def _state_dict_hook(rt: WeightRuntime, names: list[tuple[str, Any]]):
+    def hook(module, state_dict, prefix, local_metadata):
+        # One host copy per storage for the whole state_dict() call (tied weights held by
+        # several modules share it, as in the model): keyed by the destination dict.
+        cache = rt.copies_for(state_dict)
+        for name, slot in names:
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = rt.host_value(slot, cache)
+
+    return hook
+
+
+def _load_hook(rt: WeightRuntime, names: list[tuple[str, Any]], taken: set[str]):
+    def hook(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
+        if local_metadata.get("assign_to_params_buffers", False):
+            error_msgs.append(
+                "load_state_dict(assign=True) would replace streamed tensors; load without "
+                "assign while stream_weights is active, or call the handle's remove() first"
+            )
+            return
+        for name, slot in names:
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            error = rt.write_host(slot, state_dict.pop(key))
+            if error is not None:
+                error_msgs.append(f"{key}: {error}")
+            taken.add(key)  # not missing: see _loaded_hook
+
+    return hook
+
+
+def _loaded_hook(taken: set[str]):
+    """The default loader counts the keys the load hooks took as missing: they were not."""
+
+    def hook(module, incompatible_keys):
+        missing = incompatible_keys.missing_keys
+        missing[:] = [k for k in missing if k not in taken]
+        taken.clear()
+
+    return hook

@@ -1,0 +1,623 @@
+"""The weight runtime: the host store, the arena, the schedule and the call protocol, built from
+a `Layout`. Eager module hooks, the exported-program runner and compiled programs drive it
+through one package-internal API:
+
+- ``begin_call(frame)`` / ``end_call(ok)`` bracket one call of the whole program;
+- ``enter(i, frame)`` / ``exit(i, output)`` bracket the use of unit ``i``'s weights (a unit
+  entered outside a call makes a call of its own);
+- ``state_dict_values`` / ``write_host`` read and write the real values of streamed tensors.
+
+Note: [One call at a time]
+Streamed tensors are bound in place (Note: [Binding weights in place]): the parameter objects
+are shared by every caller, so two calls of one model cannot both bind them. A call owns the
+runtime from ``begin_call`` to ``end_call``; a call from another thread waits for it, so a
+streamed model served from several threads gives each the same result as alone, one call
+after the other. A call knows the Python frame that made it. A call whose frame is no longer
+running was interrupted by an exception that skipped the hooks' cleanup (PyTorch does not run
+``always_call`` forward hooks for a `KeyboardInterrupt` or another `BaseException`); the next
+``begin_call``, ``enter`` of a busy unit, ``remove()`` or load, from any thread, finds it so,
+waits for the device, unbinds what it left bound and carries on (``stats().interrupted_calls``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import weakref
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torchoffload._flatten import flatten, is_composite
+from torchoffload._pool import _check_int, pinned_buffer
+from torchoffload._transfer import WaitTimer, copy_engine
+from torchoffload.weights._arena import Arena, Counters, UnitState
+from torchoffload.weights._layout import Layout, Leaf, Slot, nbytes
+from torchoffload.weights._schedule import Ended, Pass, Schedule
+
+_log = logging.getLogger(__name__)
+_MiB = 1 << 20
+
+# Note: [Binding weights in place]
+# A streamed tensor keeps its identity (the `nn.Parameter` object an optimizer, a tied module or
+# the user holds): only its storage changes. Before its unit runs it is `set_` to its bytes in
+# the arena, with its own dtype, size and stride; after the unit it is `set_` to an empty
+# storage on the compute device (0 elements). So outside its unit's forward a streamed weight
+# is empty: code that reads it there fails loudly (a shape error) instead of reading stale or
+# foreign bytes. Each tensor starts at the same address modulo 512 as a caching-allocator
+# block, so kernels that pick an algorithm by alignment pick the one they pick without
+# streaming (bitwise parity). Composite tensors (quantized data + scales, DTensor) are bound
+# buffer by buffer through the flatten layer (Note: [One flatten layer for every engine]).
+# A bind first checks the tensor's dtype: `model.to(dtype)` replaces an empty tensor's data
+# with one of another dtype, and binding that to the stored bytes would reinterpret them.
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """The settings of one weight runtime (`stream_weights` documents each)."""
+
+    device: torch.device
+    budget_bytes: int
+    prefetch_depth: int = 2
+    use_streams: bool = True
+    pin_memory: bool = True
+    time_waits: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("budget_bytes", self.budget_bytes, minimum=1)
+        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        for name in ("use_streams", "pin_memory", "time_waits"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+
+
+# Every tensor that a live runtime streams (the slot tensors the modules hold): streaming a
+# model that shares one of them with a streamed model would find it empty.
+STREAMED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _Call:
+    __slots__ = ("thread", "frame", "depth", "pass_", "unit")
+
+    def __init__(self, frame: FrameType | None, pass_: Pass | None, unit: int | None):
+        self.thread = threading.get_ident()
+        self.frame = frame  # see Note: [One call at a time]
+        self.depth = 0  # nested calls of the root module
+        self.pass_ = pass_
+        self.unit = unit  # the unit of a call made by entering a unit outside a call
+
+
+def _running(thread: int, frame: FrameType | None) -> bool:
+    """Whether ``frame`` is on ``thread``'s stack now (a call without a frame always is)."""
+    if frame is None:
+        return True
+    f = sys._getframe() if thread == threading.get_ident() else sys._current_frames().get(thread)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+class WeightRuntime:
+    """One model's streamed weights. Construct it from a layout; drive it through the API in
+    the module docstring."""
+
+    def __init__(self, layout: Layout, config: StreamConfig):
+        dev = config.device
+        self.config = config
+        self.device = dev
+        self.layout = layout
+        # - Copies and counters
+        self.engine = copy_engine(dev, use_streams=config.use_streams)
+        self.counters = Counters()
+        self.waits = WaitTimer()
+        self.time_waits = config.time_waits and dev.type == "cuda"
+        # - Host store: every streamed storage once, in the pieces of the layout
+        pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
+        self.host = pinned_buffer(layout.host_bytes, pin=pin)
+        self._fill_host()
+        # - Units and the arena
+        self.units = [UnitState(u, i, self.host) for i, u in enumerate(layout.units)]
+        self.arena = Arena(layout.arena_bytes(config.budget_bytes), dev, self.engine, self.counters)
+        self.schedule = Schedule()
+        self._empty = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
+        # - Module state changed until `restore()`
+        self.bound: dict[Leaf, torch.Tensor] = {leaf: leaf.source for leaf in layout.leaves}
+        self._leaf_ids = {id(leaf.source) for leaf in layout.leaves}
+        self.replaced: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+        self.moved: list[tuple[torch.Tensor, torch.device]] = []
+        self._rebuild_composites()
+        self._empty_sources()
+        self.resident_bytes = self._move_resident()
+        self.resident_names = [q for s in layout.resident for _, _, q in s.where]
+        for unit in self.units:
+            unit.binds = [(self.bound[leaf], off, leaf) for leaf, off in unit.layout.binds]
+        for slot in layout.streamed:
+            STREAMED[slot.tensor] = self
+        # - Call state (Note: [One call at a time])
+        self._lock = threading.RLock()
+        self._free = threading.Condition(self._lock)
+        self._call: _Call | None = None
+        self.removed = False
+        # id(state_dict() destination) -> (its weak reference, {storage key: host copy})
+        self._copies: dict[int, tuple[weakref.ref, dict]] = {}
+        if dev.type != "cpu":
+            torch.get_device_module(dev.type).synchronize(dev)
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _fill_host(self) -> None:
+        originals: dict[Any, torch.Tensor] = {}
+        for leaf in self.layout.leaves:
+            originals.setdefault(leaf.key, leaf.source)
+        for key, t in originals.items():
+            lo, hi, off = self.layout.pieces[key]
+            storage = t.untyped_storage()
+            src = torch.empty(0, dtype=torch.uint8, device=t.device)
+            src.set_(storage, 0, (storage.nbytes(),), (1,))
+            self.host[off : off + hi - lo].copy_(src[lo:hi])
+
+    def _rebuild_composites(self) -> None:
+        """Composites that are not on the compute device: a wrapper subclass fixes its device
+        when it is built, so each is rebuilt on the device (buffers created over the arena,
+        bound in place later like any other) and replaces the original in its modules until
+        `restore()`."""
+        dev = self.device
+        storage = self.arena.storage
+
+        def make(leaf: Leaf) -> torch.Tensor:
+            m = torch.empty(0, dtype=leaf.dtype, device=dev)
+            m.set_(storage, 0, leaf.size, leaf.stride)  # geometry only; bound before every use
+            self.bound[leaf] = m
+            return m
+
+        for slot in self.layout.streamed:
+            t = slot.tensor
+            if not is_composite(t) or t.device == dev:
+                continue
+            new = _rebuild(t, iter(slot.leaves), make, dev, self._leaf_ids)
+            for module, kind, qual in slot.where:
+                attr = qual.rsplit(".", 1)[-1]
+                if getattr(module, kind).get(attr) is t:
+                    self.replaced.append((module, kind, attr, t))
+                    getattr(module, kind)[attr] = new
+                    STREAMED[new] = self
+
+    def _empty_sources(self) -> None:
+        dev = self.device
+        for leaf in self.layout.leaves:
+            t = self.bound[leaf]
+            if t.device != dev:
+                t.data = torch.empty(0, dtype=t.dtype, device=dev)
+            t.set_(self._empty, 0, (0,), (1,))
+            if leaf.source is not t:  # a rebuilt composite's original buffer: free its bytes
+                gone = torch.empty(0, dtype=torch.uint8, device=leaf.device).untyped_storage()
+                leaf.source.set_(gone, 0, (0,), (1,))
+
+    def _move_resident(self) -> int:
+        dev = self.device
+        total = 0
+        for slot in self.layout.resident:
+            t = slot.tensor
+            total += nbytes(t)
+            if t.device == dev:
+                continue
+            if is_composite(t):
+                raise ValueError(
+                    f"resident {slot.name!r} is a {type(t).__qualname__} on {t.device}: move it "
+                    f"to {dev} before stream_weights"
+                )
+            self.moved.append((t, t.device))
+            t.data = t.data.to(dev)
+        return total
+
+    # -- calls (Note: [One call at a time]) ----------------------------------------------------
+
+    def begin_call(self, frame: FrameType | None) -> None:
+        """A call of the whole program starts (``frame``: the Python frame that runs it)."""
+        with self._lock:
+            self._check_live()
+            call, new = self._own(frame, None)
+            if not new:
+                call.depth += 1
+            else:
+                call.pass_ = Pass()
+
+    def end_call(self, ok: bool) -> None:
+        """The call started by the matching `begin_call` ends; ``ok``: it returned normally."""
+        with self._lock:
+            call = self._call
+            if call is None or call.thread != threading.get_ident() or call.unit is not None:
+                return  # recovered meanwhile (Note: [One call at a time])
+            if call.depth:
+                call.depth -= 1
+                return
+            self._release()
+            if ok and call.pass_ is not None and not self.removed:
+                self._end_pass(call.pass_)
+
+    def enter(self, index: int, frame: FrameType | None) -> None:
+        """Unit ``index`` is about to run: load it (or find it loaded), wait for its copy, bind
+        its tensors, prefetch the next units of the schedule."""
+        unit = self.units[index]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"stream_weights serves inference, but {unit.name!r} ran with gradients "
+                "enabled: call the model under torch.no_grad() or torch.inference_mode() (a "
+                "streamed weight's device bytes are reused right after its unit, so autograd "
+                "cannot keep it for backward)"
+            )
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"stream_weights cannot serve {unit.name!r} inside CUDA graph capture: a replay "
+                "would skip the host-side schedule and read whatever the arena holds then"
+            )
+        with self._lock:
+            self._check_live()
+            call = self._call
+            if call is None or call.thread != threading.get_ident() or unit.busy:
+                call, new = self._own(frame, index)
+            else:
+                new = False
+            try:
+                self._start(unit, call.pass_)
+            except BaseException:
+                if new:
+                    self._release()
+                raise
+
+    def exit(self, index: int, output: Any) -> None:
+        """Unit ``index``'s forward is queued: guard its range with a "done" event, unbind it,
+        and raise if it changed a weight or returned one."""
+        with self._lock:
+            unit = self.units[index]
+            if not unit.busy:  # its enter raised, or an interrupted call was recovered
+                return
+            error = self._check(unit, output)
+            self._finish(unit, self.engine.record())
+            call = self._call
+            if call is not None and call.unit == index and call.thread == threading.get_ident():
+                self._release()
+        if error is not None:
+            raise RuntimeError(error)
+
+    def _own(self, frame: FrameType | None, unit: int | None) -> tuple[_Call, bool]:
+        """Make this thread own a call: (the call, whether it is new). Waits for a call of
+        another thread; recovers an interrupted one. Holds the lock."""
+        me = threading.get_ident()
+        while True:
+            call = self._call
+            if call is None:
+                self._call = _Call(frame, None, unit)
+                return self._call, True
+            if _running(call.thread, call.frame):
+                if call.thread == me and unit is None:
+                    return call, False  # the root module called inside its own call
+                if call.thread == me:  # a busy unit entered again from inside its own call
+                    raise RuntimeError(
+                        f"{self.units[unit].name!r} was called inside its own forward: streamed "
+                        "units may not nest"
+                    )
+                self._free.wait(0.05)
+                continue
+            self._recover()
+
+    def _release(self) -> None:
+        self._call = None
+        self._free.notify_all()
+
+    def _recover(self) -> None:
+        """Undo what an interrupted call left: busy units unbound, its pass dropped."""
+        busy = [u for u in self.units if u.busy]
+        if busy and self.device.type != "cpu":
+            torch.get_device_module(self.device.type).synchronize(self.device)
+        for unit in busy:
+            self._finish(unit, None)
+        for unit in self.units:
+            unit.pending = False
+        self.counters.interrupted_calls += 1
+        _log.warning(
+            "a call of the streamed model was interrupted (%d units were bound); recovered",
+            len(busy),
+        )
+        self._release()
+
+    def _wait_idle(self, what: str) -> None:
+        """Wait until no call runs (recovering an interrupted one). Holds the lock."""
+        while self._call is not None:
+            call = self._call
+            if not _running(call.thread, call.frame):
+                self._recover()
+            elif call.thread == threading.get_ident():
+                raise RuntimeError(f"{what} called while a streamed unit is running its forward")
+            else:
+                self._free.wait(0.05)
+
+    def _check_live(self) -> None:
+        if self.removed:
+            raise RuntimeError("this WeightStreamHandle was removed")
+
+    # -- one unit --------------------------------------------------------------------------------
+
+    def _start(self, unit: UnitState, p: Pass | None) -> None:
+        pos = None
+        if p is not None:
+            pos, out_of_order = self.schedule.advance(p, unit.index)
+            if out_of_order:
+                self.counters.out_of_order += 1
+                for u in self.units:  # predictions made from the old order are void
+                    u.pending = False
+        if unit.loc is None:
+            self.counters.misses += 1
+            self.arena.place(unit, prefetch=False)
+        else:
+            self.counters.hits += 1
+        unit.pending = False
+        self._wait_ready(unit)
+        self._bind(unit)
+        unit.busy = True
+        if pos is not None:
+            self._prefetch_after(pos)
+
+    def _finish(self, unit: UnitState, done: Any) -> None:
+        self.arena.finished(unit, done)
+        self._unbind(unit)
+        unit.busy = False
+
+    def _end_pass(self, p: Pass) -> None:
+        self.counters.calls += 1
+        ended = self.schedule.end(p)
+        if ended is Ended.RECORDED:
+            used = sorted({self.units[i] for i in self.schedule.order}, key=lambda u: u.index)
+            depth = min(self.config.prefetch_depth + 2, len(used))
+            kept = self.arena.keep(used, depth)
+            if kept:
+                _log.debug("kept %d units", len(kept))
+        elif ended is Ended.RERECORDED:
+            self.counters.schedule_rerecords += 1
+            _log.debug("schedule re-recorded: %s", [self.units[i].name for i in p.record])
+
+    def _prefetch_after(self, pos: int) -> None:
+        for index in self.schedule.ahead(pos, self.config.prefetch_depth):
+            unit = self.units[index]
+            if unit.busy:
+                continue
+            if unit.loc is None:
+                if not self.arena.place(unit, prefetch=True):
+                    break  # the ring is full of units still needed: retry at the next unit
+                self.counters.prefetch_issued += 1
+            unit.pending = True  # needed soon: later prefetches must not overwrite it
+
+    def _wait_ready(self, unit: UnitState) -> None:
+        event = unit.ready
+        testing = self.arena.testing
+        if event is None or self.engine.synchronous:
+            return
+        if testing is not None and "ready" in testing.skip:
+            return
+        if event.query():  # copied already (a kept unit): no wait, now or later
+            unit.ready = None
+            return
+        if self.time_waits:  # Note: [Timing compute-stream waits] in _transfer.py
+            self.waits.wait(self.engine.current_stream(), event)
+        else:
+            self.engine.wait(event)
+
+    # -- binding (Note: [Binding weights in place]) ------------------------------------------
+
+    def _bind(self, unit: UnitState) -> None:
+        storage = self.arena.storage
+        base = unit.loc
+        versions = unit.versions
+        versions.clear()
+        # Gradients are off here (`enter` checked), so set_ on a leaf needs no no_grad().
+        for t, off, leaf in unit.binds:
+            if t.dtype != leaf.dtype or t.device != self.device:
+                raise RuntimeError(
+                    f"streamed tensor {leaf.name!r} was changed from {leaf.dtype} on "
+                    f"{self.device} to {t.dtype} on {t.device} (model.to(), .half(), .float() "
+                    "or .cpu() while stream_weights is active); its values are in the host "
+                    "store and were not converted. Call the handle's remove() first (it "
+                    "restores the original dtype and device), convert, then stream again"
+                )
+            t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
+        # Read after all set_ calls: views of one storage share a version counter.
+        versions.extend(t._version for t, _, _ in unit.binds)
+
+    def _unbind(self, unit: UnitState) -> None:
+        empty = self._empty
+        grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
+        with torch.no_grad() if grad else contextlib.nullcontext():
+            for t, _, _ in unit.binds:
+                t.set_(empty, 0, (0,), (1,))
+
+    def _check(self, unit: UnitState, output: Any) -> str | None:
+        for (t, _, leaf), version in zip(unit.binds, unit.versions, strict=True):
+            if t._version != version:
+                return (
+                    f"streamed tensor {leaf.name!r} was modified in place during the forward of "
+                    f"{unit.name!r}; the change would be lost when the unit is evicted. Keep it "
+                    f"on the device with resident=({leaf.name!r},)"
+                )
+        ptr = self.arena.ptr
+        for t in _tensors(output):
+            if t.device == self.device and t.untyped_storage().data_ptr() == ptr:
+                return (
+                    f"{unit.name!r} returned a tensor that shares memory with its streamed "
+                    "weights (a view of a weight); its bytes will be overwritten. Return a copy, "
+                    "or keep the weight resident"
+                )
+        return None
+
+    # -- the real values (state_dict, load_state_dict) -----------------------------------------
+
+    def copies_for(self, destination: Any) -> dict[Any, torch.Tensor]:
+        """The host copies made for one ``state_dict()`` destination so far (one per storage:
+        tied weights held by several modules share it, as in the model), kept while it
+        lives."""
+        key = id(destination)
+        entry = self._copies.get(key)
+        if entry is not None and entry[0]() is destination:
+            return entry[1]
+        try:
+            ref = weakref.ref(destination, lambda _, key=key: self._copies.pop(key, None))
+        except TypeError:  # a destination that takes no weak reference
+            return {}
+        self._copies[key] = (ref, {})
+        return self._copies[key][1]
+
+    def host_value(self, slot: Slot, cache: dict[Any, torch.Tensor]) -> torch.Tensor:
+        """A host copy of ``slot``'s values, views of one storage sharing one copy (``cache``,
+        by storage key), rebuilt as the tensor type the model holds."""
+
+        def make(leaf: Leaf) -> torch.Tensor:
+            piece = cache.get(leaf.key)
+            if piece is None:
+                lo, hi, off = self.layout.pieces[leaf.key]
+                piece = cache[leaf.key] = self.host[off : off + hi - lo].clone()
+            lo = self.layout.pieces[leaf.key][0]
+            v = torch.empty(0, dtype=leaf.dtype)
+            return v.set_(piece.untyped_storage(), (leaf.start - lo) // v.element_size(),
+                          leaf.size, leaf.stride)  # fmt: skip
+
+        with self._lock:
+            self._check_live()
+            self._wait_idle("state_dict()")
+            if not is_composite(slot.tensor):
+                return make(slot.leaves[0])
+            return _rebuild(
+                slot.tensor, iter(slot.leaves), make, torch.device("cpu"), self._leaf_ids
+            )
+
+    def write_host(self, slot: Slot, value: Any) -> str | None:
+        """Copy ``value`` into ``slot``'s bytes in the host store; the arena forgets what it
+        holds. Returns an error message instead when ``value`` does not fit."""
+        if not isinstance(value, torch.Tensor):
+            return f"expected a tensor for {slot.name!r}, got {type(value).__name__}"
+        pairs: list[tuple[Leaf, torch.Tensor]] = []
+        error = _match(slot.tensor, value, iter(slot.leaves), self._leaf_ids, pairs, slot.name)
+        if error is not None:
+            return error
+        with self._lock:
+            self._check_live()
+            self._wait_idle("load_state_dict()")
+            if self.device.type != "cpu":  # nothing may still read the host bytes
+                torch.get_device_module(self.device.type).synchronize(self.device)
+            with torch.no_grad():
+                for leaf, v in pairs:
+                    self._host_view(leaf).copy_(v)
+            self.arena.clear(self.units)
+            self._copies.clear()
+        return None
+
+    def _host_view(self, leaf: Leaf) -> torch.Tensor:
+        lo, _, off = self.layout.pieces[leaf.key]
+        v = torch.empty(0, dtype=leaf.dtype)
+        return v.set_(self.host.untyped_storage(), (off + leaf.start - lo) // v.element_size(),
+                      leaf.size, leaf.stride)  # fmt: skip
+
+    # -- remove ----------------------------------------------------------------------------
+
+    def restore(self) -> None:
+        """Put every tensor back where it was (its device, dtype and values; parameters keep
+        their identity) and free the arena and the host store. Idempotent."""
+        with self._lock:
+            if self.removed:
+                return
+            self._wait_idle("remove()")
+            self.removed = True
+            if self.device.type != "cpu":
+                torch.get_device_module(self.device.type).synchronize(self.device)
+            with torch.inference_mode(False), torch.no_grad():
+                self._restore()
+            for slot in self.layout.streamed:
+                STREAMED.pop(slot.tensor, None)
+            self.arena.clear(self.units)
+            self.arena = None  # type: ignore[assignment]
+            self.host = None  # type: ignore[assignment]
+            for unit in self.units:
+                unit.segments.clear()
+
+    def _restore(self) -> None:
+        by_key: dict[Any, list[Leaf]] = {}
+        for leaf in self.layout.leaves:
+            by_key.setdefault(leaf.key, []).append(leaf)
+        for key, leaves in by_key.items():
+            lo, hi, host_off = self.layout.pieces[key]
+            device = leaves[0].device
+            data = self.host[host_off : host_off + hi - lo]
+            copy = data.clone() if device.type == "cpu" else data.to(device)
+            storage = copy.untyped_storage()
+            for leaf in leaves:
+                t = leaf.source
+                if t.device != device or t.dtype != leaf.dtype:  # see _bind
+                    t.data = torch.empty(0, dtype=leaf.dtype, device=device)
+                t.set_(storage, (leaf.start - lo) // t.element_size(), leaf.size, leaf.stride)
+        for module, kind, name, original in self.replaced:
+            getattr(module, kind)[name] = original
+        for t, device in self.moved:
+            t.data = t.data.to(device)
+
+
+def _rebuild(t: torch.Tensor, leaves, make, dev: torch.device, leaf_ids: set[int]):
+    """``t`` (a composite) rebuilt with ``make(leaf)`` for each of its streamed inner tensors
+    (``leaf_ids``, in flatten order, matching ``leaves``); other empty ones made on ``dev``."""
+    entries, rebuild = flatten(t)
+    moved: list[Any] = []
+    for e in entries:
+        if not isinstance(e, torch.Tensor):
+            moved.append(e)
+        elif is_composite(e):
+            moved.append(_rebuild(e, leaves, make, dev, leaf_ids))
+        elif id(e) in leaf_ids:
+            moved.append(make(next(leaves)))
+        else:
+            moved.append(torch.empty(e.shape, dtype=e.dtype, device=dev))
+    return rebuild(moved)
+
+
+def _match(ours: torch.Tensor, value: torch.Tensor, leaves, leaf_ids: set[int], out: list,
+           name: str) -> str | None:  # fmt: skip
+    """Pair each streamed inner tensor of ``ours`` with the tensor of ``value`` in its place
+    (same structure, shape and dtype); an error message when they differ."""
+    if is_composite(ours):
+        if type(value) is not type(ours):
+            return f"{name!r} is a {type(ours).__qualname__}, got a {type(value).__qualname__}"
+        mine, _ = flatten(ours)
+        theirs, _ = flatten(value)
+        if len(mine) != len(theirs):
+            return f"{name!r}: the {type(ours).__qualname__} has another structure"
+        for a, b in zip(mine, theirs, strict=True):
+            if isinstance(a, torch.Tensor) and (is_composite(a) or id(a) in leaf_ids):
+                error = _match(a, b, leaves, leaf_ids, out, name)
+                if error is not None:
+                    return error
+        return None
+    leaf = next(leaves)
+    if not isinstance(value, torch.Tensor):
+        return f"{name!r}: expected a tensor, got {type(value).__name__}"
+    if tuple(value.shape) != leaf.size or value.dtype != leaf.dtype:
+        return (
+            f"{name!r}: expected {leaf.dtype} of shape {list(leaf.size)}, got {value.dtype} of "
+            f"shape {list(value.shape)}"
+        )
+    out.append((leaf, value))
+    return None
+
+
+def _tensors(output: Any, depth: int = 0):
+    if type(output) in (torch.Tensor, nn.Parameter):
+        yield output
+    elif depth < 3 and isinstance(output, (tuple, list)):
+        for item in output:
+            yield from _tensors(item, depth + 1)
+    elif depth < 3 and isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item, depth + 1)
