@@ -45,7 +45,13 @@ def test_blocks_kept_when_leaves_do_not_fit(depth):
 
 
 @pytest.mark.parametrize(
-    "convert", [lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.double()]
+    "convert",
+    [
+        lambda m: m.to(torch.bfloat16),
+        lambda m: m.half(),
+        lambda m: m.double(),
+        lambda m: m.to("meta"),
+    ],
 )
 def test_dtype_conversion_while_streaming_raises_and_remove_restores(convert):
     ref = make()

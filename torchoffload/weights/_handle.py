@@ -309,14 +309,17 @@ def _check_resident(resident: Any) -> tuple[str, ...]:
 
 
 class _Hook:
-    """A module hook of a streamed model: calls ``fn(caller_frame, *hook_args)``. Copying or
-    pickling it (a deepcopy or torch.save of the model) raises with the cause and the fix."""
+    """A module hook of a streamed model. Copying or pickling it (a deepcopy or torch.save of
+    the model) raises with the cause and the fix. No __slots__: torch marks state_dict hooks
+    with attributes."""
 
-    def __init__(self, fn: Any):  # no __slots__: torch marks state_dict hooks with attributes
+    def __init__(self, rt: WeightRuntime, index: int = -1, fn: Any = None):
+        self.rt = rt
+        self.index = index
         self.fn = fn
 
     def __call__(self, *args: Any) -> Any:
-        return self.fn(sys._getframe(1), *args)
+        return self.fn(*args)
 
     def __deepcopy__(self, memo: Any) -> Any:
         raise TypeError(_NO_COPY)
@@ -325,22 +328,41 @@ class _Hook:
         raise TypeError(_NO_COPY)
 
 
+# The frame handed to the runtime is the one that calls the hook: it runs until the module's
+# forward ends (Note: [One call at a time]).
+
+
+class _UnitPre(_Hook):
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.rt.enter(self.index, sys._getframe(1))
+
+
+class _UnitPost(_Hook):
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.rt.exit(self.index, output)
+
+
+class _RootPre(_Hook):
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.rt.begin_call(sys._getframe(1))
+
+
+class _RootPost(_Hook):
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.rt.end_call(ok=sys.exc_info()[1] is None)
+
+
 def install_hooks(rt: WeightRuntime, model: nn.Module) -> list[RemovableHandle]:
     """Drive ``rt`` from ``model``'s forward (the root brackets a call, each unit's module its
     use) and serve ``state_dict``/``load_state_dict`` of the streamed tensors from the host
-    store. The frame handed to the runtime is the one that calls the hook, which runs until the
-    module's forward ends (Note: [One call at a time])."""
+    store."""
     hooks: list[RemovableHandle] = []
     for u in rt.units:
         module = u.layout.module
-        pre = _Hook(lambda frame, m, args, i=u.index: rt.enter(i, frame))
-        post = _Hook(lambda frame, m, args, out, i=u.index: rt.exit(i, out))
-        hooks.append(module.register_forward_pre_hook(pre))
-        hooks.append(module.register_forward_hook(post, always_call=True))
-    root_pre = _Hook(lambda frame, m, args: rt.begin_call(frame))
-    root_post = _Hook(lambda frame, m, args, out: rt.end_call(ok=sys.exc_info()[1] is None))
-    hooks.append(model.register_forward_pre_hook(root_pre, prepend=True))
-    hooks.append(model.register_forward_hook(root_post, always_call=True))
+        hooks.append(module.register_forward_pre_hook(_UnitPre(rt, u.index)))
+        hooks.append(module.register_forward_hook(_UnitPost(rt, u.index), always_call=True))
+    hooks.append(model.register_forward_pre_hook(_RootPre(rt), prepend=True))
+    hooks.append(model.register_forward_hook(_RootPost(rt), always_call=True))
 
     # state_dict / load_state_dict: each module that holds streamed tensors reads and writes
     # them in the host store (a submodule's own state_dict() too).
@@ -350,14 +372,11 @@ def install_hooks(rt: WeightRuntime, model: nn.Module) -> list[RemovableHandle]:
             owned.setdefault(id(module), (module, []))[1].append((qual.rsplit(".", 1)[-1], slot))
     taken: set[str] = set()
     for module, names in owned.values():
-        saved = _state_dict_hook(rt, names)
-        load = _load_hook(rt, names, taken)
-        loaded = _loaded_hook(taken)
-        hooks.append(module.register_state_dict_post_hook(_Hook(lambda f, *a, h=saved: h(*a))))
-        hooks.append(module.register_load_state_dict_pre_hook(_Hook(lambda f, *a, h=load: h(*a))))
-        hooks.append(
-            module.register_load_state_dict_post_hook(_Hook(lambda f, *a, h=loaded: h(*a)))
-        )
+        saved = _Hook(rt, fn=_state_dict_hook(rt, names))
+        hooks.append(module.register_state_dict_post_hook(saved))
+        load = _Hook(rt, fn=_load_hook(rt, names, taken))
+        hooks.append(module.register_load_state_dict_pre_hook(load))
+        hooks.append(module.register_load_state_dict_post_hook(_Hook(rt, fn=_loaded_hook(taken))))
     return hooks
 
 

@@ -418,25 +418,31 @@ class WeightRuntime:
         versions = unit.versions
         versions.clear()
         # Gradients are off here (`enter` checked), so set_ on a leaf needs no no_grad().
+        dev = self.device
         for t, off, leaf in unit.binds:
-            if t.dtype != leaf.dtype or t.device != self.device:
-                raise RuntimeError(
-                    f"streamed tensor {leaf.name!r} was changed from {leaf.dtype} on "
-                    f"{self.device} to {t.dtype} on {t.device} (model.to(), .half(), .float() "
-                    "or .cpu() while stream_weights is active); its values are in the host "
-                    "store and were not converted. Call the handle's remove() first (it "
-                    "restores the original dtype and device), convert, then stream again"
-                )
+            if t.dtype is not leaf.dtype or t.device != dev:
+                self._unbind(unit)
+                raise RuntimeError(self._converted(leaf, t))
             t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
         # Read after all set_ calls: views of one storage share a version counter.
         versions.extend(t._version for t, _, _ in unit.binds)
+
+    def _converted(self, leaf: Leaf, t: torch.Tensor) -> str:
+        return (
+            f"streamed tensor {leaf.name!r} was changed from {leaf.dtype} on {self.device} to "
+            f"{t.dtype} on {t.device} (model.to(), .half(), .float() or .cpu() while "
+            "stream_weights is active); its values are in the host store and were not "
+            "converted. Call the handle's remove() first (it restores the original dtype and "
+            "device), convert, then stream again"
+        )
 
     def _unbind(self, unit: UnitState) -> None:
         empty = self._empty
         grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
         with torch.no_grad() if grad else contextlib.nullcontext():
-            for t, _, _ in unit.binds:
-                t.set_(empty, 0, (0,), (1,))
+            for t, _, leaf in unit.binds:
+                if t.device == empty.device and t.dtype is leaf.dtype:  # else converted: _bind
+                    t.set_(empty, 0, (0,), (1,))
 
     def _check(self, unit: UnitState, output: Any) -> str | None:
         for (t, _, leaf), version in zip(unit.binds, unit.versions, strict=True):

@@ -1,0 +1,135 @@
+"""Weight streaming's module contract on a GPU: state_dict/load_state_dict with copies in
+flight, .to(dtype), threads serving one model, and a KeyboardInterrupt mid-forward."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from test_weights_gpu import CFG, block_bytes, inputs, make
+from torch import nn
+
+from torchoffload import stream_weights
+from torchoffload._transfer import copy_engine
+from torchoffload.models import GPT
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
+]
+
+
+def _outs(model, xs):
+    with torch.inference_mode():
+        return [model(x) for x in xs]
+
+
+def _slow_copies(cycles):
+    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
+    engine.debug_delay_cycles = cycles
+    return engine
+
+
+def test_state_dict_and_load_state_dict_with_copies_in_flight():
+    ref = make()
+    torch.manual_seed(7)
+    other = GPT(CFG).cuda().eval()
+    xs = inputs(3)
+    expected, expected_other = _outs(ref, xs), _outs(other, xs)
+    model = make(device="cpu")
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096)
+    engine = _slow_copies(2_000_000)
+    try:
+        with torch.inference_mode():
+            for x, e in zip(xs, expected, strict=True):
+                assert torch.equal(model(x), e)
+            sd = model.state_dict()  # right after queued prefetches: waits for nothing wrong
+        for k, v in ref.state_dict().items():
+            assert sd[k].device.type == "cpu" and torch.equal(sd[k], v.cpu()), k
+        model.load_state_dict(other.state_dict())
+        for _ in range(2):
+            outs = _outs(model, xs)
+            assert all(torch.equal(o, e) for o, e in zip(outs, expected_other, strict=True))
+    finally:
+        engine.debug_delay_cycles = 0
+    h.remove()
+    for p, q in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(p.cuda(), q)
+
+
+def test_dtype_conversion_raises_and_remove_restores():
+    model = make(device="cpu")
+    values = [p.detach().clone() for p in model.parameters()]
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096)
+    model.half()
+    with torch.inference_mode(), pytest.raises(RuntimeError, match=r"model.to\(\)"):
+        model(inputs(1)[0])
+    h.remove()
+    for p, v in zip(model.parameters(), values, strict=True):
+        assert p.dtype == torch.float32 and p.device.type == "cpu" and torch.equal(p, v)
+
+
+def test_threads_serve_one_streamed_model():
+    ref = make()
+    xs = inputs(4)
+    expected = _outs(ref, xs)
+    model = make(device="cpu")
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096)
+    wrong, errors = [], []
+
+    def serve(k):
+        try:
+            for i in range(8):
+                j = (k + i) % len(xs)
+                out = _outs(model, [xs[j]])[0]
+                torch.cuda.current_stream().synchronize()
+                if not torch.equal(out, expected[j]):
+                    wrong.append((k, i))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(f"\nthreads: {h.stats().calls} calls, wrong {wrong}, errors {errors}")
+    assert not errors and not wrong and h.stats().calls == 24
+    h.remove()
+
+
+class _Interrupt(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if _Interrupt.armed:
+            _Interrupt.armed = False
+            raise KeyboardInterrupt
+        return x
+
+
+def test_keyboard_interrupt_with_copies_in_flight_recovers():
+    ref = make()
+    xs = inputs(2)
+    expected = _outs(ref, xs)
+    model = make(device="cpu")
+    model.layers[3].ln1 = nn.Sequential(model.layers[3].ln1, _Interrupt())
+    h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
+    before = torch.cuda.memory_allocated()
+    engine = _slow_copies(2_000_000)
+    try:
+        _outs(model, xs)
+        _Interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            _outs(model, xs[:1])
+        outs = _outs(model, xs)
+    finally:
+        engine.debug_delay_cycles = 0
+    assert all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True))
+    assert h.stats().interrupted_calls == 1
+    del outs
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+    h.remove()
