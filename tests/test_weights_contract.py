@@ -50,7 +50,6 @@ def test_blocks_kept_when_leaves_do_not_fit(depth):
         lambda m: m.to(torch.bfloat16),
         lambda m: m.half(),
         lambda m: m.double(),
-        lambda m: m.to("meta"),
     ],
 )
 def test_dtype_conversion_while_streaming_raises_and_remove_restores(convert):
