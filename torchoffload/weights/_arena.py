@@ -81,13 +81,14 @@ class UnitState:
     """A unit at run time: its layout, its host segments and where it is in the arena."""
 
     __slots__ = (
-        "layout", "index", "segments", "binds", "loc", "region", "ready", "pending", "busy",
-        "fixed", "versions",
+        "layout", "index", "nbytes", "segments", "binds", "loc", "region", "ready", "pending",
+        "busy", "fixed", "versions",
     )  # fmt: skip
 
     def __init__(self, layout: UnitLayout, index: int, host: torch.Tensor):
         self.layout = layout
         self.index = index
+        self.nbytes = layout.nbytes  # span in the arena
         self.segments = [(host[src : src + n], off, n) for src, off, n in layout.segments]
         self.binds: list[tuple[torch.Tensor, int, Any]] = []  # (tensor, unit offset, leaf)
         self.loc: int | None = None  # arena offset while loaded
@@ -101,10 +102,6 @@ class UnitState:
     @property
     def name(self) -> str:
         return self.layout.name
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.nbytes
 
 
 class Region:

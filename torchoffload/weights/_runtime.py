@@ -128,6 +128,8 @@ class WeightRuntime:
         self.arena = Arena(layout.arena_bytes(config.budget_bytes), dev, self.engine, self.counters)
         self.schedule = Schedule()
         self._empty = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
+        self._device_index = -1 if dev.type == "cpu" else dev.index
+        self._cuda = dev.type == "cuda"
         # - Module state changed until `restore()`
         self.bound: dict[Leaf, torch.Tensor] = {leaf: leaf.source for leaf in layout.leaves}
         self._leaf_ids = {id(leaf.source) for leaf in layout.leaves}
@@ -254,24 +256,43 @@ class WeightRuntime:
                 "streamed weight's device bytes are reused right after its unit, so autograd "
                 "cannot keep it for backward)"
             )
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self._cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"stream_weights cannot serve {unit.name!r} inside CUDA graph capture: a replay "
                 "would skip the host-side schedule and read whatever the arena holds then"
             )
         with self._lock:
-            self._check_live()
+            if self.removed:
+                raise RuntimeError("this WeightStreamHandle was removed")
             call = self._call
             if call is None or call.thread != threading.get_ident() or unit.busy:
                 call, new = self._own(frame, index)
             else:
                 new = False
             try:
-                self._start(unit, call.pass_)
+                pos = None
+                p = call.pass_
+                if p is not None:
+                    pos, out_of_order = self.schedule.advance(p, index)
+                    if out_of_order:
+                        self.counters.out_of_order += 1
+                        for u in self.units:  # predictions made from the old order are void
+                            u.pending = False
+                if unit.loc is None:
+                    self.counters.misses += 1
+                    self.arena.place(unit, prefetch=False)
+                else:
+                    self.counters.hits += 1
+                unit.pending = False
+                self._wait_ready(unit)
+                self._bind(unit)
             except BaseException:
                 if new:
                     self._release()
                 raise
+            unit.busy = True
+            if pos is not None:
+                self._prefetch_after(pos)
 
     def exit(self, index: int, output: Any) -> None:
         """Unit ``index``'s forward is queued: guard its range with a "done" event, unbind it,
@@ -281,7 +302,9 @@ class WeightRuntime:
             if not unit.busy:  # its enter raised, or an interrupted call was recovered
                 return
             error = self._check(unit, output)
-            self._finish(unit, self.engine.record())
+            self.arena.finished(unit, self.engine.record())
+            self._unbind(unit)
+            unit.busy = False
             call = self._call
             if call is not None and call.unit == index and call.thread == threading.get_ident():
                 self._release()
@@ -346,26 +369,6 @@ class WeightRuntime:
 
     # -- one unit --------------------------------------------------------------------------------
 
-    def _start(self, unit: UnitState, p: Pass | None) -> None:
-        pos = None
-        if p is not None:
-            pos, out_of_order = self.schedule.advance(p, unit.index)
-            if out_of_order:
-                self.counters.out_of_order += 1
-                for u in self.units:  # predictions made from the old order are void
-                    u.pending = False
-        if unit.loc is None:
-            self.counters.misses += 1
-            self.arena.place(unit, prefetch=False)
-        else:
-            self.counters.hits += 1
-        unit.pending = False
-        self._wait_ready(unit)
-        self._bind(unit)
-        unit.busy = True
-        if pos is not None:
-            self._prefetch_after(pos)
-
     def _finish(self, unit: UnitState, done: Any) -> None:
         self.arena.finished(unit, done)
         self._unbind(unit)
@@ -417,11 +420,11 @@ class WeightRuntime:
         base = unit.loc
         versions = unit.versions
         versions.clear()
+        index = self._device_index  # get_device(): an int, no torch.device made per tensor
         # Gradients are off here (`enter` checked), so set_ on a leaf needs no no_grad().
-        dev = self.device
-        for t, off, leaf in unit.binds:
-            if t.dtype is not leaf.dtype or t.device != dev:
-                self._unbind(unit)
+        for k, (t, off, leaf) in enumerate(unit.binds):
+            if t.dtype is not leaf.dtype or t.get_device() != index:
+                self._unbind(unit, k)
                 raise RuntimeError(self._converted(leaf, t))
             t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
         # Read after all set_ calls: views of one storage share a version counter.
@@ -436,13 +439,13 @@ class WeightRuntime:
             "device), convert, then stream again"
         )
 
-    def _unbind(self, unit: UnitState) -> None:
+    def _unbind(self, unit: UnitState, count: int | None = None) -> None:
+        """Unbind the unit's tensors (its first ``count`` of them)."""
         empty = self._empty
         grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
         with torch.no_grad() if grad else contextlib.nullcontext():
-            for t, _, leaf in unit.binds:
-                if t.device == empty.device and t.dtype is leaf.dtype:  # else converted: _bind
-                    t.set_(empty, 0, (0,), (1,))
+            for t, _, _ in unit.binds[:count]:
+                t.set_(empty, 0, (0,), (1,))
 
     def _check(self, unit: UnitState, output: Any) -> str | None:
         for (t, _, leaf), version in zip(unit.binds, unit.versions, strict=True):
