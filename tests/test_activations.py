@@ -10,7 +10,7 @@ from conftest import assert_bitwise, clone_model, train_steps
 
 import torchoffload
 from torchoffload import PinnedPool, PoolExhaustedError, no_offload, offload_activations
-from torchoffload.activations import _PARAMS
+from torchoffload._saved import PARAMS as _PARAMS
 
 
 def pool(capacity=64 << 20):

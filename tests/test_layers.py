@@ -18,8 +18,8 @@ from torchoffload import (
     apply_activation_offloading,
     find_layers,
 )
+from torchoffload._saved import PARAMS as _PARAMS
 from torchoffload._transfer import copy_engine
-from torchoffload.activations import _PARAMS
 from torchoffload.models import GPT, GPTConfig
 
 CFG4 = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=33)
@@ -275,7 +275,7 @@ def test_defer_releases_device_copies_defer_layers_later(simulated_async, defer)
     sessions = []
 
     def record(module, args, out, i):
-        session = handle._session
+        session = handle._session.policy
         sessions.append(session)
         held_at_exit.append(
             sorted(
@@ -309,7 +309,7 @@ def test_reloads_are_freed_when_their_layer_backward_is_done():
     held_at_start = {}
 
     def remember(module, args, out):
-        sessions.append(handle._session)
+        sessions.append(handle._session.policy)
 
     model.layers[0].register_forward_hook(remember)
     loss = model.loss(batches(1)[0])
@@ -568,3 +568,56 @@ def test_storage_saved_by_later_layers_is_prefetched_with_them_and_reloaded_once
     assert s.prefetch_misses == 0
     assert s.reloaded_bytes == s.offloaded_bytes
     handle.remove()
+
+
+# -- interrupted forwards (Note: [Interrupted forwards]) -------------------------------------------
+
+
+class _Interrupt(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if _Interrupt.armed:
+            _Interrupt.armed = False
+            raise KeyboardInterrupt
+        return x
+
+
+@pytest.mark.parametrize("then", ["train", "remove"])
+@pytest.mark.parametrize("outside", [False, True])
+def test_keyboard_interrupt_mid_forward_recovers(then, outside):
+    ref = make()
+    model = make()
+    for m in (ref, model):
+        m.layers[1].ln2 = nn.Sequential(m.layers[1].ln2, _Interrupt())
+    data = batches(3)
+    base = train_steps(ref, data)
+    before = hook_counts(model)
+    handle = apply(model, skip_last_layers=0, offload_outside_layers=outside)
+    _Interrupt.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        model.loss(data[0])
+    # The layer's and the model's post-hooks did not run: the saved-tensor hooks are still
+    # pushed until the next forward or remove() finds the call over.
+    assert hooks_installed()
+    if then == "remove":
+        handle.remove()
+        assert not hooks_installed() and hook_counts(model) == before
+        return
+    got = train_steps(model, data)
+    assert not hooks_installed()
+    assert_bitwise(base, got)
+    sessions = []
+    model.layers[0].register_forward_hook(lambda *a: sessions.append(handle._session))
+    model.loss(data[0]).backward()
+    model.loss(data[0]).backward()
+    assert len(sessions) == 2 and sessions[0] is not sessions[1]  # one session per step
+    handle.remove()
+    assert not hooks_installed()
+
+
+def test_offload_activations_exit_without_enter_is_an_error():
+    from torchoffload import offload_activations
+
+    with pytest.raises(RuntimeError, match="not entered"):
+        offload_activations(device="cpu").__exit__(None, None, None)

@@ -318,12 +318,16 @@ def test_apply_stream_plan_bitwise(batches):
     assert plan.stream and plan.offload_layers == frozenset(range(4))
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
     handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
-    assert isinstance(handle, torchoffload.ModelOffloadHandle)
+    assert handle.mode.value == "stream"
     got = train_steps(model, batches)
     assert handle.stats().offloaded_bytes > 0 and handle.stats().prefetch_misses >= 0
     handle.remove()
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert_bitwise(base, got)
+    # One handle type for every plan: its `with` removes it.
+    with torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool) as h:
+        model.loss(batches[0]).backward()
+    assert h.stats().offloaded_bytes > 0 and not model._forward_pre_hooks
 
 
 def test_stream_chosen_when_no_layer_plan_fits():

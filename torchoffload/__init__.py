@@ -10,7 +10,6 @@ from torchoffload.activations import ActivationStats, no_offload, offload_activa
 from torchoffload.layers import (
     ActivationOffloadConfig,
     ActivationOffloadHandle,
-    ModelOffloadHandle,
     apply_activation_offloading,
     find_layers,
 )
@@ -25,7 +24,6 @@ from torchoffload.weights import (
 __all__ = [
     "ActivationOffloadConfig",
     "ActivationOffloadHandle",
-    "ModelOffloadHandle",
     "ActivationStats",
     "apply_activation_offloading",
     "find_layers",

@@ -18,7 +18,10 @@ pass use:
 
 from __future__ import annotations
 
+import enum
 import logging
+import sys
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -27,21 +30,22 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchoffload._calls import running
 from torchoffload._modules import find_layers
 from torchoffload._pool import PinnedPool, _check_int
-from torchoffload.activations import (
-    _PARAMS,
-    _Offloader,
-    _Session,
-    _Storage,
-    _unpack,
-    offload_activations,
+from torchoffload._saved import (
+    PARAMS,
+    ActivationStats,
+    BytePolicy,
+    SavedTensorEngine,
+    Session,
+    Storage,
+    unpack,
 )
 
 __all__ = [
     "ActivationOffloadConfig",
     "ActivationOffloadHandle",
-    "ModelOffloadHandle",
     "apply_activation_offloading",
     "find_layers",
 ]
@@ -149,15 +153,21 @@ def _first_grad_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-class _LayerSession(_Session):
-    """One forward of the model under layer-aware offloading. See Note: [Layer schedule]."""
+class LayerPolicy:
+    """The layer-aware mode's `Policy` for one forward: which storages a layer offloads,
+    and when each layer's device copies are released and its reloads issued, driven by the
+    handle's layer hooks. See Note: [Layer schedule]."""
 
-    def __init__(self, owner: ActivationOffloadHandle, chosen: set[tuple[int, int]] | None):
-        super().__init__(owner)
-        self.config = owner.config
-        self.nlayers = len(owner.layers)
+    def __init__(
+        self, session: Session, handle: ActivationOffloadHandle, chosen: set[tuple[int, int]] | None
+    ):
+        self.session = session
+        self.engine = session.owner
+        self.handle = handle
+        self.config = handle.config
+        self.nlayers = len(handle.layers)
         self.current: int | None = None
-        self.layer_recs: dict[int | None, list[_Storage]] = defaultdict(list)
+        self.layer_recs: dict[int | None, list[Storage]] = defaultdict(list)
         self.ordinal: dict[int, int] = defaultdict(int)
         self.profile: list[tuple[int, int, int]] = []  # (layer, ordinal, nbytes), eligible
         self.chosen = chosen
@@ -173,7 +183,7 @@ class _LayerSession(_Session):
 
     # -- forward ----------------------------------------------------------------------------
 
-    def _admit(self, storage: torch.UntypedStorage) -> str | None:
+    def admit(self, storage: torch.UntypedStorage) -> str | None:
         cfg = self.config
         i = self.current
         if i is None:
@@ -199,20 +209,20 @@ class _LayerSession(_Session):
             fits = not self.budget_closed and self.budget_used + nbytes <= budget
             self.budget_closed = not fits
         if not fits:
-            self.owner._counters.budget_skipped_bytes += nbytes
+            self.engine._counters.budget_skipped_bytes += nbytes
             self.kept[key] = StorageWeakRef(storage)
             return "budget"
         self.budget_used += nbytes
         return None
 
-    def _offloaded(self, rec: _Storage) -> None:
+    def offloaded(self, rec: Storage) -> None:
         rec.layer = self.current
         self.layer_recs[rec.layer].append(rec)
         if rec.layer is not None:
-            per_layer = self.owner._counters.per_layer_bytes
+            per_layer = self.engine._counters.per_layer_bytes
             per_layer[rec.layer] = per_layer.get(rec.layer, 0) + rec.nbytes
 
-    def _shared_view(self, rec: _Storage) -> None:
+    def shared_view(self, rec: Storage) -> None:
         # A storage that a later layer saves too (Hugging Face's rotary cos/sin, computed once
         # and passed to every layer) is first needed in that layer's backward, so it joins that
         # layer's group: reloaded with it, not on demand long before its own layer.
@@ -228,9 +238,9 @@ class _LayerSession(_Session):
         self.current = i
 
     def exit_layer(self, i: int, output: Any) -> None:
-        owner = self.owner
-        with owner._lock:
-            owner._drain()
+        engine = self.engine
+        with engine._lock:
+            engine._drain()
             self.current = None
             last = i - self.config.defer_layers
             for j in range(self.released_upto + 1, last + 1):
@@ -243,25 +253,22 @@ class _LayerSession(_Session):
     def _release_sources(self, layer: int | None) -> None:
         for rec in self.layer_recs.get(layer, ()):
             if rec.src is not None:
-                self._drop_src(rec, done=rec.stored is None or rec.stored.query())
+                self.session.drop_source(rec, done=rec.stored is None or rec.stored.query())
 
     def end_forward(self) -> None:
-        owner = self.owner
-        with owner._lock:
-            self.by_storage.clear()
-            self.current = None
-            for layer in list(self.layer_recs):
-                self._release_sources(layer)
-            self.released_upto = self.nlayers
-            owner._profile = self.profile
+        self.current = None
+        for layer in list(self.layer_recs):
+            self._release_sources(layer)
+        self.released_upto = self.nlayers
+        self.handle._profile = self.profile
 
     # -- backward ---------------------------------------------------------------------------
 
     def backward_start(self, i: int) -> None:
-        owner = self.owner
-        with owner._lock:
-            owner._drain()
-            self.backward = True
+        engine = self.engine
+        with engine._lock:
+            engine._drain()
+            self.session.backward = True
             pass_id = torch._C._current_graph_task_id()
             if pass_id != self.callback_pass:  # a new backward pass (retain_graph reruns)
                 self.callback_pass = pass_id
@@ -276,7 +283,7 @@ class _LayerSession(_Session):
             for j in range(start, lowest - 1, -1):
                 for rec in self.layer_recs.get(j, ()):
                     if rec.block is not None and rec.src is None and rec.dev is None:
-                        self._reload(rec, "ahead" if j < i else "demand")
+                        self.session.reload(rec, "ahead" if j < i else "demand")
             if start >= lowest:
                 self.issued_upto = (
                     lowest if self.issued_upto is None else min(self.issued_upto, lowest)
@@ -287,23 +294,41 @@ class _LayerSession(_Session):
             if layer is not None and rec.layer is not None and rec.layer < layer:
                 continue  # joined from an earlier layer (`_shared_view`): freed with that one
             if rec.src is not None:
-                self._drop_src(rec, done=False)
+                self.session.drop_source(rec, done=False)
             if rec.dev is not None:
-                self._drop_dev(rec)
+                self.session.drop_device(rec)
 
     def backward_end(self) -> None:
-        owner = self.owner
-        with owner._lock:
-            owner._drain()
+        engine = self.engine
+        with engine._lock:
+            engine._drain()
             for layer in list(self.layer_recs):
                 self._release_reloads(layer)
 
-    def _unpacked(self, rec: _Storage) -> None:
+    def unpacked(self, rec: Storage) -> None:
         pass  # prefetch is driven by the layer hooks, not by unpack order
 
 
-class ActivationOffloadHandle(_Offloader):
-    """Returned by `apply_activation_offloading`; `remove()` undoes it exactly."""
+class Mode(enum.Enum):
+    """How an `ActivationOffloadHandle` drives the saved-tensor runtime."""
+
+    LAYERS = "layers"  # a LayerPolicy, driven by hooks on every layer
+    STREAM = "stream"  # a BytePolicy around each forward (offload_activations on the model)
+    RECOMPUTE = "recompute"  # no offloading: a plan that only checkpoints layers
+
+
+class ActivationOffloadHandle:
+    """Returned by `apply_activation_offloading`, whatever the plan; `remove()` undoes it
+    exactly, and so does leaving its ``with`` block.
+
+    Note: [Interrupted forwards]
+    A forward cut short by a `BaseException` (KeyboardInterrupt) skips the model's and the
+    layer's ``always_call`` hooks, which would close the session and pop the saved-tensor
+    hooks. The handle remembers the frame that called the model's pre-hook; the next forward
+    or `remove()` that finds that frame gone pops what the session pushed (only when it is
+    still the innermost saved-tensor hook) and ends the session, so the handle never stays
+    stuck and the session does not grow across steps.
+    """
 
     def __init__(
         self,
@@ -313,69 +338,120 @@ class ActivationOffloadHandle(_Offloader):
         pool: PinnedPool | None,
         device: torch.device | str | int | None,
         *,
-        hooks: bool = True,
+        mode: Mode = Mode.LAYERS,
     ) -> None:
-        super().__init__(
+        self.model = model
+        self.layers = layers
+        self.config = config
+        self.mode = mode
+        # - The saved-tensor runtime (the stream mode keeps offload_activations' defaults)
+        self._engine = SavedTensorEngine(
             min_bytes=config.min_bytes,
             pool=pool,
             pin_memory=config.pin_memory,
             use_streams=config.use_streams,
             on_pool_exhausted=config.on_pool_exhausted,
-            prefetch_bytes=0,
-            max_inflight_bytes=0,
             device=device,
-            time_waits=config.time_waits,
+            time_waits=config.time_waits and mode is Mode.LAYERS,
         )
-        self.model = model
-        self.layers = layers
-        self.config = config
         self._profile: list[tuple[int, int, int]] | None = None
-        self._session: _LayerSession | None = None
-        self._hooks_ctx: Any = None
+        # - The forward in progress
+        self._session: Session | None = None
+        self._hooks_ctx: Any = None  # saved-tensor hooks pushed around the whole forward
         self._depth = 0
+        self._call: tuple[int, Any] | None = None  # (thread, frame): Note: [Interrupted forwards]
+        # - What remove() undoes
         self._handles: list[Any] = []
         self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
         self._removed = False
-        self._hooked = hooks  # False: a plan that only recomputes (Note: [Plans])
-        if not hooks:
-            return
+        if mode is Mode.RECOMPUTE:
+            return  # no hooks at all (Note: [Plans])
         self._handles.append(model.register_forward_pre_hook(self._model_pre))
         self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
-        for i, layer in enumerate(layers):
-            self._handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._pre(i)))
-            self._handles.append(
-                layer.register_forward_hook(lambda m, a, o, i=i: self._post(i, o), always_call=True)
-            )
-        _PARAMS.acquire()
+        if mode is Mode.LAYERS:
+            for i, layer in enumerate(layers):
+                self._handles.append(layer.register_forward_pre_hook(_LayerPre(self, i)))
+                self._handles.append(
+                    layer.register_forward_hook(_LayerPost(self, i), always_call=True)
+                )
+            PARAMS.acquire()
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    @property
+    def pool(self) -> PinnedPool:
+        return self._engine.pool
+
+    def stats(self) -> ActivationStats:
+        return self._engine.stats()
+
+    def reset_stats(self) -> None:
+        self._engine.reset_stats()
 
     # -- hooks ------------------------------------------------------------------------------
 
     def _model_pre(self, module: nn.Module, args: Any) -> None:
         if _in_backward():
             return
-        self._depth += 1
-        if self._depth > 1:
-            return
-        session = _LayerSession(self, self._plan())
+        if self._session is not None:
+            if running(*self._call):
+                self._depth += 1  # the model called inside its own forward
+                return
+            self._recover()
+        self._depth = 1
+        self._call = (threading.get_ident(), sys._getframe(1))
+        if self.mode is Mode.STREAM:
+            session = Session(self._engine, self._stream_policy)
+            PARAMS.acquire()
+        else:
+            session = Session(self._engine, lambda s: LayerPolicy(s, self, self._plan()))
         hooks = None
-        if self.config.offload_outside_layers:  # else the hooks are pushed per layer
-            hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
-            hooks.__enter__()
+        if self.mode is Mode.STREAM or self.config.offload_outside_layers:
+            hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, unpack)
+            hooks.__enter__()  # else the hooks are pushed per layer
         self._session, self._hooks_ctx = session, hooks
 
+    @staticmethod
+    def _stream_policy(session: Session) -> BytePolicy:
+        return BytePolicy(session, prefetch_bytes=32 << 20, max_inflight_bytes=256 << 20)
+
     def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward() or self._depth == 0:
+        if _in_backward() or self._session is None:
             return
         self._depth -= 1
         if self._depth > 0:
             return
+        self._end_forward(pop=lambda hooks: hooks.__exit__(None, None, None))
+
+    def _end_forward(self, pop: Any) -> None:
         session, hooks = self._session, self._hooks_ctx
-        self._session = self._hooks_ctx = None
+        self._session = self._hooks_ctx = self._call = None
+        self._depth = 0
         try:
+            layer_hooks = getattr(session.policy, "hooks", None)
+            if layer_hooks is not None:
+                session.policy.hooks = None
+                pop(layer_hooks)
             if hooks is not None:
-                hooks.__exit__(None, None, None)
+                pop(hooks)
         finally:
+            if self.mode is Mode.STREAM:
+                PARAMS.release()
             session.end_forward()
+
+    def _recover(self) -> None:
+        """See Note: [Interrupted forwards]."""
+        session = self._session
+
+        def pop(hooks: Any) -> None:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is not None and top[0] == session.pack:
+                hooks.__exit__(None, None, None)
+
+        _log.warning("a forward under activation offloading was interrupted; its session ended")
+        self._end_forward(pop)
 
     # Note: [Hooks only where something can be offloaded]
     # Every tensor saved under saved-tensor hooks pays a Python round trip (about 15 us even
@@ -385,27 +461,29 @@ class ActivationOffloadHandle(_Offloader):
     # exception in the layer still pops them). Embeddings, head, loss and the skipped last
     # layers then run exactly as without torchoffload.
 
-    def _pre(self, i: int) -> None:
+    def _layer_pre(self, i: int) -> None:
         session = self._session
         if session is None or _in_backward():
             return
-        session.enter_layer(i)
+        policy = session.policy
+        policy.enter_layer(i)
         cfg = self.config
         offloadable = i < len(self.layers) - cfg.skip_last_layers and (
             cfg.offload_layers is None or i in cfg.offload_layers
         )
-        if offloadable and session.hooks is None and not self.config.offload_outside_layers:
-            session.hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, _unpack)
-            session.hooks.__enter__()
+        if offloadable and policy.hooks is None and not cfg.offload_outside_layers:
+            policy.hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, unpack)
+            policy.hooks.__enter__()
 
-    def _post(self, i: int, output: Any) -> None:
+    def _layer_post(self, i: int, output: Any) -> None:
         session = self._session
         if session is None or _in_backward():
             return
-        if session.hooks is not None:
-            hooks, session.hooks = session.hooks, None
+        policy = session.policy
+        if policy.hooks is not None:
+            hooks, policy.hooks = policy.hooks, None
             hooks.__exit__(None, None, None)
-        session.exit_layer(i, output)
+        policy.exit_layer(i, output)
 
     def _plan(self) -> set[tuple[int, int]] | None:
         """For the "spread" and "largest" rules: which storages of the next step to offload,
@@ -453,7 +531,9 @@ class ActivationOffloadHandle(_Offloader):
         if self._removed:
             return
         if self._session is not None:
-            raise RuntimeError("cannot remove activation offloading during the model's forward")
+            if running(*self._call):
+                raise RuntimeError("cannot remove activation offloading during the model's forward")
+            self._recover()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -464,8 +544,8 @@ class ActivationOffloadHandle(_Offloader):
                 del layer.forward
         self._wrapped.clear()
         self._removed = True
-        if self._hooked:
-            _PARAMS.release()
+        if self.mode is Mode.LAYERS:
+            PARAMS.release()
 
     def _recompute(self, indices: list[int]) -> None:
         """Run these layers under non-reentrant activation checkpointing until `remove()`."""
@@ -495,49 +575,26 @@ class ActivationOffloadHandle(_Offloader):
 
     def __repr__(self) -> str:
         return (
-            f"ActivationOffloadHandle({type(self.model).__name__}, {len(self.layers)} layers, "
-            f"{self.config}, removed={self._removed})"
+            f"ActivationOffloadHandle({type(self.model).__name__}, {self.mode.value}, "
+            f"{len(self.layers)} layers, {self.config}, removed={self._removed})"
         )
 
 
-class ModelOffloadHandle(offload_activations):
-    """A plan's "stream": `offload_activations` entered around every forward of ``model``
-    (every tensor its forward saves goes to host memory and comes back one by one in backward,
-    prefetched by bytes). Returned by `apply_activation_offloading` for such a plan;
-    `remove()` takes the hooks off."""
+class _LayerPre:
+    __slots__ = ("handle", "i")
 
-    def __init__(self, model: nn.Module, *, min_bytes: int, pool: PinnedPool | None,
-                 device: torch.device | str | int | None) -> None:  # fmt: skip
-        super().__init__(min_bytes=min_bytes, pool=pool, device=device)
-        self.model = model
-        self._depth = 0
-        self._handles = [
-            model.register_forward_pre_hook(self._model_pre),
-            model.register_forward_hook(self._model_post, always_call=True),
-        ]
+    def __init__(self, handle: ActivationOffloadHandle, i: int):
+        self.handle, self.i = handle, i
 
-    recomputed_layers: list[int] = []
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        self.handle._layer_pre(self.i)
 
-    def _model_pre(self, module: nn.Module, args: Any) -> None:
-        if _in_backward():
-            return
-        self._depth += 1
-        if self._depth == 1:
-            self.__enter__()
 
-    def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward() or self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth == 0:
-            self.__exit__(None, None, None)
+class _LayerPost(_LayerPre):
+    __slots__ = ()
 
-    def remove(self) -> None:
-        if self._session is not None:
-            raise RuntimeError("cannot remove activation offloading during the model's forward")
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.handle._layer_post(self.i, output)
 
 
 def apply_activation_offloading(
@@ -548,7 +605,7 @@ def apply_activation_offloading(
     pool: PinnedPool | None = None,
     device: torch.device | str | int | None = None,
     plan: Any = None,
-) -> ActivationOffloadHandle | ModelOffloadHandle:
+) -> ActivationOffloadHandle:
     """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
 
     Args:
@@ -562,17 +619,13 @@ def apply_activation_offloading(
             offloaded, its recomputed layers run under ``torch.utils.checkpoint``
             (non-reentrant) until ``remove()``, the rest keep their activations. A
             "recompute+offload" layer is checkpointed and its input offloaded. A "stream"
-            plan returns a `ModelOffloadHandle` instead: `offload_activations` around the model.
+            plan runs each forward of the model under `offload_activations`' policy.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if plan is not None:
         if config is not None:
             raise ValueError("pass either config or plan, not both")
-        if plan.stream:
-            return ModelOffloadHandle(
-                model, min_bytes=plan.profile.min_bytes, pool=pool, device=device
-            )
         config = ActivationOffloadConfig(
             prefetch_layers=plan.prefetch_layers,
             defer_layers=plan.defer_layers,
@@ -607,8 +660,13 @@ def apply_activation_offloading(
     # hooks on every layer and the global parameter hook cost host time in every layer's
     # forward and backward, which a host-bound step pays in full (benchmarks/RESULTS.md,
     # planner validation). Its handle only wraps the recomputed layers.
-    hooked = plan is None or bool(plan.offload_layers)
-    handle = ActivationOffloadHandle(model, layer_list, config, pool, device, hooks=hooked)
+    if plan is not None and plan.stream:
+        mode = Mode.STREAM
+    elif plan is not None and not plan.offload_layers:
+        mode = Mode.RECOMPUTE
+    else:
+        mode = Mode.LAYERS
+    handle = ActivationOffloadHandle(model, layer_list, config, pool, device, mode=mode)
     if plan is not None:
         handle._recompute(sorted(plan.recompute_layers))
     return handle

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torchoffload._calls import running
 from torchoffload._flatten import flatten, is_composite
 from torchoffload._pool import _check_int, pinned_buffer
 from torchoffload._transfer import WaitTimer, copy_engine
@@ -91,18 +91,6 @@ class _Call:
         self.depth = 0  # nested calls of the root module
         self.pass_ = pass_
         self.unit = unit  # the unit of a call made by entering a unit outside a call
-
-
-def _running(thread: int, frame: FrameType | None) -> bool:
-    """Whether ``frame`` is on ``thread``'s stack now (a call without a frame always is)."""
-    if frame is None:
-        return True
-    f = sys._getframe() if thread == threading.get_ident() else sys._current_frames().get(thread)
-    while f is not None:
-        if f is frame:
-            return True
-        f = f.f_back
-    return False
 
 
 class WeightRuntime:
@@ -320,7 +308,7 @@ class WeightRuntime:
             if call is None:
                 self._call = _Call(frame, None, unit)
                 return self._call, True
-            if _running(call.thread, call.frame):
+            if running(call.thread, call.frame):
                 if call.thread == me and unit is None:
                     return call, False  # the root module called inside its own call
                 if call.thread == me:  # a busy unit entered again from inside its own call
@@ -356,7 +344,7 @@ class WeightRuntime:
         """Wait until no call runs (recovering an interrupted one). Holds the lock."""
         while self._call is not None:
             call = self._call
-            if not _running(call.thread, call.frame):
+            if not running(call.thread, call.frame):
                 self._recover()
             elif call.thread == threading.get_ident():
                 raise RuntimeError(f"{what} called while a streamed unit is running its forward")
