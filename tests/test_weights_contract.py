@@ -279,3 +279,13 @@ def test_remove_inside_a_forward_is_refused_and_changes_nothing():
     outputs(model, [tokens()])
     assert seen and not h.removed
     h.remove()
+
+
+def test_torch_compile_of_a_streamed_model_names_the_cause():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
+    h = stream(model, 1 << 20)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="torch.compile"):
+        compiled(torch.randn(2, 8))
+    torch._dynamo.reset()
+    h.remove()

@@ -441,7 +441,10 @@ class WeightRuntime:
                 return (
                     f"streamed tensor {leaf.name!r} was modified in place during the forward of "
                     f"{unit.name!r}; the change would be lost when the unit is evicted. Keep it "
-                    f"on the device with resident=({leaf.name!r},)"
+                    f"on the device with resident=({leaf.name!r},). (Under torch.compile this "
+                    "is what a compiled graph does to a streamed weight: stream_weights runs "
+                    "eagerly; for a compiled program use torchoffload.compile."
+                    "stream_exported_weights)"
                 )
         ptr = self.arena.ptr
         for t in _tensors(output):
