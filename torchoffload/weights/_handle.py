@@ -183,11 +183,6 @@ class WeightStreamHandle:
         )
 
 
-_NO_COMPILE = (
-    "torch.compile cannot trace a model under stream_weights: its weights are bound and "
-    "unbound by module hooks at run time, which a compiled graph would skip. Run the streamed "
-    "model eagerly, or export it and use torchoffload.compile.stream_exported_weights"
-)
 _NO_COPY = (
     "cannot copy or pickle a model while stream_weights is active: its streamed weights live in "
     "the handle's host store, not in the model. Save model.state_dict() (it holds the real "
@@ -339,8 +334,6 @@ class _Hook:
 
 class _UnitPre(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(_NO_COMPILE)
         self.rt.enter(self.index, sys._getframe(1))
 
 
@@ -351,8 +344,6 @@ class _UnitPost(_Hook):
 
 class _RootPre(_Hook):
     def __call__(self, module: nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # first: dynamo traces up to here
-            raise RuntimeError(_NO_COMPILE)
         self.rt.begin_call(sys._getframe(1))
 
 
