@@ -289,3 +289,19 @@ def test_torch_compile_of_a_streamed_model_names_the_cause():
         compiled(torch.randn(2, 8))
     torch._dynamo.reset()
     h.remove()
+
+
+def test_hooks_added_after_streaming_see_bound_then_empty_weights():
+    model = make()
+    h = stream(model, 1 << 22, unit="blocks")
+    seen = {}
+    fc1 = model.layers[2].fc1
+    model.layers[2].register_forward_pre_hook(
+        lambda m, a: seen.setdefault("pre", fc1.weight.numel())
+    )
+    model.layers[2].register_forward_hook(
+        lambda m, a, o: seen.setdefault("post", fc1.weight.numel())
+    )
+    outputs(model, [tokens()])
+    assert seen == {"pre": 256 * 64, "post": 0}  # fc1: 4 * hidden x hidden
+    h.remove()
