@@ -296,12 +296,8 @@ def test_hooks_added_after_streaming_see_bound_then_empty_weights():
     h = stream(model, 1 << 22, unit="blocks")
     seen = {}
     fc1 = model.layers[2].fc1
-    model.layers[2].register_forward_pre_hook(
-        lambda m, a: seen.setdefault("pre", fc1.weight.numel())
-    )
-    model.layers[2].register_forward_hook(
-        lambda m, a, o: seen.setdefault("post", fc1.weight.numel())
-    )
+    model.layers[2].register_forward_pre_hook(lambda m, a: seen.update(pre=fc1.weight.numel()))
+    model.layers[2].register_forward_hook(lambda m, a, o: seen.update(post=fc1.weight.numel()))
     outputs(model, [tokens()])
     assert seen == {"pre": 256 * 64, "post": 0}  # fc1: 4 * hidden x hidden
     h.remove()
