@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import torchoffload
 import torchoffload.compile as toc
 from torchoffload.models import GPT, GPTConfig
 
@@ -98,12 +99,16 @@ def calls(gm, op):
 def test_config_is_validated():
     with pytest.raises(ValueError, match="prefetch_layers"):
         toc.ActivationPassConfig(prefetch_layers=-1)
-    with pytest.raises(ValueError, match="max_offload_bytes"):
+    with pytest.raises(TypeError, match="max_offload_bytes"):
         toc.ActivationPassConfig(max_offload_bytes=1.5)
     with pytest.raises(ValueError, match="budget_policy"):
-        toc.ActivationPassConfig(budget_policy="largest")
+        toc.ActivationPassConfig(budget_policy="biggest")
     with pytest.raises(TypeError, match="ActivationPassConfig"):
         toc.ActivationPartitioner({"prefetch_layers": 1})
+    # One config type for eager and compiled; the eager runtime's knobs are refused here.
+    assert toc.ActivationPassConfig is torchoffload.ActivationOffloadConfig
+    with pytest.raises(ValueError, match="does not support use_streams"):
+        toc.ActivationPartitioner(toc.ActivationPassConfig(use_streams=False))
 
 
 def test_layers_last_layer_and_min_bytes(op_pool):
@@ -136,6 +141,8 @@ def test_layers_last_layer_and_min_bytes(op_pool):
         # layers 0-1 share the budget (layer 2 comes back as backward starts); layer 0's
         # 5120 takes relu's output, and the 1024 it leaves passes to layer 1
         ("spread", 2 * 4096 + 2048, ["layers.0", "layers.1", "layers.1"]),
+        # the three relu outputs first (ties: earlier layers), then what still fits
+        ("largest", 2 * 4096 + 2048, ["layers.0", "layers.0", "layers.1"]),
     ],
 )
 def test_budget_policies(op_pool, policy, budget, layers):

@@ -23,8 +23,7 @@ import logging
 import sys
 import threading
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,7 +31,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchoffload._calls import running
 from torchoffload._modules import find_layers
-from torchoffload._pool import PinnedPool, _check_int
+from torchoffload._placement import ActivationOffloadConfig, BudgetPolicy, choose
+from torchoffload._pool import PinnedPool
 from torchoffload._saved import (
     PARAMS,
     ActivationStats,
@@ -76,61 +76,11 @@ _log = logging.getLogger(__name__)
 # during recomputation go to checkpoint's own hooks, and the inputs that checkpoint saved in
 # forward went through ours, tagged with the layer, so they are prefetched with it.
 #
-# Budget. With max_offload_bytes, the rules "spread" and "largest" choose from the sizes recorded
-# in the previous forward; a storage is named by (layer, its ordinal among the layer's distinct
-# storages), which does not depend on what was offloaded. The first step, with no record yet,
-# uses "earliest". "spread" (the default) gives each offloadable layer an equal share of the
-# budget and fills it with that layer's largest storages, so every layer's copies can hide
-# behind that layer's compute: a budget of bw x t_fwd is then hidden when the layers are alike.
-# It leaves out the last `prefetch_layers` offloadable layers: they are reloaded as backward
-# starts, when memory peaks, so offloading them would not lower the peak.
-# "largest" takes the largest storages of the step wherever they are (ties go to earlier
-# layers, so the copies bunch up in the first layers). The rule "earliest"
-# offloads in save order until the first storage that does not fit, so whole early layers go
-# first (as TransformerEngine does) and the layers backward needs first stay. Either way the
-# running total never exceeds the budget, and later views of a kept storage stay kept.
-
-
-@dataclass(frozen=True)
-class ActivationOffloadConfig:
-    """Knobs of `apply_activation_offloading`. Validated on construction."""
-
-    prefetch_layers: int = 1  # at layer i's backward start, reload layer i - prefetch_layers
-    defer_layers: int = 1  # release layer i's device copies when layer i + defer_layers ends
-    skip_last_layers: int = 1  # the last layers' activations stay on the device
-    max_offload_bytes: int | None = None  # per-step budget; None: every eligible tensor
-    min_bytes: int = 1 << 16  # smaller storages stay on the device
-    budget_policy: Literal["spread", "largest", "earliest"] = "spread"  # see Note: [Layer schedule]
-    offload_outside_layers: bool = False  # also offload embeddings, head, loss (reloaded on demand)
-    use_streams: bool = True
-    pin_memory: bool = True
-    on_pool_exhausted: Literal["fallback", "raise"] = "fallback"
-    time_waits: bool = True  # measure how long the compute stream waits on copies (CUDA)
-    offload_layers: frozenset[int] | None = None  # only these layers (a plan's choice); None: all
-
-    def __post_init__(self) -> None:
-        for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
-            _check_int(name, getattr(self, name), minimum=0)
-        if self.max_offload_bytes is not None:
-            _check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
-        if self.budget_policy not in ("spread", "largest", "earliest"):
-            raise ValueError(
-                "budget_policy must be 'spread', 'largest' or 'earliest', "
-                f"got {self.budget_policy!r}"
-            )
-        if self.on_pool_exhausted not in ("fallback", "raise"):
-            raise ValueError(
-                f"on_pool_exhausted must be 'fallback' or 'raise', got {self.on_pool_exhausted!r}"
-            )
-        if self.offload_layers is not None:
-            layers = self.offload_layers
-            if not isinstance(layers, frozenset) or not all(
-                isinstance(i, int) and i >= 0 for i in layers
-            ):
-                raise TypeError("offload_layers must be a frozenset of layer indices (ints >= 0)")
-        for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+# Budget. With max_offload_bytes, the storages are chosen by the rule of Note: [Budget rules]
+# in _placement.py, from the sizes recorded in the previous forward; a storage is named by
+# (layer, its ordinal among the layer's distinct storages), which does not depend on what was
+# offloaded. The first step, with no record yet, applies "earliest" as storages come. Later
+# views of a kept storage stay kept.
 
 
 def _in_backward() -> bool:
@@ -487,41 +437,15 @@ class ActivationOffloadHandle:
 
     def _plan(self) -> set[tuple[int, int]] | None:
         """For the "spread" and "largest" rules: which storages of the next step to offload,
-        from the sizes of the last forward. See Note: [Layer schedule]."""
+        from the sizes of the last forward (Note: [Budget rules] in _placement.py)."""
         budget = self.config.max_offload_bytes
         policy = self.config.budget_policy
-        if budget is None or policy == "earliest" or not self._profile:
+        if budget is None or policy is BudgetPolicy.EARLIEST or not self._profile:
             return None
-        chosen, total = set(), 0
-        if policy == "largest":
-            for layer, ordinal, nbytes in sorted(self._profile, key=lambda e: -e[2]):
-                if total + nbytes <= budget:
-                    chosen.add((layer, ordinal))
-                    total += nbytes
-        else:  # spread: an equal share per layer, largest storages of each layer first
-            by_layer: dict[int, list[tuple[int, int]]] = defaultdict(list)
-            for layer, ordinal, nbytes in self._profile:
-                by_layer[layer].append((nbytes, ordinal))
-            layers = sorted(by_layer)
-            # The last prefetch_layers offloaded layers are reloaded as backward starts, which
-            # is when the step's memory peaks: offloading them would not lower the peak.
-            if len(layers) > self.config.prefetch_layers:
-                layers = layers[: len(layers) - self.config.prefetch_layers]
-            for k, layer in enumerate(layers):
-                share = (budget - total) // (len(layers) - k)  # unused share carries forward
-                taken = 0
-                for nbytes, ordinal in sorted(by_layer[layer], key=lambda e: -e[0]):
-                    if taken + nbytes <= share:
-                        chosen.add((layer, ordinal))
-                        taken += nbytes
-                total += taken
-        _log.debug(
-            "budget plan: %d of %d eligible tensors, %d bytes",
-            len(chosen),
-            len(self._profile),
-            total,
-        )
-        return chosen
+        items = [(layer, nbytes, (layer, ordinal)) for layer, ordinal, nbytes in self._profile]
+        chosen, _ = choose(items, budget, policy, self.config.prefetch_layers)
+        _log.debug("budget plan: %d of %d eligible tensors", len(chosen), len(items))
+        return set(chosen)
 
     # -- public -----------------------------------------------------------------------------
 

@@ -9,8 +9,9 @@
     y = torch.ops.torchoffload.reload(host, x.device)
     torch.ops.torchoffload.wait(y)             # y is ready
 
-Training: ``torch.compile(model, backend=toc.backend(toc.ActivationPassConfig()))`` offloads
-saved activations inside the compiled graphs (`offload_activations_pass`). Inference:
+Training: ``torch.compile(model, backend=toc.backend(ActivationOffloadConfig()))`` offloads
+saved activations inside the compiled graphs (`offload_activations_pass`); the config is the
+eager mode's (``ActivationPassConfig`` is the same type). Inference:
 ``toc.stream_exported_weights(ep, device, budget_bytes=...)`` runs an exported program with
 its weights streamed through probes (`insert_weight_probes`).
 """

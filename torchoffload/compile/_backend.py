@@ -35,7 +35,11 @@ class ActivationPartitioner(_PartitionerBase):
     def __init__(self, config: ActivationPassConfig | None = None):
         self.config = config or ActivationPassConfig()
         if not isinstance(self.config, ActivationPassConfig):
-            raise TypeError(f"config must be an ActivationPassConfig, got {type(config).__name__}")
+            raise TypeError(
+                f"config must be an ActivationOffloadConfig (ActivationPassConfig), got "
+                f"{type(config).__name__}"
+            )
+        self.config.check_for_pass()
         self.reports: list[PassReport] = []
 
     def __call__(self, gm: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any):

@@ -69,6 +69,7 @@ import torch
 import torch.fx as fx
 
 import torchoffload.compile._ops  # noqa: F401  (registers torch.ops.torchoffload.*)
+from torchoffload._placement import ActivationOffloadConfig, BudgetPolicy, choose
 
 __all__ = ["ActivationPassConfig", "OffloadDecision", "PassReport", "offload_activations_pass"]
 
@@ -76,50 +77,9 @@ _log = logging.getLogger(__name__)
 _ops = torch.ops.torchoffload
 
 
-@dataclass(frozen=True)
-class ActivationPassConfig:
-    """What the activation pass offloads and where it puts the transfers.
-
-    - ``prefetch_layers``: each reload starts this many layers before its layer's backward.
-    - ``defer_layers``: each forward wait (after which the device copy is freed) comes this
-      many layers after the layer that produced the tensor.
-    - ``skip_last_layers``: the last layers' activations stay (backward needs them first).
-    - ``max_offload_bytes``: at most this many bytes offloaded per step, placed by
-      ``budget_policy``: ``"spread"`` gives each eligible layer an equal share, filled with
-      its largest storages (what a layer does not use passes to the next), so the copies
-      spread over the whole forward and hide behind its compute; it leaves out the last
-      ``prefetch_layers`` eligible layers, whose reloads start with the backward, at the
-      peak, as the eager "spread" rule does. ``"earliest"`` fills the earliest layers first
-      (the longest time between offload and reload, but the copies bunch up at the start)
-      (None: every eligible storage).
-    - ``min_bytes``: storages smaller than this stay on the device (64 KiB, as in the eager
-      `ActivationOffloadConfig`): each offloaded storage costs host time in its four op calls
-      (about 0.1 ms in a loop, 0.3 ms inside a compiled step, on the H200 host), which
-      layer-norm statistics do not repay.
-    """
-
-    prefetch_layers: int = 1
-    defer_layers: int = 1
-    skip_last_layers: int = 1
-    max_offload_bytes: int | None = None
-    min_bytes: int = 1 << 16
-    budget_policy: str = "spread"
-
-    def __post_init__(self) -> None:
-        for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"ActivationPassConfig.{name} must be an int >= 0, got {value!r}")
-        if self.budget_policy not in ("spread", "earliest"):
-            raise ValueError(
-                f"ActivationPassConfig.budget_policy must be 'spread' or 'earliest', "
-                f"got {self.budget_policy!r}"
-            )
-        m = self.max_offload_bytes
-        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 0):
-            raise ValueError(
-                f"ActivationPassConfig.max_offload_bytes must be None or an int >= 0, got {m!r}"
-            )
+# One config for eager and compiled activation offloading (Note: [Budget rules] in
+# _placement.py); the old name stays for code written against it.
+ActivationPassConfig = ActivationOffloadConfig
 
 
 @dataclass(frozen=True)
@@ -293,9 +253,13 @@ def offload_activations_pass(
     names them. Returns the report of every decision (also logged at debug level). See the
     module docstring and its Notes for what is chosen and where the ops go.
     """
-    config = config or ActivationPassConfig()
-    if not isinstance(config, ActivationPassConfig):
-        raise TypeError(f"config must be an ActivationPassConfig, got {type(config).__name__}")
+    config = config or ActivationOffloadConfig()
+    if not isinstance(config, ActivationOffloadConfig):
+        raise TypeError(
+            f"config must be an ActivationOffloadConfig (ActivationPassConfig), got "
+            f"{type(config).__name__}"
+        )
+    config.check_for_pass()
     fw, bw = fw_module.graph, bw_module.graph
     groups, outputs = _groups(fw, num_fwd_outputs)
     report = PassReport()
@@ -447,47 +411,34 @@ def _flat(args: Any) -> list[Any]:
 
 
 def _choose(
-    groups: list[_Group], budget: int | None, policy: str, prefetch_layers: int
+    groups: list[_Group], budget: int | None, policy: BudgetPolicy, prefetch_layers: int
 ) -> list[_Group]:
-    """Forced storages first, then preferred ones, then the rest under the budget. With
-    ``"spread"`` each layer may use its equal share of what is left plus what earlier layers
-    left unused, largest storages first, and the last ``prefetch_layers`` eligible layers get
-    none (they come back as backward starts, when memory peaks, so offloading them would not
-    lower the peak; the eager "spread" rule does the same, Note: [Layer schedule] in layers.py).
-    With ``"earliest"`` the storages go in layer order and a layer may use all that is left."""
+    """Forced storages first, then preferred ones (by layer, while they fit), then the rest by
+    the budget rule that the eager mode uses too (Note: [Budget rules] in _placement.py)."""
     chosen = [g for g in groups if g.forced and not g.reason]
     left = None if budget is None else budget - sum(g.nbytes for g in chosen)
-    spread = left is not None and policy == "spread"
     rest = [g for g in groups if not g.reason and not g.forced]
-    layers = sorted({g.layer for g in rest if not g.preferred})
-    if spread and len(layers) > prefetch_layers:
-        peak_layers = set(layers[len(layers) - prefetch_layers :])
-        layers = layers[: len(layers) - prefetch_layers]
-        for g in rest:
-            if g.layer in peak_layers and not g.preferred:
-                g.reason = (
-                    f"reloaded as backward starts (the last {prefetch_layers} eligible "
-                    "layer(s) under a spread budget): would not lower the peak"
-                )
-        rest = [g for g in rest if not g.reason]
-    # Stable: graph order within a layer, or the largest first under "spread".
-    rest.sort(key=lambda g: (not g.preferred, g.layer, -g.nbytes if spread else 0))
-    quota, current = 0, None
-    for g in rest:
-        share = spread and not g.preferred
-        if share and g.layer != current:  # an equal share of what is left (unused shares carry)
-            current = g.layer
-            quota = left // (len(layers) - layers.index(current))
-        cap = quota if share else left
-        if cap is not None and g.nbytes > cap:
-            g.reason = f"over max_offload_bytes ({budget}, {policy})"
+    for g in sorted((g for g in rest if g.preferred), key=lambda g: g.layer):
+        if left is not None and g.nbytes > left:
+            g.reason = f"over max_offload_bytes ({budget}, {policy.value})"
             continue
         chosen.append(g)
         if left is not None:
             left -= g.nbytes
-        if share:
-            quota -= g.nbytes
-    return chosen
+    others = [g for g in rest if not g.preferred]  # graph order
+    spread = left is not None and policy is BudgetPolicy.SPREAD
+    if left is not None:
+        items = [(g.layer, g.nbytes, i) for i, g in enumerate(others)]
+        keep, why = choose(items, left, policy, prefetch_layers)
+        for i, reason in why.items():
+            others[i].reason = (
+                f"reloaded as backward starts (the last {prefetch_layers} eligible layer(s) "
+                "under a spread budget): would not lower the peak"
+                if reason == "peak"
+                else f"over max_offload_bytes ({budget}, {policy.value})"
+            )
+        others = [others[i] for i in keep]
+    return chosen + sorted(others, key=lambda g: (g.layer, -g.nbytes if spread else 0))
 
 
 def _backward_starts(groups: list[_Group], bw_inputs: dict, bw_pos: dict) -> dict[int, fx.Node]:
