@@ -61,10 +61,10 @@ from torchoffload.models import BlockStack  # noqa: E402
 from torchoffload.planner import (  # noqa: E402
     Hardware,
     InfeasibleBudgetError,
-    _Model,
     plan_from_profile,
     trace,
 )
+from torchoffload.planner._cost import CostModel as _Model  # noqa: E402
 
 GIB = 1 << 30
 FRACTIONS = (0.75, 0.5, 0.25)

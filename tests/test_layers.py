@@ -621,3 +621,14 @@ def test_offload_activations_exit_without_enter_is_an_error():
 
     with pytest.raises(RuntimeError, match="not entered"):
         offload_activations(device="cpu").__exit__(None, None, None)
+
+
+def test_bad_layers_and_offload_layers_name_the_argument():
+    model = make()
+    with pytest.raises(TypeError, match=r"layers must be .*single layer"):
+        apply(model, layers=model.layers[0])
+    with pytest.raises(TypeError, match="layers must be"):
+        apply(model, layers=123)
+    with pytest.raises(ValueError, match=r"offload_layers \[99\] are out of range"):
+        apply(model, offload_layers=frozenset({99}))
+    assert hook_counts(model) == hook_counts(make())

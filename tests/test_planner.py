@@ -12,7 +12,6 @@ from conftest import assert_bitwise, train_steps
 from torch import nn
 
 import torchoffload
-from torchoffload._trace import MATMUL, MEMORY
 from torchoffload.cli import main, parse_bytes
 from torchoffload.models import GPT, BlockStack, GPTConfig
 from torchoffload.planner import (
@@ -22,6 +21,9 @@ from torchoffload.planner import (
     synthetic_profile,
     trace,
 )
+from torchoffload.planner._cost import CostModel
+from torchoffload.planner._search import least_peak
+from torchoffload.planner._trace import MATMUL, MEMORY
 
 
 class ReluStack(nn.Module):
@@ -184,7 +186,7 @@ def test_kernel_time_counts_launches_not_views():
 def test_host_measurement_runs_on_cpu():
     """`detect` measures host costs on the GPU; the same code runs on the CPU (tiny blocks),
     so CI checks that it yields a valid Hardware."""
-    from torchoffload.planner import _measure_host
+    from torchoffload.planner._hardware import measure_host as _measure_host
 
     measured = _measure_host(torch.device("cpu"))
     assert set(measured) == {"host_us_fwd", "host_us_bwd", "host_us_layer", "host_us_saved",
@@ -203,7 +205,7 @@ def test_host_runs_ahead_of_the_device():
     prof = trace(model, (x,), loss_fn=lambda out: out.float().pow(2).mean(), optimizer="none")
     hw = Hardware(host_us_fwd=1.0, host_us_bwd=1.0, host_us_checkpoint_fwd=0.0,
                   host_us_checkpoint_bwd=150.0)  # fmt: skip
-    m = torchoffload.planner._Model(prof, hw, 1, 1)
+    m = CostModel(prof, hw, 1, 1)
     slack = sum(m.gpu_b[1:]) - sum(m.host_b[1:])
     excess = m.host_b[0] + m.host_r[0] - m.gpu_b[0] - m.gpu_r[0]
     assert 0 < excess < slack  # layer 0 alone is bound by the host; the rest left room
@@ -211,7 +213,7 @@ def test_host_runs_ahead_of_the_device():
     first = m.predict(["recompute"] + ["keep"] * 7)
     assert first.step_s == pytest.approx(keep.step_s + m.gpu_r[0], rel=1e-9)
     # all host-bound: the step takes the host's time
-    slow = torchoffload.planner._Model(prof, Hardware(host_us_fwd=1e3, host_us_bwd=1e3), 1, 1)
+    slow = CostModel(prof, Hardware(host_us_fwd=1e3, host_us_bwd=1e3), 1, 1)
     total = sum(slow.host_f) + sum(slow.host_b) + slow.host_out_f + slow.host_out_b
     assert slow.predict(["keep"] * 8).step_s == pytest.approx(total, rel=1e-9)
 
@@ -225,7 +227,7 @@ def test_link_bound_recomputes():
     assert plan.predicted.peak_bytes <= budget
     assert "recompute" in plan.decisions and "offload" not in plan.decisions
     # the copies would have bound the step: all-offload is predicted slower than the plan
-    model = torchoffload.planner._Model(prof, hw, 1, 1)
+    model = CostModel(prof, hw, 1, 1)
     offload_all = model.predict(["offload"] * 7 + ["keep"])
     assert offload_all.step_s > plan.predicted.step_s
     # ...and at the link bound: 7 GB each way over 55 GB/s
@@ -339,8 +341,8 @@ def test_stream_chosen_when_no_layer_plan_fits():
     x = torch.empty(8, 2048, 2048, dtype=torch.bfloat16, device="meta")
     prof = trace(model, (x,), loss_fn=lambda out: out.float().pow(2).mean(), optimizer="none")
     hw = Hardware(workspace_bytes=0)
-    m = torchoffload.planner._Model(prof, hw, 1, 1)
-    least = torchoffload.planner._least_peak(m)[1]
+    m = CostModel(prof, hw, 1, 1)
+    least = least_peak(m)[1]
     stream = m.stream()[0]
     assert stream.peak_bytes < least
     plan = plan_from_profile(prof, (stream.peak_bytes + least) // 2, hardware=hw)

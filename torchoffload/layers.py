@@ -23,7 +23,7 @@ import logging
 import sys
 import threading
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from torchoffload._saved import (
     Storage,
     unpack,
 )
+
+if TYPE_CHECKING:  # the planner sits above this module: a type, not an import
+    from torchoffload.planner import Plan
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -290,6 +293,11 @@ class ActivationOffloadHandle:
         *,
         mode: Mode = Mode.LAYERS,
     ) -> None:
+        bad = sorted(i for i in config.offload_layers or () if i >= len(layers))
+        if bad:
+            raise ValueError(
+                f"offload_layers {bad} are out of range: the model has {len(layers)} layers"
+            )
         self.model = model
         self.layers = layers
         self.config = config
@@ -471,7 +479,7 @@ class ActivationOffloadHandle:
         if self.mode is Mode.LAYERS:
             PARAMS.release()
 
-    def _recompute(self, indices: list[int]) -> None:
+    def recompute(self, indices: list[int]) -> None:
         """Run these layers under non-reentrant activation checkpointing until `remove()`."""
         from torch.utils.checkpoint import checkpoint
 
@@ -528,7 +536,7 @@ def apply_activation_offloading(
     config: ActivationOffloadConfig | None = None,
     pool: PinnedPool | None = None,
     device: torch.device | str | int | None = None,
-    plan: Any = None,
+    plan: Plan | None = None,
 ) -> ActivationOffloadHandle:
     """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
 
@@ -539,32 +547,39 @@ def apply_activation_offloading(
         config: an `ActivationOffloadConfig` (defaults if None).
         pool: the `PinnedPool` to copy into; default: the process-wide pool.
         device: the compute device; default: the current accelerator, else the CPU.
-        plan: a `torchoffload.Plan` (instead of ``config``): its offloaded layers are
-            offloaded, its recomputed layers run under ``torch.utils.checkpoint``
-            (non-reentrant) until ``remove()``, the rest keep their activations. A
-            "recompute+offload" layer is checkpointed and its input offloaded. A "stream"
-            plan runs each forward of the model under `offload_activations`' policy.
+        plan: a `torchoffload.Plan` instead of ``config``: the same as ``plan.apply(model,
+            layers=..., pool=..., device=...)`` (see `Plan.apply`).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if plan is not None:
         if config is not None:
             raise ValueError("pass either config or plan, not both")
-        config = ActivationOffloadConfig(
-            prefetch_layers=plan.prefetch_layers,
-            defer_layers=plan.defer_layers,
-            skip_last_layers=0,
-            min_bytes=plan.profile.min_bytes,
-            offload_layers=plan.offload_layers,
-        )
+        return plan.apply(model, layers=layers, pool=pool, device=device)
     config = ActivationOffloadConfig() if config is None else config
     if not isinstance(config, ActivationOffloadConfig):
         raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
+    return ActivationOffloadHandle(model, resolve_layers(model, layers), config, pool, device)
+
+
+def resolve_layers(model: nn.Module, layers: nn.ModuleList | list[nn.Module] | str) -> list:
+    """``layers`` as a checked list of distinct submodules of ``model`` (``"auto"``: found)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if isinstance(layers, str):
         if layers != "auto":
             raise ValueError(f"layers must be 'auto' or a list of modules, got {layers!r}")
         layers = find_layers(model)
-    layer_list = list(layers)
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"layers must be 'auto', an nn.ModuleList or a list of modules, got a "
+            f"{type(layers).__name__} (a single layer? pass [layer])"
+        )
+    try:
+        layer_list = list(layers)
+    except TypeError:
+        raise TypeError(
+            f"layers must be 'auto', an nn.ModuleList or a list of modules, got "
+            f"{type(layers).__name__}"
+        ) from None
     if not layer_list:
         raise ValueError("layers is empty")
     owned = {id(m) for m in model.modules()}
@@ -575,22 +590,4 @@ def apply_activation_offloading(
             raise ValueError(f"layer {type(m).__name__} is not a submodule of the model")
     if len({id(m) for m in layer_list}) != len(layer_list):
         raise ValueError("layers contains the same module twice")
-    if plan is not None and len(plan.decisions) != len(layer_list):
-        raise ValueError(
-            f"the plan is for {len(plan.decisions)} layers but the model has {len(layer_list)}: "
-            "plan and apply with the same model and layers"
-        )
-    # Note: [Plans] A plan that offloads no layer needs none of the engine's hooks: module
-    # hooks on every layer and the global parameter hook cost host time in every layer's
-    # forward and backward, which a host-bound step pays in full (benchmarks/RESULTS.md,
-    # planner validation). Its handle only wraps the recomputed layers.
-    if plan is not None and plan.stream:
-        mode = Mode.STREAM
-    elif plan is not None and not plan.offload_layers:
-        mode = Mode.RECOMPUTE
-    else:
-        mode = Mode.LAYERS
-    handle = ActivationOffloadHandle(model, layer_list, config, pool, device, mode=mode)
-    if plan is not None:
-        handle._recompute(sorted(plan.recompute_layers))
-    return handle
+    return layer_list

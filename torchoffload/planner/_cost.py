@@ -1,0 +1,252 @@
+"""The cost model: what a plan does to a traced step's memory and time.
+
+Note: [How a plan changes memory]
+Offloading layer i removes its eligible saved storages from the device from the end of layer
+i + defer_layers' forward until the backward of layer i + prefetch_layers starts (where the
+layer-aware engine frees and reloads them). Recomputing layer i removes every storage it saved,
+except its input, from the end of its forward until its backward starts. "recompute+offload"
+also offloads that input: non-reentrant checkpointing saves a layer's inputs through the
+saved-tensor hooks outside it, which are the engine's, so the input leaves and comes back in
+the offloading window. Between two markers the live bytes of the baseline trace are shifted by
+what the plan removes there, so the predicted peak is the largest shifted value; it takes one
+pass over the markers, not a new trace.
+
+Note: [How a plan changes time]
+Each traced op takes the slower of its FLOPs at the rate of its kind (matmul or attention) and
+its bytes at the achieved memory bandwidth, plus ``kernel_us`` per launched kernel (the gaps
+and small-tile losses a roofline misses). The host launches the ops (``host_us_*`` per op, per
+checkpointed storage, per copied storage, and per layer while the layer-aware engine is
+installed) and runs ahead of the device, which cannot finish a layer before the host has
+launched it: the device's clock after layer j is max(its clock before plus the layer's device
+time, the host's clock after launching layer j). Small layers are so bound by the host; a
+layer with spare device time absorbs the host time of its neighbours. Copies take bytes over
+``link_gbps``. Forward: layer j cannot start until the copies of layer j - defer_layers - 1 are
+done (the engine's deferred release waits on them). Backward: the reloads of layer i are
+issued when the backward of layer i + prefetch_layers starts, wait for the compute issued
+before them (the engine orders each reload after the compute stream), and layer i's backward
+waits for them; a recomputed layer adds the forward ops up to its last saved tensor (where
+non-reentrant checkpointing stops). The optimizer step streams parameters, gradients and state
+at the memory bandwidth; the code outside the layers is kept as traced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torchoffload.planner._hardware import Hardware
+from torchoffload.planner._trace import Profile
+
+_log = logging.getLogger(__name__)
+
+
+# -- predictions --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    offloaded_bytes: int  # per step, each way
+
+
+KEEP, OFFLOAD, RECOMPUTE, BOTH = "keep", "offload", "recompute", "recompute+offload"
+DECISIONS = (KEEP, OFFLOAD, RECOMPUTE, BOTH)
+STREAM = "stream"  # the whole model under `offload_activations` (every layer at once)
+
+
+class CostModel:
+    """A profile prepared for fast what-ifs. See Notes: [How a plan changes memory] and
+    [How a plan changes time]."""
+
+    def __init__(self, profile: Profile, hw: Hardware, defer: int, prefetch: int):
+        self.p, self.hw, self.defer, self.prefetch = profile, hw, defer, prefetch
+        n = len(profile.layers)
+        self.n = n
+        marks = profile.step_marks
+        self.bwd_end = marks["backward_end"]
+        # Steady state: the optimizer state of earlier steps is live during forward and backward.
+        extra = hw.workspace_bytes
+        steady = [v + profile.optimizer_bytes + extra for v in profile.timeline[: self.bwd_end + 1]]
+        self.opt_peak = max(profile.timeline[self.bwd_end :]) + extra if profile.timeline else 0
+        self.steady = steady
+        last = len(steady)
+        # per layer and decision: (from, to, bytes) the decision removes between two markers
+        self.removals: list[dict[str, list[tuple[int, int, int]]]] = []
+        self.moved: list[dict[str, int]] = []  # bytes copied each way
+        cuts = {0, last}
+        for i, layer in enumerate(profile.layers):
+            release = profile.fwd_end[i + defer] if i + defer < n else marks["forward_end"]
+            reload = profile.bwd_start[min(i + prefetch, n - 1)]
+            off = (min(release, last), min(reload, last))
+            rec = (min(profile.fwd_end[i], last), min(profile.bwd_start[i], last))
+            r = {
+                KEEP: [],
+                OFFLOAD: [(*off, layer.offloadable_bytes)],
+                RECOMPUTE: [(*rec, layer.recompute_bytes)],
+                BOTH: [(*rec, layer.recompute_bytes), (*off, layer.input_offloadable_bytes)],
+            }
+            r = {d: [w for w in ws if w[1] > w[0] and w[2]] for d, ws in r.items()}
+            for ws in r.values():
+                for a, b, _ in ws:
+                    cuts.update((a, b))
+            self.removals.append(r)
+            self.moved.append(
+                {KEEP: 0, OFFLOAD: layer.offloadable_bytes, RECOMPUTE: 0,
+                 BOTH: layer.input_offloadable_bytes}
+            )  # fmt: skip
+        self.cuts = sorted(cuts)
+        self.pos = {c: k for k, c in enumerate(self.cuts)}
+        self.seg_max = [
+            max(steady[a:b]) if b > a else -(1 << 62)
+            for a, b in zip(self.cuts, self.cuts[1:], strict=False)
+        ]
+        gpu, us = hw.op_seconds, 1e-6
+        layers = profile.layers
+        # Device and host (launch) time of each layer's forward, backward and recomputation;
+        # see Note: [How a plan changes time] for how they overlap.
+        self.host_f = [len(x.fwd_ops) * hw.host_us_fwd * us for x in layers]
+        self.host_b = [len(x.bwd_ops) * hw.host_us_bwd * us for x in layers]
+        self.gpu_f = [gpu(x.fwd_ops, x.fwd_flops) for x in layers]
+        self.gpu_b = [gpu(x.bwd_ops, x.bwd_flops) for x in layers]
+        # what recomputation replays (all of the forward when not traced) and checkpointing's
+        # own host time per saved storage, in forward and in backward
+        self.gpu_r = [gpu(x.fwd_ops[: x.recompute_ops]) if x.fwd_ops else self.gpu_f[i]
+                      for i, x in enumerate(layers)]  # fmt: skip
+        self.host_r = [
+            (x.recompute_ops * hw.host_us_fwd + len(x.saved_tensors) * hw.host_us_checkpoint_bwd)
+            * us
+            for x in layers
+        ]
+        self.ckpt_f = [len(x.saved_tensors) * hw.host_us_checkpoint_fwd * us for x in layers]
+        # the offloading engine's host time per storage it copies, half in each direction
+        per_copy = hw.host_us_saved * us / 2
+        self.hooks = [
+            {KEEP: 0.0, RECOMPUTE: 0.0, BOTH: per_copy if x.input_offloadable_bytes else 0.0,
+             OFFLOAD: per_copy * sum(1 for _, b in x.saved_tensors if b >= profile.min_bytes)}
+            for x in layers
+        ]  # fmt: skip
+        self.engine_layer = hw.host_us_layer * us / 2  # per layer and pass, once installed
+        self.gpu_out_f = gpu(profile.outside_fwd_ops, profile.outside_fwd_flops)
+        self.gpu_out_b = gpu(profile.outside_bwd_ops, profile.outside_bwd_flops)
+        self.host_out_f = len(profile.outside_fwd_ops) * hw.host_us_fwd * us
+        self.host_out_b = len(profile.outside_bwd_ops) * hw.host_us_bwd * us
+        moved = profile.param_bytes * 2 + profile.grad_bytes + profile.optimizer_bytes * 2
+        bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+        self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
+        self.bw = hw.link_gbps * 1e9
+
+    def peak(self, decisions: Sequence[str]) -> int:
+        diff = [0] * (len(self.cuts) + 1)
+        for i, d in enumerate(decisions):
+            for a, b, amount in self.removals[i][d]:
+                diff[self.pos[a]] -= amount
+                diff[self.pos[b]] += amount
+        best, run = self.opt_peak, 0
+        for k, seg in enumerate(self.seg_max):
+            run += diff[k]
+            best = max(best, seg + run)
+        return best
+
+    def timeline(self, decisions: Sequence[str]) -> list[int]:
+        """The predicted live bytes after each traced event (forward and backward)."""
+        diff = [0] * (len(self.steady) + 1)
+        for i, d in enumerate(decisions):
+            for a, b, amount in self.removals[i][d]:
+                diff[a] -= amount
+                diff[b] += amount
+        out, run = [], 0
+        for k, v in enumerate(self.steady):
+            run += diff[k]
+            out.append(v + run)
+        return out
+
+    def time(self, decisions: Sequence[str]) -> tuple[float, float, float]:
+        n, defer, prefetch, bw = self.n, self.defer, self.prefetch, self.bw
+        d = [self.moved[i][x] / bw for i, x in enumerate(decisions)]
+        # the layer-aware engine is installed only when some layer offloads
+        engine = self.engine_layer if any(x in (OFFLOAD, BOTH) for x in decisions) else 0.0
+        hook = [self.hooks[i][x] + engine for i, x in enumerate(decisions)]
+        rec = [x in (RECOMPUTE, BOTH) for x in decisions]
+        # forward: layer j cannot start until the copies of layer j - defer - 1 are done
+        host = gpu = copy_free = 0.0
+        d2h_end = [0.0] * n
+        for j in range(n):
+            host += self.host_f[j] + hook[j] + (self.ckpt_f[j] if rec[j] else 0.0)
+            start = gpu
+            if j - defer - 1 >= 0:
+                start = max(start, d2h_end[j - defer - 1])
+            if d[j]:
+                copy_free = max(copy_free, start) + d[j]
+            d2h_end[j] = copy_free
+            gpu = max(start + self.gpu_f[j], host)
+        host += self.host_out_f
+        forward = max(gpu + self.gpu_out_f, host, copy_free)  # the model's end waits for copies
+        # backward: head and loss first, then the layers in reverse
+        host += self.host_out_b
+        end_of = {n: max(forward + self.gpu_out_b, host)}  # device done with layers >= k
+        h2d_free = 0.0
+        for i in range(n - 1, -1, -1):
+            issue = end_of[min(i + prefetch + 1, n)]
+            ready = 0.0
+            if d[i]:
+                h2d_free = max(h2d_free, issue) + d[i]
+                ready = h2d_free
+            host += self.host_b[i] + hook[i] + (self.host_r[i] if rec[i] else 0.0)
+            work = self.gpu_b[i] + (self.gpu_r[i] if rec[i] else 0.0)
+            end_of[i] = max(max(end_of[i + 1], ready) + work, host)
+        backward = end_of[0] - forward
+        return forward, backward, self.t_opt
+
+    def stream(
+        self, prefetch_bytes: int = 32 << 20, inflight_bytes: int = 256 << 20
+    ) -> tuple[Prediction, list[int]]:
+        """`offload_activations` around the whole model: every eligible storage saved in the
+        model's forward leaves after its save and comes back just before the op that frees it
+        in backward, with ``inflight_bytes`` held in forward and ``prefetch_bytes`` ahead in
+        backward; copies bound the step when they take longer than compute. Returns the
+        prediction and the timeline."""
+        p = self.p
+        last = len(self.steady)
+        fwd_end = p.step_marks["forward_end"]
+        diff = [0] * (last + 1)
+        moved = count = 0
+        for _, nbytes, saved_at, freed_at, in_model in p.saved_storages:
+            if not in_model or nbytes < max(p.min_bytes, 1):
+                continue
+            moved += nbytes
+            count += 1
+            a, b = min(saved_at + 1, last), min(max(freed_at - 1, 0), last)
+            if b > a:
+                diff[a] -= nbytes
+                diff[b] += nbytes
+        hooks = count * self.hw.host_us_saved * 1e-6 / 2
+        copies = moved / self.bw
+        fwd = max(sum(self.gpu_f) + self.gpu_out_f, sum(self.host_f) + hooks + self.host_out_f)
+        bwd = max(sum(self.gpu_b) + self.gpu_out_b, sum(self.host_b) + hooks + self.host_out_b)
+        # Forward holds what is still being copied: up to the in-flight window when the copies
+        # are slower than compute, else about one layer's worth. Backward holds the prefetch
+        # window plus one storage issued ahead of it (the largest, at worst).
+        largest = max(
+            (b for _, b, _, _, m in p.saved_storages if m and b >= p.min_bytes), default=0
+        )
+        layer_bytes = max((x.offloadable_bytes for x in p.layers), default=0)
+        behind = inflight_bytes if copies > fwd else min(inflight_bytes, layer_bytes)
+        ahead = prefetch_bytes + largest
+        timeline, run = [], 0
+        for k, v in enumerate(self.steady):
+            run += diff[k]
+            window = behind if k <= fwd_end else ahead  # at most what is away
+            timeline.append(v + run + min(window, -run))
+        peak = max([self.opt_peak, *timeline])
+        f, b = max(fwd, copies), max(bwd, copies)
+        return Prediction(peak, f + b + self.t_opt, f, b, self.t_opt, moved), timeline
+
+    def predict(self, decisions: Sequence[str]) -> Prediction:
+        f, b, o = self.time(decisions)
+        moved = sum(self.moved[i][x] for i, x in enumerate(decisions))
+        return Prediction(self.peak(decisions), f + b + o, f, b, o, moved)
