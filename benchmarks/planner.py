@@ -191,7 +191,7 @@ def run_shape(shape, hw, pool, args, device, dtype):
         extra = {"budget": budget, "decisions": "".join(code[d] for d in plan.decisions)}
         configs.append((f"plan[{f:.2f}]", lambda plan=plan: with_handle(plan=plan),
                         plan.predicted, extra))  # fmt: skip
-    # Round-robin: the host's speed drifts over a run by as much as a fifth (RESULTS.md), so
+    # Round-robin: the host's speed drifts over a run by as much as a fifth (measured, H200), so
     # every configuration is measured once per round and its median over rounds is kept.
     results = {c[0]: [] for c in configs}
     for _ in range(args.rounds):

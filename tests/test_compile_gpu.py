@@ -141,7 +141,7 @@ def test_pass_parity_and_memory_on_gpu(pool, gpu_deterministic, slow_copies):
             peaks[name + "_peak"] = torch.cuda.max_memory_allocated() - base
     for a, b in zip(peaks["pass"], peaks["plain"], strict=True):
         assert torch.equal(a, b)
-    # Every gradient bitwise (benchmarks/RESULTS.md, 2026-11-22: an earlier version of the ops
+    # Every gradient bitwise (2026-11-22: an earlier version of the ops
     # once gave layers.0.ln1.weight one ulp apart; the backward's Triton kernels with and
     # without the pass are byte-identical, and four runs of this test were bitwise since).
     differing = {

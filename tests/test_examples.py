@@ -1,4 +1,4 @@
-"""The scripts in examples/ run as written (on CPU here; on GPUs in RESULTS.md)."""
+"""The scripts in examples/ run as written (on CPU here; on GPUs: benchmarks/README.md)."""
 
 from __future__ import annotations
 

@@ -54,7 +54,7 @@ from torchoffload._transfer import CopyEngine, WaitTimer, compute_device, copy_e
 # Why overshoot rather than a hard cap: inside one node the order is forward, not reverse
 # (attention unpacks q/k/v, one large storage, before its small logsumexp). With a hard cap the
 # large storage waited behind the small one and was reloaded on demand. Measured on an H200
-# (benchmarks/RESULTS.md, window sweep): a 64 MiB hard cap gave 9-37 misses a step; 32 MiB with
+# (window sweep, 2026-11-21): a 64 MiB hard cap gave 9-37 misses a step; 32 MiB with
 # overshoot gave none, at the same peak memory. Device memory held for prefetch is therefore at
 # most `prefetch_bytes` plus the largest saved storage.
 #

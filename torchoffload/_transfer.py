@@ -52,7 +52,7 @@ __all__ = ["CopyEngine", "WaitTimer", "compute_device", "copy_engine"]
 # events the caller passes: the "done" events recorded on the compute stream after the last
 # kernels that read the bytes being overwritten. Waits queued on a stream apply to everything
 # queued after them, so a region partly overwritten earlier stays ordered too: see Note: [Arena
-# regions and done events] in weights.py.
+# regions and done events] in weights/_arena.py.
 
 
 def compute_device(device: torch.device | str | int | None = None) -> torch.device:
@@ -177,7 +177,7 @@ class CopyEngine:
         Note: [Switching streams cheaply]
         A copy is queued per offloaded tensor, so making the copy stream current is on the hot
         path: ``with torch.cuda.stream(s)`` costs about 16 us of host time on the H200 host,
-        setting the stream and setting it back about 6 (benchmarks/RESULTS.md). On CUDA, when
+        setting the stream and setting it back about 6 (measured in a loop). On CUDA, when
         the engine's device is the current device, the stream is set directly and set back
         in a ``finally``; otherwise (setting a stream of another device also makes that device
         current) the context manager does both.

@@ -88,7 +88,7 @@ def backend(activations: ActivationPassConfig | None = None, **inductor_config: 
       later buffer of the same size takes it over, which across a backward that brings
       activations back holds memory the caching allocator would reuse at once. On the H200
       the all-eligible peak dropped by 0.42 GiB (h4096) and 0.32 GiB (h2048) without it, step
-      time unchanged (benchmarks/RESULTS.md).
+      time unchanged (benchmarks/activations.py).
     The returned callable's ``reports`` lists each graph's `PassReport`. Graphs without
     backward (inference, ``torch.no_grad``) are compiled unchanged.
     """

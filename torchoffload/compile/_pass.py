@@ -36,7 +36,7 @@ The reloads of layer i go into the backward of layer a = i + ``prefetch_layers``
   backward has released half of the bytes of its saved storages (in a transformer block:
   the MLP's two 4h-wide activations, once the second matmul's gradients and the GELU's are
   done). Before that the device would hold layer a's saved tensors, its first gradients and
-  layer i's reloads at once. On the H200 (h2048, benchmarks/RESULTS.md) reloads at the very
+  layer i's reloads at once. On the H200 (h2048, a memory trace) reloads at the very
   start of layer a peaked 0.33 GiB above eager offloading; after layer a's first release,
   0.08 GiB above; after half, the same (the peak had moved), at no cost in step time. The
   copy stream loses little: it is still bringing layer a's later tensors when the compute

@@ -25,7 +25,7 @@ class Hardware:
     """What the time model needs; see Note: [How a plan changes time]. The defaults are what
     `detect` measured on one H200 of the GPU machine (torch 2.11, CUDA 13): pinned copies
     55.4 GB/s each way, a bf16 8192^3 matmul at 801 TFLOP/s, an elementwise add at 4223 GB/s,
-    and the host times of tiny blocks (benchmarks/RESULTS.md, planner validation, run 5;
+    and the host times of tiny blocks (planner validation run 5, benchmarks/README.md;
     the host times of two machines of that kind differed by up to 2x).
     The three efficiencies are the shares of those rates that a training step's matmuls,
     attention kernels and memory-bound ops reached there, read from `torch.profiler`'s
@@ -227,7 +227,7 @@ def measure_host(dev: torch.device) -> dict[str, float]:
             bwd.append(time.perf_counter() - t1)
         return statistics.median(fwd[warm:]), statistics.median(bwd[warm:])
 
-    # Round-robin, median over rounds: the host's speed drifts (benchmarks/RESULTS.md).
+    # Round-robin, median over rounds: the host's speed drifts by up to a fifth within a run.
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in configs}
     try:
         for _ in range(rounds):
