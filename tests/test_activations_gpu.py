@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchoffload import offload_activations
-from torchoffload._transfer import copy_engine
+from torchoffload import offload_activations, testing
 from torchoffload.models import GPT, BlockStack, GPTConfig
 
 pytestmark = [
@@ -126,18 +125,14 @@ def test_race_slowed_streams_still_bitwise(slow, gpu_pool):
     model = make(torch.float32)
     batches = data(steps=5)
     ref = train(copy.deepcopy(model), batches)
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     hooks = (_slow_compute_hooks,) if slow in ("compute", "both") else ()
-    engine.debug_delay_cycles = 2_000_000 if slow in ("copies", "both") else 0
-    try:
+    with testing.slow_copies(cycles=2_000_000 if slow in ("copies", "both") else 0):
         got = train(
             copy.deepcopy(model),
             batches,
             lambda: offload_activations(min_bytes=0, pool=gpu_pool),
             hooks=hooks,
         )
-    finally:
-        engine.debug_delay_cycles = 0
     assert_equal(ref, got)
 
 

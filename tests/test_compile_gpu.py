@@ -9,7 +9,7 @@ from test_compile import f, f_plain
 
 import torchoffload
 import torchoffload.compile as toc
-from torchoffload._transfer import copy_engine
+from torchoffload import testing
 
 ops = torch.ops.torchoffload
 
@@ -34,9 +34,7 @@ def pool():
 def test_roundtrip_with_a_slow_copy_stream(pool):
     """The copy stream spins before every copy: a source block reused before its copy read
     it, or a use before the reload landed, would change the bytes."""
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
-    engine.debug_delay_cycles = 50_000_000
-    try:
+    with testing.slow_copies(cycles=50_000_000):
         xs = [torch.randn(1024, 1024, device="cuda") for _ in range(4)]
         want = [x.clone() for x in xs]
         hosts = [ops.offload(x) for x in xs]
@@ -49,8 +47,6 @@ def test_roundtrip_with_a_slow_copy_stream(pool):
             ops.wait(y)
         got = [y.clone() for y in ys]  # a use right after the wait
         del junk
-    finally:
-        engine.debug_delay_cycles = 0
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
     torch.cuda.synchronize()
@@ -117,7 +113,6 @@ def test_pass_parity_and_memory_on_gpu(pool, gpu_deterministic, slow_copies):
     ref = copy.deepcopy(model)
     tokens = torch.randint(0, 1024, (8, 513), device="cuda")
     be = toc.backend(toc.ActivationPassConfig())
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     torch._dynamo.reset()
     peaks = {}
     with fconfig.patch(enable_autograd_cache=False), iconfig.patch(fx_graph_cache=False):
@@ -128,12 +123,9 @@ def test_pass_parity_and_memory_on_gpu(pool, gpu_deterministic, slow_copies):
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
-                    if name == "pass" and slow_copies:
-                        engine.debug_delay_cycles = 20_000_000
-                try:
+                slow = name == "pass" and slow_copies and step == 2
+                with testing.slow_copies(cycles=20_000_000 if slow else 0):
                     loss = _gpt_step(compiled, tokens)
-                finally:
-                    engine.debug_delay_cycles = 0
                 peaks.setdefault(name, []).append(loss)
                 if step < 2:
                     m.zero_grad(set_to_none=True)

@@ -17,9 +17,9 @@ from torchoffload import (
     PinnedPool,
     apply_activation_offloading,
     find_layers,
+    testing,
 )
 from torchoffload._saved import PARAMS as _PARAMS
-from torchoffload._transfer import copy_engine
 from torchoffload.models import GPT, GPTConfig
 
 CFG4 = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=33)
@@ -258,13 +258,8 @@ def test_prefetch_zero_layers_means_every_reload_is_late():
 
 @pytest.fixture
 def simulated_async():
-    engine = copy_engine(torch.device("cpu"))
-    engine.debug_async = True
-    try:
-        yield engine
-    finally:
-        engine.complete_debug_events()
-        engine.debug_async = False
+    with testing.simulated_async_copies() as hooks:
+        yield hooks
 
 
 @pytest.mark.parametrize("defer", [0, 1, 2])
@@ -297,7 +292,7 @@ def test_defer_releases_device_copies_defer_layers_later(simulated_async, defer)
     # forward's end releases everything: backward starts with nothing held
     session = sessions[-1]
     assert all(r.src is None for recs in session.layer_recs.values() for r in recs)
-    simulated_async.complete_debug_events()
+    simulated_async.complete_events()
     loss.backward()
     assert handle.stats().pool.used_bytes == 0
 

@@ -10,8 +10,7 @@ import torch
 from test_activations_gpu import _slow_compute_hooks, assert_equal, data, make, train
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from torchoffload import ActivationOffloadConfig, apply_activation_offloading
-from torchoffload._transfer import copy_engine
+from torchoffload import ActivationOffloadConfig, apply_activation_offloading, testing
 from torchoffload.models import BlockStack
 
 pytestmark = [
@@ -48,17 +47,15 @@ def test_race_slowed_streams_still_bitwise(slow, gpu_pool):
     model = make(torch.float32)
     batches = data(steps=5)
     ref = train(copy.deepcopy(model), batches)
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     hooks = (_slow_compute_hooks,) if slow in ("compute", "both") else ()
     m = copy.deepcopy(model)
     handle = apply_activation_offloading(
         m, config=ActivationOffloadConfig(min_bytes=0, defer_layers=0), pool=gpu_pool
     )
-    engine.debug_delay_cycles = 2_000_000 if slow in ("copies", "both") else 0
     try:
-        got = train(m, batches, hooks=hooks)
+        with testing.slow_copies(cycles=2_000_000 if slow in ("copies", "both") else 0):
+            got = train(m, batches, hooks=hooks)
     finally:
-        engine.debug_delay_cycles = 0
         handle.remove()
     assert_equal(ref, got)
 

@@ -300,3 +300,15 @@ def test_concurrent_allocate_and_free():
         t.join()
     assert not errors
     assert pool.stats().used_bytes == 0
+
+
+def test_sizes_beyond_what_exists_are_refused_at_the_entry():
+    with pytest.raises(ValueError, match="capacity_bytes must be <="):
+        PinnedPool(capacity_bytes=2**70, pin_memory=False)
+    pool = PinnedPool(capacity_bytes=1 << 20, slab_bytes=1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match="nbytes must be <= 1048576"):
+        pool.reserve(2 << 20)
+    pool.reserve(1 << 20)  # exactly the capacity: reserved, not silently skipped
+    assert pool.stats().reserved_bytes == 1 << 20
+    with pytest.raises(ValueError, match="on_exhausted must be 'fallback' or 'raise'"):
+        PinnedPool(1 << 20, pin_memory=False, on_exhausted="drop")

@@ -10,8 +10,7 @@ import torch
 from test_weights_gpu import CFG, block_bytes, inputs, make
 from torch import nn
 
-from torchoffload import stream_weights
-from torchoffload._transfer import copy_engine
+from torchoffload import stream_weights, testing
 from torchoffload.models import GPT
 
 pytestmark = [
@@ -26,12 +25,6 @@ def _outs(model, xs):
         return [model(x) for x in xs]
 
 
-def _slow_copies(cycles):
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
-    engine.debug_delay_cycles = cycles
-    return engine
-
-
 def test_state_dict_and_load_state_dict_with_copies_in_flight():
     ref = make()
     torch.manual_seed(7)
@@ -40,8 +33,7 @@ def test_state_dict_and_load_state_dict_with_copies_in_flight():
     expected, expected_other = _outs(ref, xs), _outs(other, xs)
     model = make(device="cpu")
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096)
-    engine = _slow_copies(2_000_000)
-    try:
+    with testing.slow_copies(cycles=2_000_000):
         with torch.inference_mode():
             for x, e in zip(xs, expected, strict=True):
                 assert torch.equal(model(x), e)
@@ -52,8 +44,6 @@ def test_state_dict_and_load_state_dict_with_copies_in_flight():
         for _ in range(2):
             outs = _outs(model, xs)
             assert all(torch.equal(o, e) for o, e in zip(outs, expected_other, strict=True))
-    finally:
-        engine.debug_delay_cycles = 0
     h.remove()
     for p, q in zip(model.parameters(), other.parameters(), strict=True):
         assert torch.equal(p.cuda(), q)
@@ -118,15 +108,12 @@ def test_keyboard_interrupt_with_copies_in_flight_recovers():
     model.layers[3].ln1 = nn.Sequential(model.layers[3].ln1, _Interrupt())
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
     before = torch.cuda.memory_allocated()
-    engine = _slow_copies(2_000_000)
-    try:
+    with testing.slow_copies(cycles=2_000_000):
         _outs(model, xs)
         _Interrupt.armed = True
         with pytest.raises(KeyboardInterrupt):
             _outs(model, xs[:1])
         outs = _outs(model, xs)
-    finally:
-        engine.debug_delay_cycles = 0
     assert all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True))
     assert h.stats().interrupted_calls == 1
     del outs

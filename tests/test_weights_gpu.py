@@ -7,8 +7,7 @@ import torch
 from test_weights import QuantStack  # tests/ is on sys.path, as for conftest
 from torch import nn
 
-from torchoffload import stream_weights
-from torchoffload._transfer import copy_engine
+from torchoffload import stream_weights, testing
 from torchoffload.models import GPT, GPTConfig
 from torchoffload.testing import GroupedTensor, QuantizedTensor, weight_test_hooks
 
@@ -139,16 +138,13 @@ def _race(slow: str, dropped: frozenset = frozenset()) -> bool:
     model = make()
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
     weight_test_hooks(h, skip=dropped)
-    engine = copy_engine(torch.device("cuda", torch.cuda.current_device()))
     hooks = None
     try:
-        if slow in ("copies", "both"):
-            engine.debug_delay_cycles = 2_000_000
         if slow in ("compute", "both"):
             hooks = _SlowCompute(model, h, 4_000_000)
-        return _run(model, xs, expected)
+        with testing.slow_copies(cycles=2_000_000 if slow in ("copies", "both") else 0):
+            return _run(model, xs, expected)
     finally:
-        engine.debug_delay_cycles = 0
         if hooks:
             hooks.remove()
         h.remove()

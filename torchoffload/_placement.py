@@ -25,9 +25,8 @@ import enum
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
-from torchoffload._pool import _check_int
+from torchoffload._validate import OnExhausted, check_bool, check_int
 
 __all__ = ["ActivationOffloadConfig", "BudgetPolicy", "choose"]
 
@@ -67,20 +66,17 @@ class ActivationOffloadConfig:
     offload_outside_layers: bool = False  # also offload embeddings, head, loss (reloaded on demand)
     use_streams: bool = True
     pin_memory: bool = True
-    on_pool_exhausted: Literal["fallback", "raise"] = "fallback"
+    on_pool_exhausted: OnExhausted | str = OnExhausted.FALLBACK
     time_waits: bool = True  # measure how long the compute stream waits on copies (CUDA)
     offload_layers: frozenset[int] | None = None  # only these layers (a plan's choice); None: all
 
     def __post_init__(self) -> None:
         for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
-            _check_int(name, getattr(self, name), minimum=0)
+            check_int(name, getattr(self, name), minimum=0)
         if self.max_offload_bytes is not None:
-            _check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
+            check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
         object.__setattr__(self, "budget_policy", BudgetPolicy.parse(self.budget_policy))
-        if self.on_pool_exhausted not in ("fallback", "raise"):
-            raise ValueError(
-                f"on_pool_exhausted must be 'fallback' or 'raise', got {self.on_pool_exhausted!r}"
-            )
+        object.__setattr__(self, "on_pool_exhausted", OnExhausted.parse(self.on_pool_exhausted))
         if self.offload_layers is not None:
             layers = self.offload_layers
             if not isinstance(layers, frozenset) or not all(
@@ -88,8 +84,7 @@ class ActivationOffloadConfig:
             ):
                 raise TypeError("offload_layers must be a frozenset of layer indices (ints >= 0)")
         for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            check_bool(name, getattr(self, name))
 
     def check_for_pass(self) -> None:
         """Raise if a knob the compiled pass cannot honour differs from its default."""

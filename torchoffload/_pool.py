@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
 import threading
 import warnings
 import weakref
@@ -23,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from torchoffload._validate import OnExhausted, check_int, physical_memory
 
 __all__ = [
     "HostBlock",
@@ -165,13 +166,6 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def _physical_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
-        return 64 << 30
-
-
 class PinnedPool:
     """A pool of host memory in a few large slabs, shareable between offloaders.
 
@@ -200,17 +194,16 @@ class PinnedPool:
         on_exhausted: Literal["fallback", "raise"] = "fallback",
     ):
         if capacity_bytes is None:
-            capacity_bytes = _physical_memory() // 2
-        _check_int("capacity_bytes", capacity_bytes, minimum=1)
-        _check_int("slab_bytes", slab_bytes, minimum=_ALIGN)
+            capacity_bytes = physical_memory() // 2
+        check_int("capacity_bytes", capacity_bytes, minimum=1, maximum=physical_memory())
+        check_int("slab_bytes", slab_bytes, minimum=_ALIGN)
         if pin_memory is None:
             pin_memory = torch.accelerator.is_available()
         elif not isinstance(pin_memory, bool):
             raise TypeError(f"pin_memory must be a bool or None, got {type(pin_memory).__name__}")
         elif pin_memory and not torch.accelerator.is_available():
             raise ValueError("pin_memory=True needs an accelerator, and torch sees none")
-        if on_exhausted not in ("fallback", "raise"):
-            raise ValueError(f"on_exhausted must be 'fallback' or 'raise', got {on_exhausted!r}")
+        on_exhausted = OnExhausted.parse(on_exhausted, "on_exhausted")
         self.capacity_bytes = capacity_bytes
         self.slab_bytes = slab_bytes
         self.pin_memory = pin_memory
@@ -234,10 +227,8 @@ class PinnedPool:
         self, nbytes: int, *, on_exhausted: Literal["fallback", "raise"] | None = None
     ) -> HostBlock:
         """Return a block of exactly ``nbytes`` bytes. ``on_exhausted`` overrides the pool's."""
-        _check_int("nbytes", nbytes, minimum=1)
-        policy = self.on_exhausted if on_exhausted is None else on_exhausted
-        if policy not in ("fallback", "raise"):
-            raise ValueError(f"on_exhausted must be 'fallback' or 'raise', got {policy!r}")
+        check_int("nbytes", nbytes, minimum=1)
+        policy = self.on_exhausted if on_exhausted is None else OnExhausted.parse(on_exhausted)
         span = _round_up(nbytes, _ALIGN)
         with self._lock:
             self._reclaim(limit=_RECLAIM_PER_ALLOC)
@@ -277,9 +268,9 @@ class PinnedPool:
 
         Call it before the first step to keep slab allocation out of the timed loop.
         """
-        _check_int("nbytes", nbytes, minimum=0)
+        check_int("nbytes", nbytes, minimum=0, maximum=self.capacity_bytes)
         with self._lock:
-            while self._reserved < min(nbytes, self.capacity_bytes):
+            while self._reserved < nbytes:
                 if not self._grow(_round_up(min(self.slab_bytes, nbytes - self._reserved), _ALIGN)):
                     break
 
@@ -388,13 +379,6 @@ class PinnedPool:
         block._tensor = block._base = None
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
 _default_pools: dict[bool, PinnedPool] = {}
 _default_lock = threading.Lock()
 
@@ -429,7 +413,7 @@ def pinned_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     See Note: [Exact-size pinned buffers]. Keep the returned tensor (not a view of it) alive as
     long as copies may read it; the registration ends when it is garbage collected.
     """
-    _check_int("nbytes", nbytes, minimum=0)
+    check_int("nbytes", nbytes, minimum=0)
     tensor = torch.empty(nbytes, dtype=torch.uint8)
     if not pin or nbytes == 0:
         return tensor

@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from itertools import chain
 from typing import Any, Literal, Protocol
 
@@ -24,8 +24,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchoffload._flatten import ViewMeta, flatten, is_composite, storage_bytes
-from torchoffload._pool import PinnedPool, PoolStats, _check_int, default_pool
+from torchoffload._pool import PinnedPool, PoolStats, default_pool
 from torchoffload._transfer import CopyEngine, WaitTimer, compute_device, copy_engine
+from torchoffload._validate import OnExhausted, check_bool, check_int
 
 # Note: [Keep-alive and the forward window]
 # After a D2H is queued, the device source must live until its "stored" event completes (Note:
@@ -213,31 +214,26 @@ class ActivationStats:
         )
 
 
+@dataclass
 class _Counters:
-    __slots__ = (
-        "offloaded_tensors",
-        "offloaded_bytes",
-        "shared_storage_tensors",
-        "reloaded_tensors",
-        "reloaded_bytes",
-        "skipped_tensors",
-        "skip_reasons",
-        "prefetch_issued",
-        "prefetch_hits",
-        "prefetch_misses",
-        "resident_hits",
-        "peak_inflight_bytes",
-        "peak_prefetched_bytes",
-        "per_layer_bytes",
-        "budget_skipped_bytes",
-        "composite_tensors",
-    )
+    """What the engine counts; `ActivationStats` reports them (see its fields)."""
 
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-        self.skip_reasons = {}
-        self.per_layer_bytes = {}
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    shared_storage_tensors: int = 0
+    reloaded_tensors: int = 0
+    reloaded_bytes: int = 0
+    skipped_tensors: int = 0
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    prefetch_issued: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    resident_hits: int = 0
+    peak_inflight_bytes: int = 0
+    peak_prefetched_bytes: int = 0
+    per_layer_bytes: dict[int, int] = field(default_factory=dict)
+    budget_skipped_bytes: int = 0
+    composite_tensors: int = 0
 
 
 class Storage:
@@ -665,14 +661,10 @@ class SavedTensorEngine:
         device: torch.device | str | int | None,
         time_waits: bool = False,
     ) -> None:
-        _check_int("min_bytes", min_bytes, minimum=0)
-        for name, value in (("pin_memory", pin_memory), ("use_streams", use_streams)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if on_pool_exhausted not in ("fallback", "raise"):
-            raise ValueError(
-                f"on_pool_exhausted must be 'fallback' or 'raise', got {on_pool_exhausted!r}"
-            )
+        check_int("min_bytes", min_bytes, minimum=0)
+        check_bool("pin_memory", pin_memory)
+        check_bool("use_streams", use_streams)
+        on_pool_exhausted = OnExhausted.parse(on_pool_exhausted)
         if pool is not None and not isinstance(pool, PinnedPool):
             raise TypeError(f"pool must be a PinnedPool, got {type(pool).__name__}")
         self.device = compute_device(device)
@@ -697,7 +689,7 @@ class SavedTensorEngine:
         with self._lock:
             self._drain()
             c = self._counters
-            values = {name: getattr(c, name) for name in _Counters.__slots__}
+            values = {f.name: getattr(c, f.name) for f in fields(c)}
             values["skip_reasons"] = dict(c.skip_reasons)
             values["per_layer_bytes"] = dict(c.per_layer_bytes)
             wait_ms = self._waits.collect(block=True) if self._time_waits else None

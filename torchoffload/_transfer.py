@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -80,12 +81,8 @@ class CopyEngine:
 
     def __init__(self, device: torch.device, *, use_streams: bool = True):
         self.device = device
-        # Test hook: spin the copy stream this many cycles before each copy, to provoke races.
-        self.debug_delay_cycles = 0
-        # Test hook (CPU): copies stay synchronous, but D2H events report "not done" until
-        # `complete_debug_events()`, so the keep-alive and release bookkeeping runs in CI.
-        self.debug_async = False
-        self.debug_events: list[ManualEvent] = []
+        # Set only by torchoffload.testing (slow_copies, simulated_async_copies).
+        self.testing: CopyTestHooks | None = None
         self.synchronous = device.type == "cpu"
         self.use_streams = use_streams and not self.synchronous
         self._cuda = device.type == "cuda"
@@ -109,9 +106,10 @@ class CopyEngine:
         """
         if self.synchronous:
             dst.copy_(src)
-            if self.debug_async:
+            testing = self.testing
+            if testing is not None and testing.async_events:
                 event = ManualEvent()
-                self.debug_events.append(event)
+                testing.events.append(event)
                 return event, None
             return None, None
         compute = self._mod.current_stream(self._index)
@@ -202,8 +200,9 @@ class CopyEngine:
         for e in after:
             if e is not None:
                 stream.wait_event(e)
-        if self.debug_delay_cycles:
-            torch.cuda._sleep(self.debug_delay_cycles)
+        testing = self.testing
+        if testing is not None and testing.delay_cycles:
+            torch.cuda._sleep(testing.delay_cycles)
         for dst, src in pairs:
             dst.copy_(src, non_blocking=True)
         event = self._mod.Event()
@@ -214,11 +213,6 @@ class CopyEngine:
         """Make the current compute stream wait on ``event`` (no host sync)."""
         if event is not None and not self.synchronous:
             self._mod.current_stream(self._index).wait_event(event)
-
-    def complete_debug_events(self) -> None:
-        for event in self.debug_events:
-            event.done = True
-        self.debug_events.clear()
 
     @staticmethod
     def release_after(stream: Any, event: Any) -> None:
@@ -270,6 +264,24 @@ class WaitTimer:
         """Forget everything timed so far (pending timing events are dropped, not waited on)."""
         self._pending.clear()
         self.ms = 0.0
+
+
+@dataclass
+class CopyTestHooks:
+    """Test-only behaviour of a `CopyEngine` (set through `torchoffload.testing`).
+
+    ``delay_cycles``: the copy stream spins this many cycles before each copy, to provoke
+    races. ``async_events`` (CPU): copies stay synchronous, but D2H events report "not done"
+    until completed, so the keep-alive and release bookkeeping runs in CI."""
+
+    delay_cycles: int = 0
+    async_events: bool = False
+    events: list[ManualEvent] = field(default_factory=list)
+
+    def complete_events(self) -> None:
+        for event in self.events:
+            event.done = True
+        self.events.clear()
 
 
 class ManualEvent:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from torchoffload._pool import PinnedPool, _check_int
+from torchoffload._pool import PinnedPool
 from torchoffload._saved import (
     PARAMS,
     ActivationStats,
@@ -32,6 +32,7 @@ from torchoffload._saved import (
     no_offload,
     unpack,
 )
+from torchoffload._validate import check_int
 
 __all__ = ["ActivationStats", "no_offload", "offload_activations"]
 
@@ -76,8 +77,8 @@ class offload_activations:
         max_inflight_bytes: int = 256 << 20,
         device: torch.device | str | int | None = None,
     ) -> None:
-        _check_int("prefetch_bytes", prefetch_bytes, minimum=0)
-        _check_int("max_inflight_bytes", max_inflight_bytes, minimum=0)
+        check_int("prefetch_bytes", prefetch_bytes, minimum=0)
+        check_int("max_inflight_bytes", max_inflight_bytes, minimum=0)
         self._engine = SavedTensorEngine(
             min_bytes=min_bytes,
             pool=pool,

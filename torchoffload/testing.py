@@ -13,6 +13,8 @@ Importing this module is optional: nothing in the package needs it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +30,8 @@ __all__ = [
     "grouped_matmul",
     "quantize_int8",
     "quantized_matmul",
+    "simulated_async_copies",
+    "slow_copies",
     "weight_test_hooks",
 ]
 
@@ -229,3 +233,36 @@ def weight_test_hooks(
     hooks = TestHooks([] if trace else None, debug_events, frozenset(skip))
     handle._runtime.arena.testing = hooks
     return hooks
+
+
+@contextlib.contextmanager
+def slow_copies(device: Any = None, cycles: int = 2_000_000) -> Iterator[Any]:
+    """Inside the block, the copy streams of ``device`` (default: the current CUDA device)
+    spin ``cycles`` GPU cycles before each copy: races between copies and compute show."""
+    from torchoffload._transfer import CopyTestHooks, compute_device, copy_engine
+
+    dev = compute_device(device if device is not None else "cuda")
+    engines = [copy_engine(dev, use_streams=s) for s in (True, False)]
+    for engine in engines:
+        engine.testing = CopyTestHooks(delay_cycles=cycles)
+    try:
+        yield engines[0]
+    finally:
+        for engine in engines:
+            engine.testing = None
+
+
+@contextlib.contextmanager
+def simulated_async_copies() -> Iterator[Any]:
+    """On the CPU: D2H events stay "not done" until ``hooks.complete_events()`` (or the end of
+    the block), so the keep-alive and release bookkeeping of asynchronous copies runs in CI.
+    Yields the hooks."""
+    from torchoffload._transfer import CopyTestHooks, copy_engine
+
+    engine = copy_engine(torch.device("cpu"))
+    hooks = engine.testing = CopyTestHooks(async_events=True)
+    try:
+        yield hooks
+    finally:
+        hooks.complete_events()
+        engine.testing = None

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from torchoffload._pool import _check_int
 from torchoffload._transfer import compute_device
+from torchoffload._validate import check_int
 from torchoffload.weights import _layout
 from torchoffload.weights._runtime import STREAMED, StreamConfig, WeightRuntime
 
@@ -270,7 +270,7 @@ def minimum_budget(
     settings: ``min(prefetch_depth + 1, units)`` times the largest unit, in arena bytes. With
     ``unit=None``, the smaller of the blocks and leaves cuts. The model is not changed."""
     _check_model(model)
-    _check_int("prefetch_depth", prefetch_depth, minimum=0)
+    check_int("prefetch_depth", prefetch_depth, minimum=0)
     resident = _check_resident(resident)
     return min(
         lay.least_budget(prefetch_depth) for lay in _layout.candidates(model, resident, unit)

@@ -35,8 +35,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchoffload._calls import running
 from torchoffload._flatten import flatten, is_composite
-from torchoffload._pool import _check_int, pinned_buffer
+from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import WaitTimer, copy_engine
+from torchoffload._validate import check_bool, check_int
 from torchoffload.weights._arena import Arena, Counters, UnitState
 from torchoffload.weights._layout import Layout, Leaf, Slot, nbytes
 from torchoffload.weights._schedule import Ended, Pass, Schedule
@@ -70,11 +71,10 @@ class StreamConfig:
     time_waits: bool = False
 
     def __post_init__(self) -> None:
-        _check_int("budget_bytes", self.budget_bytes, minimum=1)
-        _check_int("prefetch_depth", self.prefetch_depth, minimum=0)
+        check_int("budget_bytes", self.budget_bytes, minimum=1)
+        check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         for name in ("use_streams", "pin_memory", "time_waits"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+            check_bool(name, getattr(self, name))
 
 
 # Every tensor that a live runtime streams (the slot tensors the modules hold): streaming a
