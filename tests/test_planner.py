@@ -425,3 +425,11 @@ def test_attention_flops_grouped_query_and_causal():
     assert p.outside_fwd_flops == 2 * one
     # its backward runs after layer 0's backward started, so it is charged to layer 0
     assert p.outside_bwd_flops + sum(layer.bwd_flops for layer in p.layers) == 5 * one
+
+
+def test_example_inputs_that_are_not_tensors_name_the_argument():
+    model = ReluStack()
+    with pytest.raises(TypeError, match="example_inputs holds no tensor"):
+        trace(model, ("x",))
+    with pytest.raises(TypeError, match="example_inputs must be"):
+        trace(model, "x")

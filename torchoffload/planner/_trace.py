@@ -247,6 +247,119 @@ def _is_param_view(t: torch.Tensor, params: set[int]) -> bool:
     return root.requires_grad and root.grad_fn is None
 
 
+class _StepRecorder:
+    """What one traced step does layer by layer: which layer is running (for the tracer), what
+    each layer saves for backward, where its forward ends and its backward starts in the
+    tracer's timeline. `install` puts its hooks on the layers; `pack` is the saved-tensor hook;
+    `layer_profiles` turns the record into `LayerProfile`s."""
+
+    def __init__(self, model: nn.Module, layers: list[nn.Module], min_bytes: int, say: Any):
+        self.layers = layers
+        self.min_bytes = min_bytes
+        self.say = say
+        self.tracer = _Tracer()
+        self.index = {id(m): i for i, m in enumerate(layers)}
+        self.names = {id(m): name for name, m in model.named_modules()}
+        # - Timeline markers, per layer
+        self.fwd_end: dict[int, int] = {}
+        self.bwd_start: dict[int, int] = {}
+        # - What is saved: per layer (None: outside the layers), storage key -> (what, bytes)
+        self.saved: dict[int | None, dict[int, tuple[str, int]]] = defaultdict(dict)
+        self.first_saver: dict[int, int | None] = {}
+        self.inputs_of: dict[int, int] = {}  # layer -> storage key of its input
+        self.input_bytes: dict[int, int] = {}
+        self.last_save: dict[int, int] = {}  # layer -> forward ops run at its last save
+        # - The step's own tensors, set by trace()
+        self.param_keys: set[int] = set()
+        self.batch_keys: set[int] = set()
+        self.in_model = True
+
+    def install(self) -> list[Any]:
+        handles = []
+        for m in self.layers:
+            handles.append(m.register_forward_pre_hook(self.pre))
+            handles.append(m.register_forward_hook(self.post))
+        return handles
+
+    def pre(self, module: nn.Module, args: Any) -> None:
+        i = self.index[id(module)]
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.tracer.layer = i
+        x = _first_tensor(args)
+        if x is not None:
+            self.inputs_of[i] = x.untyped_storage()._cdata
+            self.input_bytes[i] = x.untyped_storage().nbytes()
+
+    def post(self, module: nn.Module, args: Any, output: Any) -> None:
+        i = self.index[id(module)]
+        if torch._C._current_graph_task_id() != -1:
+            return
+        tracer = self.tracer
+        tracer.layer = None
+        self.fwd_end[i] = len(tracer.timeline) - 1
+        self.say(f"forward: layer {i + 1}/{len(self.layers)}")
+        out = _first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(lambda grad, i=i: self.backward_start(i))
+
+    def backward_start(self, i: int) -> None:
+        self.bwd_start.setdefault(i, len(self.tracer.timeline) - 1)
+        self.tracer.layer = i
+        self.say(f"backward: layer {i + 1}/{len(self.layers)}")
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.layout is not torch.strided or _is_param_view(t, self.param_keys):
+            return t
+        tracer = self.tracer
+        st = t.untyped_storage()
+        key = st._cdata
+        layer = tracer.layer if not tracer.backward else None
+        if layer is not None:  # recomputing the layer replays its ops up to here
+            self.last_save[layer] = len(tracer.ops[(layer, False)])
+        if key not in self.first_saver:
+            self.first_saver[key] = layer
+            what = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            self.saved[layer][key] = (what, st.nbytes())
+            if key not in self.batch_keys:
+                tracer.saved(key, layer, st.nbytes(), self.in_model)
+        return t
+
+    def layer_profiles(self) -> list[LayerProfile]:
+        tracer = self.tracer
+        floor = max(self.min_bytes, 1)
+        profiles = []
+        for i, m in enumerate(self.layers):
+            mine = self.saved.get(i, {})
+            sizes = [n for _, n in mine.values()]
+            # the batch is held by the caller: copying it frees nothing
+            offloadable = sum(
+                n for key, (_, n) in mine.items() if n >= floor and key not in self.batch_keys
+            )
+            recompute = sum(n for key, (_, n) in mine.items() if key != self.inputs_of.get(i))
+            key = self.inputs_of.get(i)
+            own_input = key in mine and key not in self.batch_keys and mine[key][1] >= floor
+            input_bytes = self.input_bytes.get(i, 0)
+            profiles.append(
+                LayerProfile(
+                    index=i,
+                    name=self.names.get(id(m), f"layer{i}"),
+                    saved_bytes=sum(sizes),
+                    offloadable_bytes=offloadable,
+                    recompute_bytes=recompute,
+                    input_bytes=input_bytes,
+                    input_offloadable_bytes=input_bytes if own_input else 0,
+                    saved_tensors=tuple(mine.values()),
+                    fwd_flops=tracer.flops[(i, False)],
+                    bwd_flops=tracer.flops[(i, True)],
+                    fwd_ops=tuple(tracer.ops[(i, False)]),
+                    bwd_ops=tuple(tracer.ops[(i, True)]),
+                    recompute_ops=self.last_save.get(i, 0),
+                )
+            )
+        return profiles
+
+
 def trace(
     model: nn.Module,
     example_inputs: Sequence[Any] | dict[str, Any],
@@ -275,52 +388,11 @@ def trace(
     layer_list = list(find_layers(model) if isinstance(layers, str) else layers)
     if not layer_list:
         raise ValueError("no layers to plan for")
-    say = progress or (lambda msg: None)
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=False)
-    tracer = _Tracer()
-    index = {id(m): i for i, m in enumerate(layer_list)}
-    names = {id(m): name for name, m in model.named_modules()}
-    fwd_end: dict[int, int] = {}
-    bwd_start: dict[int, int] = {}
-    saved: dict[int | None, dict[int, tuple[str, int]]] = defaultdict(dict)
-    first_saver: dict[int, int | None] = {}
-    inputs_of: dict[int, int] = {}  # layer -> storage key of its input
-    input_bytes: dict[int, int] = {}
-    last_save: dict[int, int] = {}  # layer -> forward ops run at its last save
-    handles = []
-
-    def pre(module, args):
-        i = index[id(module)]
-        if torch._C._current_graph_task_id() != -1:
-            return
-        tracer.layer = i
-        x = _first_tensor(args)
-        if x is not None:
-            inputs_of[i] = x.untyped_storage()._cdata
-            input_bytes[i] = x.untyped_storage().nbytes()
-
-    def post(module, args, output):
-        i = index[id(module)]
-        if torch._C._current_graph_task_id() != -1:
-            return
-        tracer.layer = None
-        fwd_end[i] = len(tracer.timeline) - 1
-        say(f"forward: layer {i + 1}/{len(layer_list)}")
-        out = _first_tensor(output)
-        if out is not None and out.requires_grad:
-
-            def on_grad(grad, i=i):
-                bwd_start.setdefault(i, len(tracer.timeline) - 1)
-                tracer.layer = i
-                say(f"backward: layer {i + 1}/{len(layer_list)}")
-
-            out.register_hook(on_grad)
-
-    for m in layer_list:
-        handles.append(m.register_forward_pre_hook(pre))
-        handles.append(m.register_forward_hook(post))
-
+    rec = _StepRecorder(model, layer_list, min_bytes, progress or (lambda msg: None))
+    tracer = rec.tracer
+    handles = rec.install()
     try:
         with mode:
             fake = {}
@@ -329,39 +401,20 @@ def trace(
                 fake[name] = t.requires_grad_(p.requires_grad) if p.is_floating_point() else t
             args, kwargs = _fake_inputs(example_inputs)
             params = [t for t in fake.values() if t.requires_grad]
-            param_keys = {t.untyped_storage()._cdata for t in fake.values()}
+            rec.param_keys = {t.untyped_storage()._cdata for t in fake.values()}
             opt = _make_optimizer(optimizer, params)
             with tracer:
                 for t in fake.values():
                     tracer.track(t)
                 param_bytes = tracer.live
-                batch_keys = set()
                 for t in tree_flatten((args, kwargs))[0]:  # the batch is on the device too
                     if isinstance(t, torch.Tensor):
                         tracer.track(t)
-                        batch_keys.add(t.untyped_storage()._cdata)
+                        rec.batch_keys.add(t.untyped_storage()._cdata)
                 tracer.timeline = [tracer.live]  # the step starts with parameters and batch
-
-                def pack(t: torch.Tensor) -> torch.Tensor:
-                    if t.layout is not torch.strided or _is_param_view(t, param_keys):
-                        return t
-                    st = t.untyped_storage()
-                    key = st._cdata
-                    layer = tracer.layer if not tracer.backward else None
-                    if layer is not None:  # recomputing the layer replays its ops up to here
-                        last_save[layer] = len(tracer.ops[(layer, False)])
-                    if key not in first_saver:
-                        first_saver[key] = layer
-                        what = f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-                        saved[layer][key] = (what, st.nbytes())
-                        if key not in batch_keys:
-                            tracer.saved(key, layer, st.nbytes(), in_model)
-                    return t
-
-                in_model = True
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
                     out = torch.func.functional_call(model, fake, args, kwargs)
-                    in_model = False  # the loss is outside the model
+                    rec.in_model = False  # the loss is outside the model
                     loss = (loss_fn or _default_loss)(out)
                 del out
                 tracer.layer = None
@@ -382,37 +435,11 @@ def trace(
             h.remove()
         tracer.close()
 
-    missing = [i for i in range(len(layer_list)) if i not in fwd_end]
+    missing = [i for i in range(len(layer_list)) if i not in rec.fwd_end]
     if missing:
         raise RuntimeError(f"layers {missing} did not run in forward: are they all used?")
-    profiles = []
-    for i, m in enumerate(layer_list):
-        mine = saved.get(i, {})
-        sizes = [n for _, n in mine.values()]
-        # the batch is held by the caller: copying it frees nothing
-        offloadable = sum(
-            n for key, (_, n) in mine.items() if n >= max(min_bytes, 1) and key not in batch_keys
-        )
-        recompute = sum(n for key, (_, n) in mine.items() if key != inputs_of.get(i))
-        key = inputs_of.get(i)
-        own_input = key in mine and key not in batch_keys and mine[key][1] >= max(min_bytes, 1)
-        profiles.append(
-            LayerProfile(
-                index=i,
-                name=names.get(id(m), f"layer{i}"),
-                saved_bytes=sum(sizes),
-                offloadable_bytes=offloadable,
-                recompute_bytes=recompute,
-                input_bytes=input_bytes.get(i, 0),
-                input_offloadable_bytes=input_bytes.get(i, 0) if own_input else 0,
-                saved_tensors=tuple(mine.values()),
-                fwd_flops=tracer.flops[(i, False)],
-                bwd_flops=tracer.flops[(i, True)],
-                fwd_ops=tuple(tracer.ops[(i, False)]),
-                bwd_ops=tuple(tracer.ops[(i, True)]),
-                recompute_ops=last_save.get(i, 0),
-            )
-        )
+    profiles = rec.layer_profiles()
+    fwd_end, bwd_start, saved = rec.fwd_end, rec.bwd_start, rec.saved
     # A layer whose output needs no grad has no backward marker: use the next one's.
     starts = []
     for i in range(len(layer_list)):
@@ -449,10 +476,21 @@ def _fake_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     def fake(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
 
-    if isinstance(example_inputs, dict):
-        return (), tree_map_only(torch.Tensor, fake, dict(example_inputs))
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
+    if not isinstance(example_inputs, (dict, list, tuple)):
+        raise TypeError(
+            "example_inputs must be a tensor, a tuple of positional arguments or a dict of "
+            f"keyword arguments, got {type(example_inputs).__name__}"
+        )
+    leaves = tree_flatten(example_inputs)[0]
+    if not any(isinstance(t, torch.Tensor) for t in leaves):
+        raise TypeError(
+            f"example_inputs holds no tensor ({[type(t).__name__ for t in leaves][:4]}): pass "
+            "the model's inputs, e.g. (tokens,)"
+        )
+    if isinstance(example_inputs, dict):
+        return (), tree_map_only(torch.Tensor, fake, dict(example_inputs))
     return tuple(tree_map_only(torch.Tensor, fake, list(example_inputs))), {}
 
 
