@@ -260,7 +260,33 @@ def offload_activations_pass(
             f"{type(config).__name__}"
         )
     config.check_for_pass()
-    fw, bw = fw_module.graph, bw_module.graph
+    decided, report = _decide(fw_module.graph, bw_module.graph, config, num_fwd_outputs)
+    if decided.chosen:
+        _rewrite(fw_module.graph, bw_module.graph, decided, config, num_fwd_outputs)
+        for gm in (fw_module, bw_module):
+            gm.graph.lint()
+            gm.recompile()
+    return report
+
+
+@dataclass
+class _Decided:
+    """What the first phase decided, and the graph facts the rewrite places ops by."""
+
+    groups: list[_Group]
+    chosen: list[_Group]
+    outputs: list[Any]  # the forward's outputs as the partitioner left them
+    pos: dict[fx.Node, int]  # forward node -> position
+    layer_end: dict[int, fx.Node]  # layer -> its last forward node
+    n_layers: int
+    bw_inputs: dict[str, fx.Node]
+
+
+def _decide(
+    fw: fx.Graph, bw: fx.Graph, config: ActivationOffloadConfig, num_fwd_outputs: int
+) -> tuple[_Decided, PassReport]:
+    """Phase 1: group the saved outputs by storage, find their layers, decide which to
+    offload and why (the graphs are not changed)."""
     groups, outputs = _groups(fw, num_fwd_outputs)
     report = PassReport()
 
@@ -326,20 +352,31 @@ def offload_activations_pass(
             d.members,
             d.reason,
         )
-    if not chosen:
-        return report
+    decided = _Decided(groups, chosen, outputs, pos, layer_end, n_layers, bw_inputs)
+    return decided, report
 
+
+def _rewrite(
+    fw: fx.Graph,
+    bw: fx.Graph,
+    d: _Decided,
+    config: ActivationOffloadConfig,
+    num_fwd_outputs: int,
+) -> None:
+    """Phase 2: insert the ops for the chosen storages (offload and deferred wait in the
+    forward, reload and wait in the backward) and drop them from the saved outputs."""
+    bw_inputs = d.bw_inputs
     bw_pos = {n: i for i, n in enumerate(bw.nodes)}
-    bw_start = _backward_starts(groups, bw_inputs, bw_pos)
+    bw_start = _backward_starts(d.groups, bw_inputs, bw_pos)
     first_compute = next(n for n in bw.nodes if n.op != "placeholder")
-    first_free = _first_frees(chosen, groups, bw, bw_inputs, bw_pos, bw_start, config.min_bytes)
+    first_free = _first_frees(d.chosen, d.groups, bw, bw_inputs, bw_pos, bw_start, config.min_bytes)
 
     aliases = _aliases(fw)
     replaced: dict[fx.Node, fx.Node | None] = {}  # saved output -> host node (None: dropped)
     hosts = []
-    for g in chosen:
+    for g in d.chosen:
         host = _rewrite_forward(
-            fw, g, aliases.get(g.root, []), pos, layer_end, n_layers, config.defer_layers
+            fw, g, aliases.get(g.root, []), d.pos, d.layer_end, d.n_layers, config.defer_layers
         )
         hosts.append(host)
         for i, m in enumerate(g.members):
@@ -347,13 +384,14 @@ def offload_activations_pass(
     # Note: [Where reloads go]: issued in order of first use (a reload placed at a point
     # follows the ones placed there before it).
     by_use = sorted(
-        zip(chosen, hosts, strict=True), key=lambda gh: _first_use_pos(gh[0], bw_inputs, bw_pos)
+        zip(d.chosen, hosts, strict=True), key=lambda gh: _first_use_pos(gh[0], bw_inputs, bw_pos)
     )
     for g, host in by_use:
         at = _reload_point(g, bw_start, first_free, first_compute, config.prefetch_layers)
         _rewrite_backward(bw, g, host, bw_inputs, bw_pos, at)
 
     out = fw.find_nodes(op="output")[0]
+    outputs = d.outputs
     new_outputs = list(outputs[:num_fwd_outputs])
     for n in outputs[num_fwd_outputs:]:
         if n in replaced:
@@ -362,10 +400,6 @@ def offload_activations_pass(
         else:
             new_outputs.append(n)
     out.args = (tuple(new_outputs), *out.args[1:])
-    for gm in (fw_module, bw_module):
-        gm.graph.lint()
-        gm.recompile()
-    return report
 
 
 def _ineligible(g: _Group, val: torch.Tensor | None, output_roots: set, bw_inputs: dict) -> str:
