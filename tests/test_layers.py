@@ -568,28 +568,18 @@ def test_storage_saved_by_later_layers_is_prefetched_with_them_and_reloaded_once
 # -- interrupted forwards (Note: [Interrupted forwards]) -------------------------------------------
 
 
-class _Interrupt(nn.Module):
-    armed = False
-
-    def forward(self, x):
-        if _Interrupt.armed:
-            _Interrupt.armed = False
-            raise KeyboardInterrupt
-        return x
-
-
 @pytest.mark.parametrize("then", ["train", "remove"])
 @pytest.mark.parametrize("outside", [False, True])
 def test_keyboard_interrupt_mid_forward_recovers(then, outside):
     ref = make()
     model = make()
     for m in (ref, model):
-        m.layers[1].ln2 = nn.Sequential(m.layers[1].ln2, _Interrupt())
+        m.layers[1].ln2 = nn.Sequential(m.layers[1].ln2, testing.Interrupt())
     data = batches(3)
     base = train_steps(ref, data)
     before = hook_counts(model)
     handle = apply(model, skip_last_layers=0, offload_outside_layers=outside)
-    _Interrupt.armed = True
+    testing.Interrupt.armed = True
     with pytest.raises(KeyboardInterrupt):
         model.loss(data[0])
     # The layer's and the model's post-hooks did not run: the saved-tensor hooks are still

@@ -13,7 +13,7 @@ import torch
 from test_weights import QuantStack, make, stream, tokens  # tests/ is on sys.path
 from torch import nn
 
-from torchoffload import minimum_budget
+from torchoffload import minimum_budget, testing
 from torchoffload.models import GPT, GPTConfig
 
 
@@ -222,23 +222,11 @@ def test_threads_share_one_streamed_model():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
 
 
-class _Interrupt(nn.Module):
-    """Raises KeyboardInterrupt in its forward while ``armed``."""
-
-    armed = False
-
-    def forward(self, x):
-        if _Interrupt.armed:
-            _Interrupt.armed = False
-            raise KeyboardInterrupt
-        return x
-
-
 def _interruptible():
     ref = make()
     model = copy.deepcopy(ref)
     for m in (ref, model):
-        m.layers[2].ln2 = nn.Sequential(m.layers[2].ln2, _Interrupt())
+        m.layers[2].ln2 = nn.Sequential(m.layers[2].ln2, testing.Interrupt())
     return ref, model
 
 
@@ -248,7 +236,7 @@ def test_keyboard_interrupt_mid_forward_recovers(then):
     h = stream(model, 1 << 22, unit="blocks")
     x = tokens()
     outputs(model, [x])
-    _Interrupt.armed = True
+    testing.Interrupt.armed = True
     with torch.no_grad(), pytest.raises(KeyboardInterrupt):
         model(x)
     assert any(u.busy for u in h._runtime.units)  # left bound: the hooks' cleanup did not run

@@ -90,27 +90,17 @@ def test_threads_serve_one_streamed_model():
     h.remove()
 
 
-class _Interrupt(nn.Module):
-    armed = False
-
-    def forward(self, x):
-        if _Interrupt.armed:
-            _Interrupt.armed = False
-            raise KeyboardInterrupt
-        return x
-
-
 def test_keyboard_interrupt_with_copies_in_flight_recovers():
     ref = make()
     xs = inputs(2)
     expected = _outs(ref, xs)
     model = make(device="cpu")
-    model.layers[3].ln1 = nn.Sequential(model.layers[3].ln1, _Interrupt())
+    model.layers[3].ln1 = nn.Sequential(model.layers[3].ln1, testing.Interrupt())
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096, unit="blocks")
     before = torch.cuda.memory_allocated()
     with testing.slow_copies(cycles=2_000_000):
         _outs(model, xs)
-        _Interrupt.armed = True
+        testing.Interrupt.armed = True
         with pytest.raises(KeyboardInterrupt):
             _outs(model, xs[:1])
         outs = _outs(model, xs)

@@ -25,6 +25,7 @@ from torchoffload._flatten import register_flattener
 
 __all__ = [
     "GroupedTensor",
+    "Interrupt",
     "QuantizedTensor",
     "TwoBufferTensor",
     "grouped_matmul",
@@ -266,3 +267,16 @@ def simulated_async_copies() -> Iterator[Any]:
     finally:
         hooks.complete_events()
         engine.testing = None
+
+
+class Interrupt(torch.nn.Module):
+    """An identity module that raises `KeyboardInterrupt` in its forward once ``armed`` (a
+    class attribute; disarmed when it fires): a Ctrl-C in the middle of a model's forward."""
+
+    armed = False
+
+    def forward(self, x: Any) -> Any:
+        if Interrupt.armed:
+            Interrupt.armed = False
+            raise KeyboardInterrupt
+        return x
