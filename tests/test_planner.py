@@ -433,3 +433,16 @@ def test_example_inputs_that_are_not_tensors_name_the_argument():
         trace(model, ("x",))
     with pytest.raises(TypeError, match="example_inputs must be"):
         trace(model, "x")
+
+
+def test_decisions_are_parsed_into_the_enum():
+    from torchoffload.planner import Decision
+
+    prof = synthetic_profile(layers=2, saved_bytes=1 << 20, fwd_flops=1 << 30)
+    plan = plan_from_profile(prof, None)
+    assert all(type(d) is Decision for d in plan.decisions)
+    replaced = dataclasses.replace(plan, decisions=("offload", "keep"))
+    assert replaced.decisions == (Decision.OFFLOAD, Decision.KEEP)
+    assert replaced.offload_layers == frozenset({0})
+    with pytest.raises(ValueError, match="decisions must be among"):
+        dataclasses.replace(plan, decisions=("offlaod", "keep"))

@@ -18,7 +18,7 @@ model: Notes [How a plan changes memory] and [How a plan changes time]), `_searc
 decisions under a budget), `_plan` (the `Plan`, its report, plot and application).
 """
 
-from torchoffload.planner._cost import DECISIONS, STREAM, Prediction
+from torchoffload.planner._cost import DECISIONS, STREAM, Decision, Prediction
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._plan import Plan, plan, plan_from_profile, synthetic_profile
 from torchoffload.planner._search import InfeasibleBudgetError
@@ -26,6 +26,7 @@ from torchoffload.planner._trace import LayerProfile, Profile, trace
 
 __all__ = [
     "DECISIONS",
+    "Decision",
     "STREAM",
     "Hardware",
     "InfeasibleBudgetError",

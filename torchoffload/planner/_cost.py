@@ -31,6 +31,7 @@ at the memory bandwidth; the code outside the layers is kept as traced.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,9 +55,27 @@ class Prediction:
     offloaded_bytes: int  # per step, each way
 
 
-KEEP, OFFLOAD, RECOMPUTE, BOTH = "keep", "offload", "recompute", "recompute+offload"
-DECISIONS = (KEEP, OFFLOAD, RECOMPUTE, BOTH)
-STREAM = "stream"  # the whole model under `offload_activations` (every layer at once)
+class Decision(str, enum.Enum):
+    """What a plan does with a layer's activations (strings with these values are accepted
+    wherever a decision is)."""
+
+    KEEP = "keep"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+    BOTH = "recompute+offload"  # recompute, with the layer's input offloaded
+    STREAM = "stream"  # the whole model under `offload_activations` (every layer at once)
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+KEEP, OFFLOAD, RECOMPUTE, BOTH, STREAM = (
+    Decision.KEEP, Decision.OFFLOAD, Decision.RECOMPUTE, Decision.BOTH, Decision.STREAM,
+)  # fmt: skip
+DECISIONS = (KEEP, OFFLOAD, RECOMPUTE, BOTH)  # per layer (STREAM applies to the whole model)
 
 
 class CostModel:

@@ -21,6 +21,7 @@ from torchoffload.planner._cost import (
     RECOMPUTE,
     STREAM,
     CostModel,
+    Decision,
     Prediction,
 )
 from torchoffload.planner._hardware import Hardware
@@ -45,11 +46,20 @@ class Plan:
     profile: Profile = field(repr=False)
     hardware: Hardware
     budget_bytes: int | None
-    decisions: tuple[str, ...]
+    decisions: tuple[Decision, ...]  # strings accepted, parsed in __post_init__
     prefetch_layers: int
     defer_layers: int
     predicted: Prediction
     baseline: Prediction
+
+    def __post_init__(self) -> None:
+        try:
+            decisions = tuple(Decision(d) for d in self.decisions)
+        except ValueError:
+            raise ValueError(
+                f"decisions must be among {[d.value for d in Decision]}, got {self.decisions!r}"
+            ) from None
+        object.__setattr__(self, "decisions", decisions)
 
     @property
     def stream(self) -> bool:
