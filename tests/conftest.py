@@ -96,3 +96,13 @@ def batches():
 
 def clone_model(m):
     return copy.deepcopy(m)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Say what the deselected tests are: by default (pyproject's addopts) the GPU ones."""
+    deselected = len(terminalreporter.stats.get("deselected", []))
+    if deselected and "not gpu" in (config.getoption("markexpr") or ""):
+        terminalreporter.write_line(
+            f"{deselected} deselected tests need a GPU (markers gpu, multi_gpu): run them with "
+            "`make gpu-test` on a machine with CUDA (PYTHONPATH=. python3 -m pytest -m gpu)"
+        )

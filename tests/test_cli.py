@@ -31,3 +31,19 @@ def test_import_is_light():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
+
+
+def test_bad_arguments_get_a_message_not_a_traceback(capsys):
+    import pytest
+
+    for argv, flag in (
+        (["demo", "--steps", "0"], "--steps: must be >= 1"),
+        (["demo", "--seq", "8"], "--seq: must be >= 16"),
+        (["demo", "--batch", "0"], "--batch: must be >= 1"),
+        (["plan", "--prefetch-layers", "-1"], "--prefetch-layers: must be >= 0"),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and flag in capsys.readouterr().err
+    assert main(["plan", "--hf-config", "/nonexistent/config.json"]) == 2
+    assert "no such file or folder" in capsys.readouterr().err

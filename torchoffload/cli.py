@@ -126,14 +126,37 @@ def _inference(model: GPT, device: torch.device, seq: int) -> bool:
     return same
 
 
+def _at_least(minimum: int):
+    """An argparse type: an int >= ``minimum`` (argparse then names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
 def demo(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="torchoffload demo", description=demo.__doc__)
     p.add_argument("--device", default=None, help="compute device (default: best available)")
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=None)
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--batch", type=int, default=None)
-    p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--steps", type=_at_least(1), default=4, help="training steps (default 4)")
+    p.add_argument(
+        "--hidden", type=_at_least(64), default=None, help="model width (GPU 1024, CPU 256)"
+    )
+    p.add_argument("--layers", type=_at_least(1), default=None, help="blocks (GPU 8, CPU 4)")
+    p.add_argument("--batch", type=_at_least(1), default=None, help="sequences per step (8)")
+    p.add_argument(
+        "--seq",
+        type=_at_least(16),
+        default=None,
+        help="tokens per sequence, at least 16: generation decodes seq - 8 (GPU 1024, CPU 128)",
+    )
     args = p.parse_args(argv)
     device = compute_device(args.device)
     on_gpu = device.type == "cuda"
@@ -142,7 +165,7 @@ def demo(argv: Sequence[str] | None = None) -> int:
         torch.use_deterministic_algorithms(True)
     hidden = args.hidden or (1024 if on_gpu else 256)
     layers = args.layers or (8 if on_gpu else 4)
-    batch = args.batch or (8 if on_gpu else 8)
+    batch = args.batch or 8
     seq = args.seq or (1024 if on_gpu else 128)
     cfg = GPTConfig(hidden=hidden, layers=layers, heads=max(1, hidden // 64), max_seq=seq + 1)
     torch.manual_seed(0)
@@ -270,27 +293,37 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     from torchoffload.planner import Hardware, InfeasibleBudgetError, plan_from_profile, trace
 
     p = argparse.ArgumentParser(prog="torchoffload plan", description=plan_command.__doc__)
-    p.add_argument("--model", choices=["llama", "gpt"], default="llama")
+    p.add_argument("--model", choices=["llama", "gpt"], default="llama", help="architecture")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its folder)")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=None)
-    p.add_argument("--intermediate", type=int, default=None)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    p.add_argument("--optimizer", choices=["adamw", "sgd", "none"], default="adamw")
+    p.add_argument("--hidden", type=_at_least(1), default=4096, help="model width (4096)")
+    p.add_argument("--layers", type=_at_least(1), default=32, help="blocks (32)")
+    p.add_argument("--heads", type=_at_least(1), default=32, help="attention heads (32)")
+    p.add_argument("--kv-heads", type=_at_least(1), default=None, help="KV heads (= heads)")
+    p.add_argument(
+        "--intermediate", type=_at_least(1), default=None, help="MLP width (llama: 3.5x hidden)"
+    )
+    p.add_argument("--vocab", type=_at_least(1), default=32000, help="vocabulary (32000)")
+    p.add_argument("--batch", type=_at_least(1), default=1, help="sequences per step (1)")
+    p.add_argument("--seq", type=_at_least(1), default=4096, help="tokens per sequence (4096)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights")
+    p.add_argument(
+        "--optimizer", choices=["adamw", "sgd", "none"], default="adamw", help="state counted"
+    )
     p.add_argument(
         "--budget", type=parse_bytes, default=None, help="peak device memory, e.g. 60GiB"
     )
     p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
     p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
     p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
-    p.add_argument("--prefetch-layers", type=int, default=1)
-    p.add_argument("--defer-layers", type=int, default=1)
-    p.add_argument("--min-bytes", type=parse_bytes, default=1 << 16)
+    p.add_argument(
+        "--prefetch-layers", type=_at_least(0), default=1, help="reloads issued this early (1)"
+    )
+    p.add_argument(
+        "--defer-layers", type=_at_least(0), default=1, help="copies freed this late (1)"
+    )
+    p.add_argument(
+        "--min-bytes", type=parse_bytes, default=1 << 16, help="smaller storages stay (64KiB)"
+    )
     p.add_argument("--plot", default=None, help="write memory over one step to this PNG")
     args = p.parse_args(argv)
     if args.plot:
@@ -300,6 +333,10 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
             print("torchoffload plan: --plot needs matplotlib (pip install matplotlib)",
                   file=sys.stderr)  # fmt: skip
             return 1
+    if args.hf_config and not os.path.exists(args.hf_config):
+        print(f"torchoffload plan: --hf-config {args.hf_config}: no such file or folder",
+              file=sys.stderr)  # fmt: skip
+        return 2
     model, inputs, name = _build_for_plan(args)
     loss_fn = (lambda out: out.float().mean()) if name == "GPT" else None
     start = time.perf_counter()
