@@ -107,6 +107,12 @@ class WeightRuntime:
         self.counters = Counters()
         self.waits = WaitTimer()
         self.time_waits = config.time_waits and dev.type == "cuda"
+        for slot in layout.resident:  # checked before anything changes
+            if is_composite(slot.tensor) and slot.tensor.device != dev:
+                raise ValueError(
+                    f"resident {slot.name!r} is a {type(slot.tensor).__qualname__} on "
+                    f"{slot.tensor.device}: move it to {dev} before stream_weights"
+                )
         # - Host store: every streamed storage once, in the pieces of the layout
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
         self.host = pinned_buffer(layout.host_bytes, pin=pin)
@@ -199,11 +205,6 @@ class WeightRuntime:
             total += nbytes(t)
             if t.device == dev:
                 continue
-            if is_composite(t):
-                raise ValueError(
-                    f"resident {slot.name!r} is a {type(t).__qualname__} on {t.device}: move it "
-                    f"to {dev} before stream_weights"
-                )
             self.moved.append((t, t.device))
             t.data = t.data.to(dev)
         return total
