@@ -433,7 +433,8 @@ class WeightRuntime:
         empty = self._empty
         grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
         with torch.no_grad() if grad else contextlib.nullcontext():
-            for t, _, _ in unit.binds[:count]:
+            binds = unit.binds if count is None else unit.binds[:count]  # no copy per call
+            for t, _, _ in binds:
                 t.set_(empty, 0, (0,), (1,))
 
     def _check(self, unit: UnitState, output: Any) -> str | None:
