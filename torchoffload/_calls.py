@@ -6,9 +6,16 @@ what it began can be undone (see Note: [One call at a time] in weights/_runtime.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
+
+import torch
+
+_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")  # torch.compiler.disable's wrapper
 
 
 def running(thread: int, frame: FrameType | None) -> bool:
@@ -21,3 +28,37 @@ def running(thread: int, frame: FrameType | None) -> bool:
             return True
         f = f.f_back
     return False
+
+
+def hook_caller(*skip: str) -> FrameType | None:
+    """The frame that called a module hook, seen from inside the hook: the first frame up the
+    stack that is not in one of the files ``skip`` (the hook's own) nor in
+    ``torch.compiler.disable``'s wrapper. It is the module's ``_call_impl`` in eager, and the
+    compiled frame that called it under torch.compile."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name not in skip and not name.endswith(_EVAL_FRAME):
+            break
+        f = f.f_back
+    return f
+
+
+_eager: dict[Callable[..., Any], Callable[..., Any]] = {}
+_eager_lock = threading.Lock()
+
+
+def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` made opaque to torch.compile (``torch.compiler.disable``: dynamo neither traces
+    it nor compiles the frames it calls), made once per function.
+
+    Offloaders call this when they are created, so importing torchoffload does not import
+    torch._dynamo. See Note: [Hooks under torch.compile and in copies of the model] in
+    layers.py."""
+    found = _eager.get(fn)
+    if found is None:
+        with _eager_lock:
+            found = _eager.get(fn)
+            if found is None:
+                found = _eager[fn] = torch.compiler.disable(fn)
+    return found

@@ -89,7 +89,7 @@ def register_flattener(cls: type, *, flatten: _Flatten, unflatten: _Unflatten) -
     it too unless they are registered themselves.
     """
     if not isinstance(cls, type) or not issubclass(cls, torch.Tensor):
-        raise TypeError(f"register_flattener needs a torch.Tensor subclass, got {cls!r}")
+        raise TypeError(f"cls must be a torch.Tensor subclass, got {cls!r}")
     if cls in (torch.Tensor, torch.nn.Parameter):
         raise ValueError(f"{cls.__name__} cannot be registered: it is handled natively")
     if not callable(flatten) or not callable(unflatten):
@@ -99,6 +99,8 @@ def register_flattener(cls: type, *, flatten: _Flatten, unflatten: _Unflatten) -
 
 def unregister_flattener(cls: type) -> None:
     """Undo `register_flattener` (no error if ``cls`` was not registered)."""
+    if not isinstance(cls, type):
+        raise TypeError(f"cls must be a class, got {type(cls).__name__}")
     _REGISTRY.pop(cls, None)
 
 

@@ -32,21 +32,33 @@ def checkpointed(layers: Iterable[nn.Module]) -> Iterator[None]:
 
 def find_layers(model: nn.Module) -> nn.ModuleList:
     """The largest `nn.ModuleList` in ``model`` whose entries all have one type (the repeated
-    blocks of a transformer). Raises ValueError if there is none."""
-    best: nn.ModuleList | None = None
-    for module in model.modules():
+    blocks of a transformer). Raises ValueError if there is none, or if two lists tie (an
+    encoder and a decoder): which layers to offload is then the caller's choice."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    found: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if len({type(m) for m in module}) != 1:
             continue
-        if best is None or len(module) > len(best):
-            best = module
-    if best is None:
+        found.append((name, module))
+    if not found:
         raise ValueError(
             f"found no repeated layers in {type(model).__name__} (no nn.ModuleList of two or "
             "more modules of one type); pass layers= explicitly, e.g. layers=model.blocks"
         )
-    return best
+    longest = max(len(m) for _, m in found)
+    best = [(name, m) for name, m in found if len(m) == longest]
+    if len(best) > 1:
+        names = ", ".join(f"model.{name}" for name, _ in best)
+        raise ValueError(
+            f"found {len(best)} lists of {longest} repeated layers in {type(model).__name__} "
+            f"({names}); pass layers= explicitly: one of them, or all of them in the order "
+            f"the forward runs them, e.g. layers=[*{'model.' + best[0][0]}, "
+            f"*{'model.' + best[1][0]}]"
+        )
+    return best[0][1]
 
 
 def matches(name: str, patterns: Iterable[str]) -> str | None:

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from torchoffload._validate import OnExhausted, check_bool, check_int
+from torchoffload._validate import OnExhausted, check_bool, check_host_bytes, check_int
 
 __all__ = ["ActivationOffloadConfig", "BudgetPolicy", "choose"]
 
@@ -74,15 +74,21 @@ class ActivationOffloadConfig:
         for name in ("prefetch_layers", "defer_layers", "skip_last_layers", "min_bytes"):
             check_int(name, getattr(self, name), minimum=0)
         if self.max_offload_bytes is not None:
-            check_int("max_offload_bytes", self.max_offload_bytes, minimum=0)
+            check_host_bytes("max_offload_bytes", self.max_offload_bytes)
         object.__setattr__(self, "budget_policy", BudgetPolicy.parse(self.budget_policy))
         object.__setattr__(self, "on_pool_exhausted", OnExhausted.parse(self.on_pool_exhausted))
         if self.offload_layers is not None:
             layers = self.offload_layers
-            if not isinstance(layers, frozenset) or not all(
-                isinstance(i, int) and i >= 0 for i in layers
-            ):
-                raise TypeError("offload_layers must be a frozenset of layer indices (ints >= 0)")
+            if isinstance(layers, (set, list, tuple)):  # any collection of indices, kept frozen
+                layers = frozenset(layers)
+                object.__setattr__(self, "offload_layers", layers)
+            if not isinstance(layers, frozenset):
+                raise TypeError(
+                    "offload_layers must be a set of layer indices or None, got "
+                    f"{type(layers).__name__}"
+                )
+            for i in layers:
+                check_int("offload_layers entry", i, minimum=0)
         for name in ("offload_outside_layers", "use_streams", "pin_memory", "time_waits"):
             check_bool(name, getattr(self, name))
 

@@ -195,7 +195,10 @@ class PinnedPool:
     ):
         if capacity_bytes is None:
             capacity_bytes = physical_memory() // 2
-        check_int("capacity_bytes", capacity_bytes, minimum=1, maximum=physical_memory())
+        check_int(
+            "capacity_bytes", capacity_bytes, minimum=1, maximum=physical_memory(),
+            limit="this host's physical memory",
+        )  # fmt: skip
         check_int("slab_bytes", slab_bytes, minimum=_ALIGN)
         if pin_memory is None:
             pin_memory = torch.accelerator.is_available()
@@ -253,6 +256,10 @@ class PinnedPool:
 
     def free(self, block: HostBlock, *, after: Any = None) -> None:
         """Give ``block`` back; it is reused only after ``after`` (an event) has completed."""
+        if not isinstance(block, HostBlock):
+            raise TypeError(
+                f"block must be a HostBlock from allocate(), got {type(block).__name__}"
+            )
         with self._lock:
             if block._freed:
                 raise RuntimeError(f"{block!r} was freed twice")

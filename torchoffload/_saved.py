@@ -12,6 +12,7 @@ order); the layer-aware mode brings its own (`torchoffload.layers`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections import deque
@@ -23,6 +24,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from torchoffload._calls import run_eagerly
 from torchoffload._flatten import ViewMeta, flatten, is_composite, storage_bytes
 from torchoffload._pool import PinnedPool, PoolStats, default_pool
 from torchoffload._transfer import CopyEngine, WaitTimer, compute_device, copy_engine
@@ -121,7 +123,8 @@ class _ParamStorages:
         with self._lock:
             self._users += 1
             if self._handle is None:
-                self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
+                hook = functools.partial(run_eagerly(_ParamStorages._hook), self)
+                self._handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
 
     def release(self) -> None:
         with self._lock:
@@ -136,9 +139,10 @@ class _ParamStorages:
             if t is not None and not t.is_meta:
                 self._add(t)
         refs = self._refs
-        if len(refs) > 4096:
-            for key in [k for k, r in refs.items() if r.expired()]:
-                del refs[key]
+        if len(refs) > 4096:  # list(): one atomic snapshot, as other threads may add keys
+            for key, ref in list(refs.items()):
+                if ref.expired():
+                    refs.pop(key, None)
 
     def _add(self, t: torch.Tensor) -> None:
         if type(t) not in (torch.Tensor, torch.nn.Parameter) and is_composite(t):
@@ -373,6 +377,14 @@ class Session:
         self.backward = False
         self.pass_id: int | None = None
         self.policy = policy(self)
+        self.pack_hook = functools.partial(run_eagerly(Session.pack), self)
+
+    def saved_tensors_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor hooks that route this session's saved tensors (not yet entered).
+
+        Both run eagerly under torch.compile too: AOTAutograd's runtime wrapper calls them on
+        real tensors, and dynamo must not trace them."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack_hook, run_eagerly(unpack))
 
     # -- forward ----------------------------------------------------------------------------
 

@@ -104,9 +104,11 @@ class CopyEngine:
 
         See Note: [D2H protocol]. The caller keeps ``src`` alive until the event completed.
         """
+        testing = self.testing
+        if testing is not None:
+            testing.before_copy("offload")
         if self.synchronous:
             dst.copy_(src)
-            testing = self.testing
             if testing is not None and testing.async_events:
                 event = ManualEvent()
                 testing.events.append(event)
@@ -128,6 +130,8 @@ class CopyEngine:
         Returns ``(tensor, ready_event, compute_stream)``; the consumer must `wait(ready)` on its
         stream before use. See Note: [H2D protocol].
         """
+        if self.testing is not None:
+            self.testing.before_copy("reload")
         if self.synchronous:
             if dst is None:
                 return src.clone(), None, None
@@ -146,6 +150,8 @@ class CopyEngine:
         For memory the caller manages itself (the weight arena): see Note: [H2D into an arena].
         Returns the "ready" event recorded after the last copy.
         """
+        if self.testing is not None:
+            self.testing.before_copy("load")
         if self.synchronous:
             for dst, src in pairs:
                 dst.copy_(src)
@@ -272,16 +278,33 @@ class CopyTestHooks:
 
     ``delay_cycles``: the copy stream spins this many cycles before each copy, to provoke
     races. ``async_events`` (CPU): copies stay synchronous, but D2H events report "not done"
-    until completed, so the keep-alive and release bookkeeping runs in CI."""
+    until completed, so the keep-alive and release bookkeeping runs in CI. ``fail_at``: the
+    n-th copy queued from now (1-based; offloads, reloads and loads alike, of the kinds in
+    ``fail_kinds``) raises `InjectedCopyError` before anything is queued, once."""
 
     delay_cycles: int = 0
     async_events: bool = False
     events: list[ManualEvent] = field(default_factory=list)
+    fail_at: int | None = None
+    fail_kinds: frozenset[str] = frozenset({"offload", "reload", "load"})
+    copies: int = 0  # copies of fail_kinds queued so far (counted while fail_at is set)
+
+    def before_copy(self, kind: str) -> None:
+        if self.fail_at is None or kind not in self.fail_kinds:
+            return
+        self.copies += 1
+        if self.copies == self.fail_at:
+            self.fail_at = None
+            raise InjectedCopyError(f"injected failure of {kind} copy {self.copies}")
 
     def complete_events(self) -> None:
         for event in self.events:
             event.done = True
         self.events.clear()
+
+
+class InjectedCopyError(RuntimeError):
+    """A copy failure injected by `torchoffload.testing.failing_copies`."""
 
 
 class ManualEvent:

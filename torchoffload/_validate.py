@@ -8,13 +8,48 @@ import enum
 import os
 
 
-def check_int(name: str, value: object, *, minimum: int, maximum: int | None = None) -> None:
+def check_int(
+    name: str, value: object, *, minimum: int, maximum: int | None = None, limit: str = ""
+) -> None:
+    """``limit``: what ``maximum`` is, for the message ("this host's physical memory")."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+        what = f" ({limit})" if limit else ""
+        raise ValueError(f"{name} must be <= {maximum}{what}, got {value}")
+
+
+def check_host_bytes(name: str, value: object, *, minimum: int = 0) -> None:
+    """A byte count that host memory must hold: at most this host's physical memory."""
+    check_int(
+        name, value, minimum=minimum, maximum=physical_memory(),
+        limit="this host's physical memory",
+    )  # fmt: skip
+
+
+def check_number(
+    name: str, value: object, *, positive: bool = True, maximum: float | None = None
+) -> None:
+    """A finite real number, > 0 (``positive``) or >= 0, at most ``maximum``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+    if not positive and value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value!r}")
+
+
+def check_callable(name: str, value: object, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not callable(value):
+        raise TypeError(f"{name} must be callable, got {type(value).__name__}")
 
 
 def check_bool(name: str, value: object) -> None:

@@ -30,7 +30,6 @@ from torchoffload._saved import (
     SavedTensorEngine,
     Session,
     no_offload,
-    unpack,
 )
 from torchoffload._validate import check_int
 
@@ -125,7 +124,7 @@ class offload_activations:
         if self._session is not None:
             raise RuntimeError("this offload_activations block is already active")
         session = Session(self._engine, self._policy)
-        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, unpack)
+        hooks = session.saved_tensors_hooks()
         hooks.__enter__()
         PARAMS.acquire()
         self._session, self._hooks = session, hooks

@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import enum
 import logging
-import sys
 import threading
 from collections import defaultdict
+from types import FrameType
 from typing import TYPE_CHECKING, Any
+from weakref import WeakKeyDictionary
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchoffload._calls import running
+from torchoffload._calls import hook_caller, run_eagerly, running
 from torchoffload._modules import find_layers
 from torchoffload._placement import ActivationOffloadConfig, BudgetPolicy, choose
 from torchoffload._pool import PinnedPool
@@ -40,7 +41,6 @@ from torchoffload._saved import (
     SavedTensorEngine,
     Session,
     Storage,
-    unpack,
 )
 
 if TYPE_CHECKING:  # the planner sits above this module: a type, not an import
@@ -262,6 +262,29 @@ class LayerPolicy:
         pass  # prefetch is driven by the layer hooks, not by unpack order
 
 
+_ATTACHED: WeakKeyDictionary[nn.Module, ActivationOffloadHandle] = WeakKeyDictionary()
+
+
+def _check_not_attached(model: nn.Module) -> None:
+    """One handle per model: a second one on it, inside it or around it would push its
+    saved-tensor hooks over the first one's, which then silently offloads nothing."""
+    inside = set(map(id, model.modules()))
+    for other, handle in list(_ATTACHED.items()):
+        where = None
+        if other is model:
+            where = "this model"
+        elif id(other) in inside:
+            where = f"its submodule {type(other).__name__}"
+        elif any(m is model for m in other.modules()):
+            where = f"a model that contains it ({type(other).__name__})"
+        if where is not None:
+            raise RuntimeError(
+                f"activation offloading is already applied to {where} (a "
+                f"{handle.mode.value!r} handle); call remove() on that handle first, or apply "
+                "once to the outermost model"
+            )
+
+
 class Mode(enum.Enum):
     """How an `ActivationOffloadHandle` drives the saved-tensor runtime."""
 
@@ -298,6 +321,7 @@ class ActivationOffloadHandle:
             raise ValueError(
                 f"offload_layers {bad} are out of range: the model has {len(layers)} layers"
             )
+        _check_not_attached(model)
         self.model = model
         self.layers = layers
         self.config = config
@@ -322,10 +346,11 @@ class ActivationOffloadHandle:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
         self._removed = False
+        _ATTACHED[model] = self
         if mode is Mode.RECOMPUTE:
             return  # no hooks at all (Note: [Plans])
-        self._handles.append(model.register_forward_pre_hook(self._model_pre))
-        self._handles.append(model.register_forward_hook(self._model_post, always_call=True))
+        self._handles.append(model.register_forward_pre_hook(_ModelPre(self)))
+        self._handles.append(model.register_forward_hook(_ModelPost(self), always_call=True))
         if mode is Mode.LAYERS:
             for i, layer in enumerate(layers):
                 self._handles.append(layer.register_forward_pre_hook(_LayerPre(self, i)))
@@ -350,7 +375,7 @@ class ActivationOffloadHandle:
 
     # -- hooks ------------------------------------------------------------------------------
 
-    def _model_pre(self, module: nn.Module, args: Any) -> None:
+    def _model_pre(self, caller: FrameType | None) -> None:
         if _in_backward():
             return
         if self._session is not None:
@@ -359,7 +384,7 @@ class ActivationOffloadHandle:
                 return
             self._recover()
         self._depth = 1
-        self._call = (threading.get_ident(), sys._getframe(1))
+        self._call = (threading.get_ident(), caller)
         if self.mode is Mode.STREAM:
             session = Session(self._engine, self._stream_policy)
             PARAMS.acquire()
@@ -367,7 +392,7 @@ class ActivationOffloadHandle:
             session = Session(self._engine, lambda s: LayerPolicy(s, self, self._plan()))
         hooks = None
         if self.mode is Mode.STREAM or self.config.offload_outside_layers:
-            hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, unpack)
+            hooks = session.saved_tensors_hooks()
             hooks.__enter__()  # else the hooks are pushed per layer
         self._session, self._hooks_ctx = session, hooks
 
@@ -375,7 +400,7 @@ class ActivationOffloadHandle:
     def _stream_policy(session: Session) -> BytePolicy:
         return BytePolicy(session, prefetch_bytes=32 << 20, max_inflight_bytes=256 << 20)
 
-    def _model_post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _model_post(self) -> None:
         if _in_backward() or self._session is None:
             return
         self._depth -= 1
@@ -405,7 +430,7 @@ class ActivationOffloadHandle:
 
         def pop(hooks: Any) -> None:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if top is not None and top[0] == session.pack:
+            if top is not None and top[0] is session.pack_hook:
                 hooks.__exit__(None, None, None)
 
         _log.warning("a forward under activation offloading was interrupted; its session ended")
@@ -430,7 +455,7 @@ class ActivationOffloadHandle:
             cfg.offload_layers is None or i in cfg.offload_layers
         )
         if offloadable and policy.hooks is None and not cfg.offload_outside_layers:
-            policy.hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, unpack)
+            policy.hooks = session.saved_tensors_hooks()
             policy.hooks.__enter__()
 
     def _layer_post(self, i: int, output: Any) -> None:
@@ -476,23 +501,17 @@ class ActivationOffloadHandle:
                 del layer.forward
         self._wrapped.clear()
         self._removed = True
+        _ATTACHED.pop(self.model, None)
         if self.mode is Mode.LAYERS:
             PARAMS.release()
 
     def recompute(self, indices: list[int]) -> None:
         """Run these layers under non-reentrant activation checkpointing until `remove()`."""
-        from torch.utils.checkpoint import checkpoint
-
         for i in indices:
             layer = self.layers[i]
             had = "forward" in layer.__dict__
             previous = layer.__dict__.get("forward")
-            inner = layer.forward
-
-            def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Any:
-                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-            layer.forward = forward
+            layer.forward = _CheckpointedForward(layer, previous)
             self._wrapped.append((layer, had, previous))
 
     @property
@@ -512,21 +531,86 @@ class ActivationOffloadHandle:
         )
 
 
-class _LayerPre:
-    __slots__ = ("handle", "i")
+# Note: [Hooks under torch.compile and in copies of the model]
+# The handle's hooks are objects, not bound methods, for two reasons.
+# - torch.compile: dynamo would trace the hooks' Python (frames, locks, weak references of
+#   storages) and recompile on every change of their state. Their ``__call__`` is
+#   ``torch.compiler.disable``d, as are the saved-tensor hooks and the parameter pre-hook in
+#   _saved.py, so they run eagerly between compiled regions: a compiled model is compiled per
+#   layer, and its saved tensors are offloaded as in eager.
+# - deepcopy, pickle and torch.save of the model copy its hook dicts. A copied hook would
+#   drive the original handle from the copy's forward (and a handle holds locks, which do not
+#   pickle). A hook object copies (and pickles) as `_inert`, a hook that does nothing, so the
+#   copy runs plain: apply offloading to it separately if it trains.
 
-    def __init__(self, handle: ActivationOffloadHandle, i: int):
+
+def _inert(*args: Any) -> None:
+    """What a copy of the model gets in place of the handle's hooks (a no-op)."""
+
+
+def _inert_hook() -> Any:
+    return _inert
+
+
+class _Hook:
+    __slots__ = ("handle", "i", "run")
+
+    def __init__(self, handle: ActivationOffloadHandle, i: int = -1):
         self.handle, self.i = handle, i
+        self.run = run_eagerly(type(self).body)
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return _inert_hook, ()
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        self.run(self, *args)
+
+
+class _ModelPre(_Hook):
+    __slots__ = ()
+
+    def body(self, args: Any) -> None:
+        self.handle._model_pre(hook_caller(__file__))
+
+
+class _ModelPost(_Hook):
+    __slots__ = ()
+
+    def body(self, args: Any, output: Any) -> None:
+        self.handle._model_post()
+
+
+class _LayerPre(_Hook):
+    __slots__ = ()
+
+    def body(self, args: Any) -> None:
         self.handle._layer_pre(self.i)
 
 
-class _LayerPost(_LayerPre):
+class _LayerPost(_Hook):
     __slots__ = ()
 
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+    def body(self, args: Any, output: Any) -> None:
         self.handle._layer_post(self.i, output)
+
+
+class _CheckpointedForward:
+    """A layer's forward run under non-reentrant activation checkpointing (`recompute`).
+    It refers to its layer, so a deepcopy of the model checkpoints the copy's own layer."""
+
+    __slots__ = ("layer", "inner")
+
+    def __init__(self, layer: nn.Module, inner: Any):
+        self.layer = layer
+        self.inner = inner  # a forward the layer had in its __dict__ before, else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        inner = self.inner
+        if inner is None:
+            inner = type(self.layer).forward.__get__(self.layer)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
 
 def apply_activation_offloading(
@@ -551,6 +635,10 @@ def apply_activation_offloading(
             layers=..., pool=..., device=...)`` (see `Plan.apply`).
     """
     if plan is not None:
+        from torchoffload.planner import Plan  # the planner sits above: imported when used
+
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a torchoffload.Plan, got {type(plan).__name__}")
         if config is not None:
             raise ValueError("pass either config or plan, not both")
         return plan.apply(model, layers=layers, pool=pool, device=device)

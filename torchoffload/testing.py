@@ -22,12 +22,16 @@ from torch.utils._python_dispatch import return_and_correct_aliasing
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 from torchoffload._flatten import register_flattener
+from torchoffload._transfer import InjectedCopyError
 
 __all__ = [
+    "Fault",
     "GroupedTensor",
+    "InjectedCopyError",
     "Interrupt",
     "QuantizedTensor",
     "TwoBufferTensor",
+    "failing_copies",
     "grouped_matmul",
     "quantize_int8",
     "quantized_matmul",
@@ -279,4 +283,48 @@ class Interrupt(torch.nn.Module):
         if Interrupt.armed:
             Interrupt.armed = False
             raise KeyboardInterrupt
+        return x
+
+
+@contextlib.contextmanager
+def failing_copies(
+    device: Any = None, *, at: int = 1, kinds: tuple[str, ...] = ("offload", "reload", "load")
+) -> Iterator[Any]:
+    """Inside the block, the ``at``-th copy (1-based) of the given kinds that an offloader
+    queues through ``device``'s copy engine (default: the current accelerator, else the CPU;
+    the engine with copy streams, ``use_streams=True``) raises `InjectedCopyError` before
+    anything is queued, once: a copy that fails mid-step. Composes with `slow_copies` and
+    `simulated_async_copies`. Yields the hooks (``.copies``: how many were counted so far;
+    ``.fail_at`` is None once it fired)."""
+    from torchoffload._transfer import CopyTestHooks, compute_device, copy_engine
+
+    engine = copy_engine(compute_device(device))
+    installed = engine.testing is None
+    hooks = engine.testing = CopyTestHooks() if installed else engine.testing
+    hooks.fail_at, hooks.fail_kinds, hooks.copies = at, frozenset(kinds), 0
+    try:
+        yield hooks
+    finally:
+        hooks.fail_at = None
+        if installed:
+            engine.testing = None
+
+
+class Fault(torch.nn.Module):
+    """An identity module that, once ``Fault.armed`` is set, fires in its forward and disarms:
+    an exception (instance or class) is raised, any other callable is called (say, one that
+    allocates more device memory than there is: a real out-of-memory error). A failure in the
+    middle of a model's forward."""
+
+    armed: Any = None
+
+    def forward(self, x: Any) -> Any:
+        fault = Fault.armed
+        if fault is not None:
+            Fault.armed = None
+            if isinstance(fault, BaseException) or (
+                isinstance(fault, type) and issubclass(fault, BaseException)
+            ):
+                raise fault
+            fault()
         return x

@@ -36,8 +36,8 @@ class ActivationPartitioner(_PartitionerBase):
         self.config = config or ActivationPassConfig()
         if not isinstance(self.config, ActivationPassConfig):
             raise TypeError(
-                f"config must be an ActivationOffloadConfig (ActivationPassConfig), got "
-                f"{type(config).__name__}"
+                "activations (the pass's config) must be an ActivationPassConfig (the same "
+                f"class as ActivationOffloadConfig), got {type(config).__name__}"
             )
         self.config.check_for_pass()
         self.reports: list[PassReport] = []

@@ -64,6 +64,8 @@ def insert_weight_probes(gm: fx.GraphModule) -> list[str]:
     """Insert ``probe(w, id)`` before each use of each parameter or buffer of ``gm`` (read by a
     ``get_attr`` node, as in ``ExportedProgram.module()``), in place. Returns the weight name of
     each probe id. ``graph.lint()`` holds afterwards."""
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(f"gm must be a torch.fx.GraphModule, got {type(gm).__name__}")
     graph = gm.graph
     weights = _weights(gm)
     names: list[str] = []

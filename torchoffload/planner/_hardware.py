@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchoffload._validate import check_number
 from torchoffload.planner._trace import ATTENTION, MATMUL, MEMORY, trace
 
 _log = logging.getLogger(__name__)
@@ -52,20 +52,15 @@ class Hardware:
     source: str = "defaults (one H200)"
 
     def __post_init__(self) -> None:
-        for name in (
-            "link_gbps", "compute_tflops", "hbm_gbps", "efficiency", "attention_efficiency",
-            "memory_efficiency",
-        ):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
-                raise ValueError(f"Hardware.{name} must be a positive number, got {value!r}")
+        for name in ("link_gbps", "compute_tflops", "hbm_gbps"):
+            check_number(f"Hardware.{name}", getattr(self, name))
+        for name in ("efficiency", "attention_efficiency", "memory_efficiency"):
+            check_number(f"Hardware.{name}", getattr(self, name), maximum=1.0)
         for name in (
             "kernel_us", "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_layer",
             "host_us_checkpoint_fwd", "host_us_checkpoint_bwd", "workspace_bytes",
         ):  # fmt: skip
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-                raise ValueError(f"Hardware.{name} must be a number >= 0, got {value!r}")
+            check_number(f"Hardware.{name}", getattr(self, name), positive=False)
 
     @property
     def flops_per_s(self) -> float:

@@ -12,6 +12,7 @@ from torch import nn
 
 from torchoffload._placement import ActivationOffloadConfig
 from torchoffload._pool import PinnedPool
+from torchoffload._validate import check_int, check_number
 from torchoffload.layers import ActivationOffloadHandle, Mode, resolve_layers
 from torchoffload.planner._cost import (
     BOTH,
@@ -292,8 +293,13 @@ def plan(
     the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
     and [How a plan changes time]; `print(plan)` shows the decisions and predictions.
     """
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    if budget_bytes is not None:
+        check_int("budget_bytes", budget_bytes, minimum=1)
+    for name, value in (("prefetch_layers", prefetch_layers), ("defer_layers", defer_layers)):
+        check_int(name, value, minimum=0)
+    for name, value in (("link_gbps", link_gbps), ("compute_tflops", compute_tflops)):
+        if value is not None:
+            check_number(name, value)
     profile = trace(
         model,
         example_inputs,

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from torchoffload._modules import find_layers
+from torchoffload._validate import check_callable, check_int
 
 __all__ = ["LayerProfile", "Profile", "trace"]
 
@@ -385,6 +386,9 @@ def trace(
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if optimizer not in ("adamw", "sgd", "none"):
         raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'none', got {optimizer!r}")
+    check_int("min_bytes", min_bytes, minimum=0)
+    check_callable("loss_fn", loss_fn)
+    check_callable("progress", progress)
     layer_list = list(find_layers(model) if isinstance(layers, str) else layers)
     if not layer_list:
         raise ValueError("no layers to plan for")

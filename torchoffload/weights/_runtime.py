@@ -37,7 +37,7 @@ from torchoffload._calls import running
 from torchoffload._flatten import flatten, is_composite
 from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import WaitTimer, copy_engine
-from torchoffload._validate import check_bool, check_int
+from torchoffload._validate import check_bool, check_int, physical_memory
 from torchoffload.weights._arena import Arena, Counters, UnitState
 from torchoffload.weights._layout import Layout, Leaf, Slot, nbytes
 from torchoffload.weights._schedule import Ended, Pass, Schedule
@@ -71,10 +71,20 @@ class StreamConfig:
     time_waits: bool = False
 
     def __post_init__(self) -> None:
-        check_int("budget_bytes", self.budget_bytes, minimum=1)
+        total, what = _device_memory(self.device)
+        check_int("budget_bytes", self.budget_bytes, minimum=1, maximum=total, limit=what)
         check_int("prefetch_depth", self.prefetch_depth, minimum=0)
         for name in ("use_streams", "pin_memory", "time_waits"):
             check_bool(name, getattr(self, name))
+
+
+def _device_memory(device: torch.device) -> tuple[int | None, str]:
+    """The most bytes an arena on ``device`` could take, and what that limit is."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory, f"the memory of {device}"
+    if device.type == "cpu":
+        return physical_memory(), "this host's physical memory"
+    return None, ""
 
 
 # Every tensor that a live runtime streams (the slot tensors the modules hold): streaming a

@@ -1,0 +1,63 @@
+"""The fault set of test_faults.py on CUDA: real out-of-memory errors, copies in flight on
+slowed copy streams, a real refusal to pin, and device bytes checked flat after each fault."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_faults import (  # tests/ is on sys.path
+    ACTIVATION_FAULTS,
+    ACTIVATION_MODES,
+    WEIGHT_FAULTS,
+    batches,
+    hook_counts,
+    make,
+    run_activation_fault,
+    run_weight_fault,
+)
+
+from torchoffload import stream_weights
+from torchoffload.weights._runtime import STREAMED
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+@pytest.mark.parametrize("fault", list(ACTIVATION_FAULTS))
+@pytest.mark.parametrize("mode", ACTIVATION_MODES)
+def test_activation_fault_on_cuda(mode, fault, monkeypatch, gpu_deterministic):
+    run_activation_fault(mode, fault, "cuda", monkeypatch)
+
+
+@pytest.mark.parametrize("fault", list(WEIGHT_FAULTS))
+def test_weight_fault_on_cuda(fault, gpu_deterministic):
+    run_weight_fault(fault, "cuda")
+
+
+def test_cuda_host_register_refused_leaves_the_model_untouched(monkeypatch):
+    """cudaHostRegister refuses the weight store: stream_weights raises before any weight is
+    emptied or any hook is installed; the model runs as before and streams once it can."""
+    ref = make("cuda").eval()
+    model = make("cuda").eval()
+    counts = hook_counts(model)
+    real = torch.cuda.cudart()
+
+    class Refusing:
+        def cudaHostRegister(self, ptr, nbytes, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing())
+    with pytest.raises(RuntimeError, match="could not page-lock"):
+        stream_weights(model, "cuda", budget_bytes=1 << 22)
+    monkeypatch.undo()
+    assert hook_counts(model) == counts
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p, q) and STREAMED.get(p) is None
+    x = batches(1, "cuda")[0]
+    with stream_weights(model, "cuda", budget_bytes=1 << 22), torch.no_grad():
+        assert torch.equal(model(x), ref(x))
