@@ -155,7 +155,7 @@ def train_soak(device, steps, fault_every, rng):
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
         losses.append((loss.detach(), ref_loss.detach()))
-        loss = ref_loss = None
+        loss = ref_loss = tokens = None
         if step % 100 == 99 or step == steps - 1:
             gc.collect()
             sync(device)
@@ -223,6 +223,7 @@ def serve_soak(device, calls, fault_every, rng):
                     testing.Fault.armed = None
                 continue
             wrong += not torch.equal(model(x), ref(x))
+            x = None  # not counted in the device bytes below
             if call % 50 == 49 or call == calls - 1:
                 gc.collect()
                 sync(device)
