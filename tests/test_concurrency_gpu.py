@@ -30,8 +30,10 @@ def test_threads_each_training_their_own_model_on_one_gpu(kinds, gpu_determinist
     run_threads(kinds, "cuda:0", steps=10)
 
 
-def _train_on(device, kind, steps=8):
-    model = make(0, device)
+def _train_on(device, kind, steps=8, model=None):
+    """``model``: made by the caller when several threads train (make() seeds the global RNG,
+    which threads share)."""
+    model = make(0, device) if model is None else model
     pool = PinnedPool(64 << 20, slab_bytes=1 << 20)
     if kind == "layers":
         cfg = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0)
@@ -79,11 +81,12 @@ def test_two_gpus_from_two_threads_activations_and_weights(gpu_deterministic):
         served, "cuda:1", budget_bytes=minimum_budget(served, unit="blocks"), unit="blocks"
     )
     results, errors = {}, []
+    models = {d: make(0, d) for d in ("cuda:0", "cuda:1")}
 
     def trainer(device):
         try:
             torch.cuda.set_device(device)
-            results[device] = _train_on(device, "layers")
+            results[device] = _train_on(device, "layers", model=models[device])
         except BaseException as e:
             errors.append((device, repr(e)))
 
