@@ -61,3 +61,21 @@ def test_cuda_host_register_refused_leaves_the_model_untouched(monkeypatch):
     x = batches(1, "cuda")[0]
     with stream_weights(model, "cuda", budget_bytes=1 << 22), torch.no_grad():
         assert torch.equal(model(x), ref(x))
+
+
+def test_weight_remove_with_copies_in_flight(gpu_deterministic):
+    """remove() right after a call whose weight copies are still queued on the slowed copy
+    stream: the weights come back bitwise and the model runs resident as before."""
+    from test_faults import Weights
+
+    from torchoffload import testing
+
+    w = Weights("cuda")
+    x = batches(1, "cuda")[0]
+    with testing.slow_copies("cuda", cycles=20_000_000), torch.no_grad():
+        for _ in range(3):
+            w.model(x)
+        w.handle.remove()  # copies of this call may still be running
+    w.close()  # every parameter bitwise equal to the reference, none streamed
+    with torch.no_grad():
+        assert torch.equal(w.model(x), w.ref(x))

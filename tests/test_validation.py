@@ -44,6 +44,10 @@ def tokens():
     return torch.randint(0, CFG.vocab, (1, 16))
 
 
+def gm():
+    return torch.fx.symbolic_trace(nn.Linear(2, 2))
+
+
 def apply(**kw):
     return apply_activation_offloading(model(), device="cpu", **kw)
 
@@ -270,6 +274,24 @@ CASES = [
     ("pass-config", lambda: toc.backend(activations="on"), TypeError, "activations"),
     ("pool-set", lambda: toc.set_op_pool("pool"), TypeError, "pool"),
     ("probes-gm", lambda: toc.insert_weight_probes(nn.Linear(2, 2)), TypeError, "gm"),
+    (
+        "pass-modules",
+        lambda: toc.offload_activations_pass(nn.Linear(2, 2), nn.Linear(2, 2), num_fwd_outputs=1),
+        TypeError,
+        "fw_module",
+    ),
+    (
+        "pass-outputs",
+        lambda: toc.offload_activations_pass(gm(), gm(), num_fwd_outputs=-1),
+        ValueError,
+        "num_fwd_outputs",
+    ),
+    (
+        "partitioner-config",
+        lambda: toc.ActivationPartitioner(config="x"),
+        TypeError,
+        "config",
+    ),
     (
         "sew-ep",
         lambda: toc.stream_exported_weights(model(), "cpu", budget_bytes=1 << 20),

@@ -36,8 +36,8 @@ class ActivationPartitioner(_PartitionerBase):
         self.config = config or ActivationPassConfig()
         if not isinstance(self.config, ActivationPassConfig):
             raise TypeError(
-                "activations (the pass's config) must be an ActivationPassConfig (the same "
-                f"class as ActivationOffloadConfig), got {type(config).__name__}"
+                "config must be an ActivationPassConfig (the same class as "
+                f"ActivationOffloadConfig), got {type(config).__name__}"
             )
         self.config.check_for_pass()
         self.reports: list[PassReport] = []
@@ -96,6 +96,11 @@ def backend(activations: ActivationPassConfig | None = None, **inductor_config: 
         raise RuntimeError(
             "torchoffload.compile.backend needs torch._inductor.custom_graph_pass."
             "CustomPartitionerFn (torch >= 2.9)"
+        )
+    if activations is not None and not isinstance(activations, ActivationPassConfig):
+        raise TypeError(
+            "activations must be an ActivationPassConfig (the same class as "
+            f"ActivationOffloadConfig) or None, got {type(activations).__name__}"
         )
     partitioner = ActivationPartitioner(activations)
     patches = {

@@ -70,6 +70,7 @@ import torch.fx as fx
 
 import torchoffload.compile._ops  # noqa: F401  (registers torch.ops.torchoffload.*)
 from torchoffload._placement import ActivationOffloadConfig, BudgetPolicy, choose
+from torchoffload._validate import check_int
 
 __all__ = ["ActivationPassConfig", "OffloadDecision", "PassReport", "offload_activations_pass"]
 
@@ -253,6 +254,10 @@ def offload_activations_pass(
     names them. Returns the report of every decision (also logged at debug level). See the
     module docstring and its Notes for what is chosen and where the ops go.
     """
+    for name, gm in (("fw_module", fw_module), ("bw_module", bw_module)):
+        if not isinstance(gm, fx.GraphModule):
+            raise TypeError(f"{name} must be a torch.fx.GraphModule, got {type(gm).__name__}")
+    check_int("num_fwd_outputs", num_fwd_outputs, minimum=0)
     config = config or ActivationOffloadConfig()
     if not isinstance(config, ActivationOffloadConfig):
         raise TypeError(
