@@ -79,3 +79,36 @@ def test_weight_remove_with_copies_in_flight(gpu_deterministic):
     w.close()  # every parameter bitwise equal to the reference, none streamed
     with torch.no_grad():
         assert torch.equal(w.model(x), w.ref(x))
+
+
+@pytest.mark.parametrize("mode", ["layers", "stream"])
+def test_activation_remove_with_copies_in_flight(mode, gpu_deterministic):
+    """remove() between forward and backward while the slowed D2H copies still run: backward
+    is bitwise, and every pool and device byte is returned once they end."""
+    import gc
+
+    from test_faults import Activations, hooks_installed
+
+    from torchoffload import testing
+
+    h = Activations(mode, "cuda")
+    h.step(batches(1, "cuda", seed=3)[0])
+    h.assert_clean()
+    tokens = batches(1, "cuda")[0]
+    with testing.slow_copies("cuda", cycles=20_000_000):
+        loss = h.forward(tokens)
+        h.handle.remove()
+        assert h.pool.stats().used_bytes > 0
+        loss.backward()
+    ref = h.ref.loss(tokens)
+    ref.backward()
+    assert torch.equal(loss, ref)
+    for p, q in zip(h.model.parameters(), h.ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    del loss, ref, tokens
+    h.opt.zero_grad(set_to_none=True)
+    h.ref_opt.zero_grad(set_to_none=True)
+    gc.collect()
+    torch.cuda.synchronize()
+    assert h.pool.stats().used_bytes == 0 and not hooks_installed()
+    assert torch.cuda.memory_allocated() == h.device_bytes

@@ -79,3 +79,19 @@ def test_forward_logits_bitwise_and_device_property():
     with torch.inference_mode():
         assert torch.equal(model(x).logits, expected)
     h.remove()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_save_pretrained_while_streaming_round_trips(tmp_path, tie):
+    """save_pretrained of a streamed model writes the real weights (from the host store);
+    from_pretrained of that checkpoint is bitwise the original, tied weights included."""
+    ref = llama(tie=tie)
+    model = llama(tie=tie)
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    handle.remove()
+    for (name, a), b in zip(ref.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        assert torch.equal(loaded(prompt()).logits, ref(prompt()).logits)
