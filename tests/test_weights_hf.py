@@ -5,6 +5,8 @@ Skipped when transformers is not installed (it is an optional extra: ``pip insta
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -95,3 +97,54 @@ def test_save_pretrained_while_streaming_round_trips(tmp_path, tie):
         assert torch.equal(a, b), name
     with torch.no_grad():
         assert torch.equal(loaded(prompt()).logits, ref(prompt()).logits)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters created on the meta device, buffers real: what accelerate's
+    init_empty_weights(include_buffers=False) does (accelerate is not a test dependency)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:  # a tied weight is assigned again
+            p = module._parameters[name]
+            module._parameters[name] = torch.nn.Parameter(p.to("meta"), p.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_meta_llama_streams_from_a_sharded_save_pretrained_checkpoint(tmp_path, tie):
+    """The checkpoint-larger-than-the-GPU path: a Llama built with its parameters on meta
+    streams from a sharded safetensors checkpoint written by save_pretrained; logits bitwise
+    equal to the materialized model."""
+    ref = llama(tie=tie)
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    with parameters_on_meta():
+        model = transformers.LlamaForCausalLM(ref.config).eval()
+    assert all(p.is_meta for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=tmp_path
+    )
+    with torch.no_grad():
+        assert torch.equal(model(prompt()).logits, ref(prompt()).logits)
+        out = model.generate(prompt(), **GEN)
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(out, ref.generate(prompt(), **GEN))
+
+
+def test_meta_buffers_missing_from_the_checkpoint_are_named(tmp_path):
+    ref = llama()
+    ref.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(ref.config).eval()
+    with pytest.raises(ValueError, match=r"inv_freq.*init_empty_weights\(include_buffers=False\)"):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=tmp_path)

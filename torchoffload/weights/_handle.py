@@ -4,6 +4,7 @@ stats, and the eager module hooks that drive the runtime."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -17,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
+from torchoffload.weights._checkpoint import Checkpoint
 from torchoffload.weights._runtime import STREAMED, StreamConfig, WeightRuntime
 
 _log = logging.getLogger(__name__)
@@ -204,6 +206,7 @@ def stream_weights(
     use_streams: bool = True,
     pin_memory: bool = True,
     time_waits: bool = False,
+    checkpoint: str | os.PathLike[str] | None = None,
 ) -> WeightStreamHandle:
     """Keep ``model``'s weights in pinned host memory and stream them to ``device`` as it runs.
 
@@ -228,6 +231,13 @@ def stream_weights(
             copies on the compute stream.
         pin_memory: page-lock the host copy (only where an accelerator exists).
         time_waits: measure how long the compute stream waits on copies (``stats().stall_ms``).
+        checkpoint: a safetensors checkpoint (a ``.safetensors`` file, a sharded
+            ``model.safetensors.index.json``, or a directory holding either) to take the
+            values from, read straight into the pinned host store. The model may then be built
+            on the ``meta`` device: its weights never exist anywhere else. Tensors are matched
+            by their ``state_dict()`` names (a tied weight by any of its names); dtypes and
+            shapes must match. A tensor the checkpoint lacks keeps its own values (on meta:
+            an error). After ``remove()``, tensors that were on meta are on the host.
 
     Returns a `WeightStreamHandle`: ``stats()``, ``schedule``, ``remove()``.
 
@@ -243,11 +253,12 @@ def stream_weights(
     config = StreamConfig(
         compute_device(device), budget_bytes, prefetch_depth, use_streams, pin_memory, time_waits
     )
+    source = Checkpoint.open(checkpoint) if checkpoint is not None else None
     layout = _layout.plan(
         model, budget=budget_bytes, depth=prefetch_depth, resident=resident, unit=unit
     )
     with torch.inference_mode(False), torch.no_grad():
-        runtime = WeightRuntime(layout, config)
+        runtime = WeightRuntime(layout, config, source)
     hooks = install_hooks(runtime, model)
     handle = WeightStreamHandle(runtime, hooks, model, time.perf_counter() - start_time)
     setattr(model, _ATTR, handle)

@@ -54,8 +54,11 @@ class Leaf:
         itemsize = t.element_size()
         extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
         start = t.storage_offset() * itemsize
+        storage = t.untyped_storage()
+        # Meta storages all have data_ptr 0: they are told apart by the storage itself.
+        key = (storage._cdata if t.is_meta else storage.data_ptr(), t.device)
         return Leaf(
-            t, name, (t.untyped_storage().data_ptr(), t.device), start, start + extent * itemsize,
+            t, name, key, start, start + extent * itemsize,
             tuple(t.shape), t.stride(), t.dtype, t.device,
         )  # fmt: skip
 
@@ -213,8 +216,6 @@ def candidates(
     streamed: list[Slot] = []
     resident_slots: list[Slot] = []
     for slot in slots:
-        if slot.tensor.device.type == "meta":
-            raise ValueError(f"{slot.name!r} is on the meta device: load the weights first")
         if slot.tensor.numel() == 0:
             continue
         if resident and any(matches(q, resident) for _, _, q in slot.where):

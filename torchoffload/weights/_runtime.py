@@ -39,6 +39,7 @@ from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import WaitTimer, copy_engine
 from torchoffload._validate import check_bool, check_int, physical_memory
 from torchoffload.weights._arena import Arena, Counters, UnitState
+from torchoffload.weights._checkpoint import Checkpoint, CheckpointError, Entry
 from torchoffload.weights._layout import Layout, Leaf, Slot, nbytes
 from torchoffload.weights._schedule import Ended, Pass, Schedule
 
@@ -107,7 +108,10 @@ class WeightRuntime:
     """One model's streamed weights. Construct it from a layout; drive it through the API in
     the module docstring."""
 
-    def __init__(self, layout: Layout, config: StreamConfig):
+    def __init__(self, layout: Layout, config: StreamConfig, checkpoint: Checkpoint | None = None):
+        """``checkpoint``: read the values of the tensors it holds from it (the model may be
+        on the meta device); the others keep their own (Note: [Reading into the host
+        store] in _checkpoint.py)."""
         dev = config.device
         self.config = config
         self.device = dev
@@ -124,9 +128,21 @@ class WeightRuntime:
                     f"{slot.tensor.device}: move it to {dev} before stream_weights"
                 )
         # - Host store: every streamed storage once, in the pieces of the layout
+        if checkpoint is None:
+            meta = [s.name for s in (*layout.streamed, *layout.resident) if s.tensor.is_meta]
+            if meta:
+                raise ValueError(
+                    f"{len(meta)} tensors of the model are on the meta device (first: "
+                    f"{meta[0]!r}) and have no values: pass checkpoint= (a safetensors file or "
+                    "directory), or load the weights first"
+                )
+        reads = _match_checkpoint(layout, checkpoint) if checkpoint is not None else {}
+        self.checkpoint_resident = (
+            _resident_from_checkpoint(layout, checkpoint) if checkpoint is not None else {}
+        )
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
         self.host = pinned_buffer(layout.host_bytes, pin=pin)
-        self._fill_host()
+        self._fill_host(checkpoint, reads)
         # - Units and the arena
         self.units = [UnitState(u, i, self.host) for i, u in enumerate(layout.units)]
         self.arena = Arena(layout.arena_bytes(config.budget_bytes), dev, self.engine, self.counters)
@@ -159,11 +175,20 @@ class WeightRuntime:
 
     # -- setup -------------------------------------------------------------------------------
 
-    def _fill_host(self) -> None:
+    def _fill_host(self, checkpoint: Checkpoint | None, reads: dict[Any, Any]) -> None:
         originals: dict[Any, torch.Tensor] = {}
         for leaf in self.layout.leaves:
             originals.setdefault(leaf.key, leaf.source)
+        if checkpoint is not None:
+            pieces = []
+            for key, (entry, leaf) in reads.items():
+                lo, _, off = self.layout.pieces[key]
+                start = off + leaf.start - lo
+                pieces.append((entry, self.host[start : start + entry.nbytes]))
+            checkpoint.read_into(pieces)
         for key, t in originals.items():
+            if key in reads:
+                continue
             lo, hi, off = self.layout.pieces[key]
             storage = t.untyped_storage()
             src = torch.empty(0, dtype=torch.uint8, device=t.device)
@@ -201,7 +226,7 @@ class WeightRuntime:
         for leaf in self.layout.leaves:
             t = self.bound[leaf]
             if t.device != dev:
-                t.data = torch.empty(0, dtype=t.dtype, device=dev)
+                _set_data(t, torch.empty(0, dtype=t.dtype, device=dev))
             t.set_(self._empty, 0, (0,), (1,))
             if leaf.source is not t:  # a rebuilt composite's original buffer: free its bytes
                 gone = torch.empty(0, dtype=torch.uint8, device=leaf.device).untyped_storage()
@@ -213,10 +238,16 @@ class WeightRuntime:
         for slot in self.layout.resident:
             t = slot.tensor
             total += nbytes(t)
+            loaded = self.checkpoint_resident.get(id(t))
+            if loaded is not None:
+                self.moved.append((t, t.device))
+                _set_data(t, loaded.to(dev))
+                continue
             if t.device == dev:
                 continue
             self.moved.append((t, t.device))
             t.data = t.data.to(dev)
+        self.checkpoint_resident = {}
         return total
 
     # -- calls (Note: [One call at a time]) ----------------------------------------------------
@@ -563,7 +594,7 @@ class WeightRuntime:
             by_key.setdefault(leaf.key, []).append(leaf)
         for key, leaves in by_key.items():
             lo, hi, host_off = self.layout.pieces[key]
-            device = leaves[0].device
+            device = _restored_device(leaves[0].device)
             data = self.host[host_off : host_off + hi - lo]
             copy = data.clone() if device.type == "cpu" else data.to(device)
             storage = copy.untyped_storage()
@@ -575,7 +606,106 @@ class WeightRuntime:
         for module, kind, name, original in self.replaced:
             getattr(module, kind)[name] = original
         for t, device in self.moved:
-            t.data = t.data.to(device)
+            t.data = t.data.to(_restored_device(device))
+
+
+def _set_data(t: torch.Tensor, value: torch.Tensor) -> None:
+    """``t.data = value``, also for a ``t`` on the meta device (whose ``.data`` cannot take a
+    real tensor): there the tensor's contents are swapped, keeping the object (a parameter
+    stays the same `nn.Parameter`, tied weights stay tied)."""
+    if not t.is_meta or value.is_meta:
+        t.data = value
+        return
+    new = torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+    torch.utils.swap_tensors(t, new)
+
+
+def _restored_device(device: torch.device) -> torch.device:
+    """Where `restore()` puts a tensor back: where it was, except that a tensor that was on
+    the meta device (its values came from a checkpoint) comes back on the host."""
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _names(slot: Any) -> list[str]:
+    return [q for _, _, q in slot.where]
+
+
+def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple[Entry, Leaf]]:
+    """For each streamed storage the checkpoint holds: its entry and its leaf, checked (name
+    under any of the tensor's names, dtype, shape, a whole contiguous storage). Raises
+    `CheckpointError` before anything is read or changed; a tensor on the meta device that the
+    checkpoint lacks is an error (it has no values)."""
+    reads: dict[Any, tuple[Entry, Leaf]] = {}
+    missing: list[str] = []
+    by_key: dict[Any, list[tuple[Slot, Leaf]]] = {}  # tensors sharing a storage: tied
+    for slot in layout.streamed:
+        t = slot.tensor
+        if is_composite(t) or len(slot.leaves) != 1:
+            if any(n in checkpoint.entries for n in _names(slot)) or t.is_meta:
+                raise CheckpointError(
+                    f"{slot.name!r} is a {type(t).__qualname__} made of several buffers: "
+                    "loading it from a checkpoint is not supported; materialize it and pass "
+                    "no checkpoint"
+                )
+            continue
+        by_key.setdefault(slot.leaves[0].key, []).append((slot, slot.leaves[0]))
+    for group in by_key.values():
+        names = [n for slot, _ in group for n in _names(slot)]
+        entry = next((checkpoint.entries[n] for n in names if n in checkpoint.entries), None)
+        if entry is None:
+            if any(leaf.source.is_meta for _, leaf in group):
+                missing.append(names[0])
+            continue
+        for slot, leaf in group:
+            _check_entry(entry, names[0], leaf.dtype, leaf.size)
+            if not slot.tensor.is_contiguous() or leaf.start != 0:
+                raise CheckpointError(
+                    f"{slot.name!r} is a view into a larger storage: loading it from a "
+                    "checkpoint is not supported"
+                )
+        reads[group[0][1].key] = (entry, group[0][1])
+    for slot in layout.resident:
+        if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
+            missing.append(_names(slot)[0])
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensors are on the meta device and not in the checkpoint "
+            f"{checkpoint.source} (first: {', '.join(map(repr, missing[:5]))}): they have no "
+            "values. Check that the checkpoint is this model's (names as in state_dict()); "
+            "buffers computed at construction (rotary tables) must be real: build with "
+            "accelerate's init_empty_weights(include_buffers=False)"
+        )
+    return reads
+
+
+def _check_entry(entry: Entry, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if entry.dtype != dtype or entry.shape != tuple(shape):
+        raise CheckpointError(
+            f"{name!r} is {list(shape)} {dtype} in the model but {list(entry.shape)} "
+            f"{entry.dtype} in {entry.path}"
+        )
+
+
+def _resident_from_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[int, torch.Tensor]:
+    """The checkpoint's values of the resident tensors it holds, on the host (id(tensor) ->
+    value), read before any model tensor changes."""
+    out: dict[int, torch.Tensor] = {}
+    for slot in layout.resident:
+        t = slot.tensor
+        names = _names(slot)
+        entry = next((checkpoint.entries[n] for n in names if n in checkpoint.entries), None)
+        if entry is None:
+            continue
+        if is_composite(t):
+            raise CheckpointError(
+                f"resident {names[0]!r} is a {type(t).__qualname__}: loading it from a "
+                "checkpoint is not supported"
+            )
+        _check_entry(entry, names[0], t.dtype, tuple(t.shape))
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        checkpoint.read_into([(entry, buf)])
+        out[id(t)] = buf.view(t.dtype).reshape(t.shape)
+    return out
 
 
 def _rebuild(t: torch.Tensor, leaves, make, dev: torch.device, leaf_ids: set[int]):

@@ -1,0 +1,211 @@
+"""Streaming weights from a safetensors checkpoint into a model built on the meta device: the
+values go from the file straight into the pinned host store, outputs are bitwise the
+materialized model's, and a checkpoint that does not match fails before anything changes."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import struct
+
+import pytest
+import torch
+
+from torchoffload import stream_weights
+from torchoffload.models import GPT, GPTConfig
+from torchoffload.weights._checkpoint import Checkpoint, CheckpointError
+
+CFG = GPTConfig(hidden=64, layers=4, heads=4, vocab=128, max_seq=64)
+_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def save(tensors: dict[str, torch.Tensor], path, *, truncate=0, dtype_names=None):
+    """A minimal safetensors writer (the format: 8-byte header length, JSON header, bytes)."""
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        flat = t.detach().contiguous().cpu().view(torch.uint8).flatten()
+        data = ctypes.string_at(flat.data_ptr(), flat.numel())
+        dtype = (dtype_names or {}).get(name, _NAMES[t.dtype])
+        header[name] = {"dtype": dtype, "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(data)]}  # fmt: skip
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    body = b"".join(blobs)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head + body[: len(body) - truncate])
+    return path
+
+
+def reference():
+    torch.manual_seed(0)
+    return GPT(CFG).eval()
+
+
+def on_meta():
+    with torch.device("meta"):
+        return GPT(CFG).eval()
+
+
+def unique_state(model):
+    """state_dict without the second name of tied weights (as Hugging Face saves them)."""
+    seen, out = set(), {}
+    for name, t in model.state_dict().items():
+        if t.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def tokens():
+    return torch.randint(0, CFG.vocab, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("unit", ["blocks", "leaves"])
+def test_meta_model_streams_from_a_checkpoint_bitwise(tmp_path, unit):
+    ref = reference()
+    path = save(unique_state(ref), tmp_path / "model.safetensors")
+    model = on_meta()
+    assert model.head.weight is model.tok.weight
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, unit=unit, pin_memory=False, checkpoint=path
+    )
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(tokens()), ref(tokens()))
+    sd = model.state_dict()  # real values, from the host store
+    assert all(torch.equal(sd[k], v) for k, v in ref.state_dict().items())
+    handle.remove()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.device.type == "cpu" and torch.equal(p, q), name
+    assert model.head.weight is model.tok.weight
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+
+
+def test_resident_tensors_come_from_the_checkpoint_too(tmp_path):
+    ref = reference()
+    save(unique_state(ref), tmp_path / "model.safetensors")
+    model = on_meta()
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, resident=("tok", "pos"), pin_memory=False,
+        checkpoint=tmp_path,  # a directory holding model.safetensors
+    )  # fmt: skip
+    assert handle.stats().resident_bytes > 0
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+    assert torch.equal(model.pos.weight, ref.pos.weight)
+
+
+def test_a_real_model_takes_the_checkpoints_values(tmp_path):
+    """A materialized model with a checkpoint: the checkpoint's values are streamed (like
+    load_state_dict), its own are not used."""
+    ref = reference()
+    path = save(unique_state(ref), tmp_path / "model.safetensors")
+    torch.manual_seed(123)
+    model = GPT(CFG).eval()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+
+
+def test_safetensors_package_files_and_sharded_index(tmp_path):
+    """Files written by the safetensors package, split into shards with an index."""
+    st = pytest.importorskip("safetensors.torch")
+    ref = reference()
+    state = unique_state(ref)
+    names = list(state)
+    shards = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
+    weight_map = {}
+    for file, part in shards.items():
+        st.save_file({n: state[n].contiguous() for n in part}, str(tmp_path / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = on_meta()
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=tmp_path
+    )
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+
+
+def bad_checkpoints(tmp_path):
+    ref = reference()
+    state = unique_state(ref)
+    missing = dict(state)
+    missing.pop("layers.1.fc1.weight")
+    shape = dict(state)
+    shape["layers.0.qkv.weight"] = state["layers.0.qkv.weight"][:-1]
+    dtype = {k: v.to(torch.bfloat16) if k == "ln_f.weight" else v for k, v in state.items()}
+    return {
+        "missing": (save(missing, tmp_path / "m.safetensors"), "not in the checkpoint"),
+        "shape": (save(shape, tmp_path / "s.safetensors"), r"\[192, 64\] torch.float32 in the"),
+        "dtype": (save(dtype, tmp_path / "d.safetensors"), "torch.bfloat16 in"),
+        "truncated": (save(state, tmp_path / "t.safetensors", truncate=10), "truncated"),
+        "offsets": (
+            save(state, tmp_path / "o.safetensors", dtype_names={"pos.weight": "F16"}),
+            "data_offsets span",
+        ),
+        "not_safetensors": (tmp_path / "x.safetensors", "not a safetensors file"),
+        "nothing_there": (tmp_path / "absent", "does not exist"),
+        "empty_dir": (tmp_path, "neither"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing", "shape", "dtype", "truncated", "offsets", "not_safetensors", "nothing_there",
+     "empty_dir"],
+)  # fmt: skip
+def test_a_bad_checkpoint_fails_before_anything_changes(tmp_path, case):
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "x.safetensors").write_bytes(b"\xff" * 16)
+    path, message = bad_checkpoints(files)[case]
+    if case == "empty_dir":
+        path = tmp_path / "empty"
+        path.mkdir()
+    model = on_meta()
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    with pytest.raises(CheckpointError, match=message):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    assert all(p.is_meta for p in model.parameters())
+    assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_a_meta_model_without_a_checkpoint_is_refused():
+    with pytest.raises(ValueError, match="pass checkpoint="):
+        stream_weights(on_meta(), "cpu", budget_bytes=1 << 20, pin_memory=False)
+    with pytest.raises(TypeError, match="checkpoint must be a path"):
+        stream_weights(on_meta(), "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=3)
+
+
+def test_catalog_lists_every_tensor(tmp_path):
+    ref = reference()
+    state = unique_state(ref)
+    cp = Checkpoint.open(save(state, tmp_path / "model.safetensors"))
+    assert set(cp.entries) == set(state)
+    assert cp.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+    e = cp.entries["layers.0.qkv.weight"]
+    assert e.dtype == torch.float32 and e.shape == (192, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_meta_model_streams_from_a_checkpoint_on_cuda(tmp_path, gpu_deterministic):
+    ref = reference().cuda()
+    path = save(unique_state(ref), tmp_path / "model.safetensors")
+    model = on_meta()
+    handle = stream_weights(model, "cuda", budget_bytes=1 << 20, checkpoint=path)
+    x = tokens().cuda()
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), ref(x))
+    assert handle._runtime.host.is_pinned()
+    handle.remove()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.device.type == "cpu" and torch.equal(p, q.cpu())
