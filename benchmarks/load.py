@@ -4,14 +4,16 @@
 
 Writes a checkpoint of ``--gib`` GiB (bf16 ``nn.Linear(8192, 8192)`` blocks, random values),
 reads it once to warm the page cache, then times, each in a fresh process:
-- ``read``: the file read with ``readinto`` into one pageable host buffer (the speed of
-  reading it);
+- ``read``: the file read with ``readinto`` into one new pageable host buffer (the speed of
+  reading it, the destination's page faults included);
+- ``read_prefaulted``: the same into a buffer whose pages were touched first (the copy out of
+  the page cache alone);
 - ``pin``: allocating and page-locking a buffer of the file's size alone (cudaHostRegister);
 - ``stream_weights``: a model built on the meta device streamed from the checkpoint
   (``checkpoint=``): host store allocated, page-locked and filled, hooks installed; its
   ``stats().setup_s``.
-Peak host memory is the process's ``ru_maxrss`` (after importing torch; reported with the
-baseline of a process that only imports torch and builds the meta model).
+Peak host memory is the process's VmHWM; "over start" subtracts its value before the timed
+part (after importing torch, building the meta model and initializing CUDA).
 """
 
 from __future__ import annotations
@@ -50,11 +52,22 @@ def write(path: Path, blocks: int) -> None:
     save_file(state, str(path))
 
 
+def hwm() -> int:
+    """Peak resident bytes of this process (VmHWM: reset by exec, unlike ru_maxrss)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def child(mode: str, path: Path, blocks: int) -> dict:
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = hwm()
     size = path.stat().st_size
-    if mode == "read":
+    if mode in ("read", "read_prefaulted"):
         buf = torch.empty(size, dtype=torch.uint8)
+        if mode == "read_prefaulted":
+            buf.zero_()  # the destination's pages exist: only the copy out of the page cache
+            base = hwm()
         view = memoryview(buf.numpy())
         t0 = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
@@ -66,7 +79,7 @@ def child(mode: str, path: Path, blocks: int) -> dict:
         from torchoffload._pool import pinned_buffer
 
         torch.cuda.init()
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base = hwm()
         t0 = time.perf_counter()
         buf = pinned_buffer(size, pin=True)
         seconds = time.perf_counter() - t0
@@ -75,12 +88,14 @@ def child(mode: str, path: Path, blocks: int) -> dict:
 
         model = model_on_meta(blocks)
         torch.cuda.init()
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base = hwm()
         handle = stream_weights(model, "cuda", budget_bytes=3 * HIDDEN * HIDDEN * 2 + (4 << 20),
                                 checkpoint=path)  # fmt: skip
         seconds = handle.stats().setup_s
+        peak = hwm()  # remove() puts the values back on the host: a second copy, not loading
         handle.remove()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return {"mode": mode, "seconds": seconds, "bytes": size, "peak_rss": peak, "base_rss": base}
+    peak = hwm()
     return {"mode": mode, "seconds": seconds, "bytes": size, "peak_rss": peak, "base_rss": base}
 
 
@@ -102,7 +117,8 @@ def main(argv=None) -> int:
         while f.read(256 << 20):
             pass
     rows = []
-    for mode in ("read", "pin", "stream_weights", "read", "pin", "stream_weights"):
+    modes = ("read", "read_prefaulted", "pin", "stream_weights")
+    for mode in modes + modes:
         out = subprocess.run(
             [sys.executable, __file__, "--gib", str(args.gib), "--dir", str(args.dir),
              "--child", mode, str(path)],

@@ -15,6 +15,7 @@ from torchoffload.layers import (
 )
 from torchoffload.planner import Hardware, InfeasibleBudgetError, Plan, Profile, plan, trace
 from torchoffload.weights import (
+    CheckpointError,
     WeightStats,
     WeightStreamHandle,
     minimum_budget,
@@ -25,6 +26,7 @@ __all__ = [
     "ActivationOffloadConfig",
     "ActivationOffloadHandle",
     "ActivationStats",
+    "CheckpointError",
     "apply_activation_offloading",
     "find_layers",
     "Hardware",

@@ -17,10 +17,12 @@ The order in which units run is recorded on the first forward and used to prefet
 ``prefetch_depth`` units on a copy stream while the current one computes.
 
 Modules, bottom up: `_layout` (the pure cut and byte layout), `_arena` (device ranges, ring and
-events), `_schedule` (the recorded order), `_runtime` (the engine, driven by eager hooks, the
-exported-program runner and compiled programs), `_handle` (the public face).
+events), `_schedule` (the recorded order), `_checkpoint` (safetensors catalogs read into the
+host store), `_runtime` (the engine, driven by eager hooks, the exported-program runner and
+compiled programs), `_handle` (the public face).
 """
 
+from torchoffload.weights._checkpoint import CheckpointError
 from torchoffload.weights._handle import (
     WeightStats,
     WeightStreamHandle,
@@ -28,4 +30,10 @@ from torchoffload.weights._handle import (
     stream_weights,
 )
 
-__all__ = ["WeightStats", "WeightStreamHandle", "minimum_budget", "stream_weights"]
+__all__ = [
+    "CheckpointError",
+    "WeightStats",
+    "WeightStreamHandle",
+    "minimum_budget",
+    "stream_weights",
+]
