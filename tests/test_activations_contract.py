@@ -238,3 +238,16 @@ def test_hugging_face_save_and_load_with_a_handle_attached(tmp_path):
         assert torch.equal(a, b), name
     assert offloaded(handle) > 0
     handle.remove()
+
+
+def test_a_handle_dropped_without_remove_does_not_keep_the_model_alive():
+    import gc
+    import weakref
+
+    model = make()
+    attach(model, "layers")
+    train_steps(model, data(1))
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

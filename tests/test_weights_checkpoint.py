@@ -209,3 +209,59 @@ def test_meta_model_streams_from_a_checkpoint_on_cuda(tmp_path, gpu_deterministi
     handle.remove()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert p.device.type == "cpu" and torch.equal(p, q.cpu())
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path):
+    """A real model and a checkpoint none of whose names match (a prefix differs): an error,
+    not the model's own values served silently."""
+    state = {f"model.{k}": v for k, v in unique_state(reference()).items()}
+    path = save(state, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="no tensor of the model is in the checkpoint"):
+        stream_weights(reference(), "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+
+
+def test_malformed_headers_and_indexes_are_refused(tmp_path):
+    state = unique_state(reference())
+    path = save(state, tmp_path / "model.safetensors")
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    first, second = list(header)[:2]
+    header[second]["data_offsets"] = [
+        0,
+        header[second]["data_offsets"][1] - header[second]["data_offsets"][0],
+    ]  # overlaps the first tensor's bytes
+    head = json.dumps(header).encode()
+    bad = tmp_path / "overlap.safetensors"
+    bad.write_bytes(struct.pack("<Q", len(head)) + head + raw[8 + n :])
+    with pytest.raises(CheckpointError, match="overlap"):
+        Checkpoint.open(bad)
+    outside = tmp_path / "sub"
+    outside.mkdir()
+    (outside / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {first: "../model.safetensors"}})
+    )
+    with pytest.raises(CheckpointError, match="outside its directory"):
+        Checkpoint.open(outside)
+    (outside / "model.safetensors.index.json").write_text(json.dumps({"weight_map": [1]}))
+    with pytest.raises(CheckpointError, match="weight_map"):
+        Checkpoint.open(outside)
+
+
+def test_parameter_class_and_attributes_survive_loading(tmp_path):
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    ref = reference()
+    path = save(unique_state(ref), tmp_path / "model.safetensors")
+    model = on_meta()
+    w = model.layers[0].fc1.weight
+    model.layers[0].fc1.weight = Tagged(w)
+    model.layers[0].fc1.weight.note = "keep me"
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    p = model.layers[0].fc1.weight
+    assert type(p) is Tagged and p.note == "keep me"
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+    assert type(model.layers[0].fc1.weight) is Tagged

@@ -269,14 +269,37 @@ def test_remove_inside_a_forward_is_refused_and_changes_nothing():
     h.remove()
 
 
-def test_torch_compile_of_a_streamed_model_names_the_cause():
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)).eval()
-    h = stream(model, 1 << 20)
-    compiled = torch.compile(model, backend="aot_eager")
-    with torch.no_grad(), pytest.raises(RuntimeError, match="torch.compile"):
-        compiled(torch.randn(2, 8))
+@pytest.mark.parametrize("unit", ["blocks", "leaves"])
+def test_torch_compile_of_a_streamed_model_matches_the_compiled_resident_model(unit):
+    """torch.compile(model) after stream_weights: the hooks break the graph at every unit, each
+    unit's forward is compiled once (the blocks share their code) and binds its weights as in
+    eager; outputs bitwise equal to the compiled resident model, the arena within budget."""
     torch._dynamo.reset()
+    ref = torch.compile(make())
+    model = make()
+    budget = minimum_budget(model, unit=unit)
+    h = stream(model, budget, unit=unit)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        for seq in (16, 16, 9, 16):
+            x = tokens(seq=seq)
+            assert torch.equal(compiled(x), ref(x))
+    s = h.stats()
+    assert s.calls == 4 and s.h2d_copies > 0 and s.peak_device_bytes <= budget
     h.remove()
+    torch._dynamo.reset()
+
+
+def test_torch_compile_fullgraph_of_a_streamed_model_is_refused_by_dynamo():
+    """A streamed model cannot be one graph: its hooks run eagerly between units."""
+    torch._dynamo.reset()
+    model = make()
+    h = stream(model, 1 << 22, unit="blocks")
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad(), pytest.raises(Exception, match="disable"):
+        compiled(tokens())
+    h.remove()
+    torch._dynamo.reset()
 
 
 def test_hooks_added_after_streaming_see_bound_then_empty_weights():

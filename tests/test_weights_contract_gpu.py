@@ -4,6 +4,7 @@ flight, .to(dtype), threads serving one model, and a KeyboardInterrupt mid-forwa
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -110,3 +111,46 @@ def test_keyboard_interrupt_with_copies_in_flight_recovers():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() <= before
     h.remove()
+
+
+def _break_like(resident, streamed, handle):
+    """Graph breaks on ``resident`` where ``streamed`` has them: a no-op eager hook on the
+    root and on each unit's module (the same compiled regions, so the same kernels)."""
+    noop = torch.compiler.disable(lambda *args: None)
+    names = {id(m): n for n, m in streamed.named_modules()}
+    modules = dict(resident.named_modules())
+    for module in [resident] + [modules[names[id(u.layout.module)]] for u in handle._runtime.units]:
+        module.register_forward_pre_hook(noop)
+        module.register_forward_hook(noop)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_of_a_streamed_model_on_cuda(mode):
+    """torch.compile after stream_weights, copy stream slowed in the last round: outputs
+    bitwise equal to the resident model compiled with graph breaks at the same units and
+    called in the same order (Inductor's kernels depend on the regions and on which shapes
+    were seen); the arena never above the budget."""
+    torch._dynamo.reset()
+    xs = inputs(4)
+    model = make(torch.bfloat16, device="cpu")
+    budget = 3 * block_bytes(torch.bfloat16) + 4096
+    h = stream_weights(model, "cuda", budget_bytes=budget, unit="blocks")
+    resident = make(torch.bfloat16)
+    _break_like(resident, model, h)
+
+    def rounds(fn, slow):
+        out = []
+        with torch.no_grad():
+            for r in range(3):
+                with testing.slow_copies(cycles=2_000_000) if slow and r == 2 else nullcontext():
+                    out += [fn(x).clone() for x in xs]
+        return out
+
+    expected = rounds(torch.compile(resident, mode=mode), slow=False)
+    torch._dynamo.reset()
+    got = rounds(torch.compile(model, mode=mode), slow=True)
+    assert [torch.equal(g, e) for g, e in zip(got, expected, strict=True)] == [True] * len(got)
+    s = h.stats()
+    assert s.peak_device_bytes <= budget and s.h2d_copies > 0
+    h.remove()
+    torch._dynamo.reset()

@@ -6,7 +6,6 @@ what it began can be undone (see Note: [One call at a time] in weights/_runtime.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from typing import Any
 
 import torch
 
-_EVAL_FRAME = os.path.join("_dynamo", "eval_frame.py")  # torch.compiler.disable's wrapper
+_EVAL_FRAME = "torch._dynamo.eval_frame"  # the module of torch.compiler.disable's wrapper
 
 
 def running(thread: int, frame: FrameType | None) -> bool:
@@ -32,13 +31,13 @@ def running(thread: int, frame: FrameType | None) -> bool:
 
 def hook_caller(*skip: str) -> FrameType | None:
     """The frame that called a module hook, seen from inside the hook: the first frame up the
-    stack that is not in one of the files ``skip`` (the hook's own) nor in
-    ``torch.compiler.disable``'s wrapper. It is the module's ``_call_impl`` in eager, and the
-    compiled frame that called it under torch.compile."""
+    stack whose module (``__name__`` of its globals) is neither one of ``skip`` (the hook's
+    own) nor ``torch.compiler.disable``'s wrapper. It is the module's ``_call_impl`` in eager,
+    and the compiled frame that called it under torch.compile."""
     f = sys._getframe(1)
     while f is not None:
-        name = f.f_code.co_filename
-        if name not in skip and not name.endswith(_EVAL_FRAME):
+        name = f.f_globals.get("__name__")
+        if name not in skip and name != _EVAL_FRAME:
             break
         f = f.f_back
     return f
@@ -62,3 +61,14 @@ def run_eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
             if found is None:
                 found = _eager[fn] = torch.compiler.disable(fn)
     return found
+
+
+def eager_call(cls: type) -> None:
+    """Make ``cls.__call__`` its ``body``, run eagerly (`run_eagerly`), once per class.
+
+    A hook object whose ``__call__`` is the disabled function itself leaves no Python frame of
+    its own for dynamo to compile: a plain ``__call__`` that called the disabled body would be
+    compiled, and recompiled per hook type and argument count up to dynamo's limit."""
+    if cls.__dict__.get("_eager_call") is not cls.body:
+        cls.__call__ = run_eagerly(cls.body)
+        cls._eager_call = cls.body

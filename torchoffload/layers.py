@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import weakref
 from collections import defaultdict
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchoffload._calls import hook_caller, run_eagerly, running
+from torchoffload._calls import eager_call, hook_caller, running
 from torchoffload._modules import find_layers
 from torchoffload._placement import ActivationOffloadConfig, BudgetPolicy, choose
 from torchoffload._pool import PinnedPool
@@ -262,14 +263,19 @@ class LayerPolicy:
         pass  # prefetch is driven by the layer hooks, not by unpack order
 
 
-_ATTACHED: WeakKeyDictionary[nn.Module, ActivationOffloadHandle] = WeakKeyDictionary()
+# model -> a weak reference to its handle (the model's hooks keep the handle alive; a strong
+# value here would keep the model alive through handle.model, even after it is dropped)
+_ATTACHED: WeakKeyDictionary[nn.Module, weakref.ref] = WeakKeyDictionary()
 
 
 def _check_not_attached(model: nn.Module) -> None:
     """One handle per model: a second one on it, inside it or around it would push its
     saved-tensor hooks over the first one's, which then silently offloads nothing."""
     inside = set(map(id, model.modules()))
-    for other, handle in list(_ATTACHED.items()):
+    for other, ref in list(_ATTACHED.items()):
+        handle = ref()
+        if handle is None or handle._removed:
+            continue
         where = None
         if other is model:
             where = "this model"
@@ -346,7 +352,7 @@ class ActivationOffloadHandle:
         self._handles: list[Any] = []
         self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
         self._removed = False
-        _ATTACHED[model] = self
+        _ATTACHED[model] = weakref.ref(self)
         if mode is Mode.RECOMPUTE:
             return  # no hooks at all (Note: [Plans])
         self._handles.append(model.register_forward_pre_hook(_ModelPre(self)))
@@ -540,8 +546,10 @@ class ActivationOffloadHandle:
 #   layer, and its saved tensors are offloaded as in eager.
 # - deepcopy, pickle and torch.save of the model copy its hook dicts. A copied hook would
 #   drive the original handle from the copy's forward (and a handle holds locks, which do not
-#   pickle). A hook object copies (and pickles) as `_inert`, a hook that does nothing, so the
-#   copy runs plain: apply offloading to it separately if it trains.
+#   pickle). A hook object copies (and pickles) as `_inert`, a hook that does nothing: the
+#   copy offloads nothing (apply offloading to it separately if it trains). Layers the handle
+#   recomputes stay checkpointed in the copy, on the copy's own weights (`_CheckpointedForward`
+#   refers to its layer), and the original's remove() does not undo that.
 
 
 def _inert(*args: Any) -> None:
@@ -553,44 +561,41 @@ def _inert_hook() -> Any:
 
 
 class _Hook:
-    __slots__ = ("handle", "i", "run")
+    __slots__ = ("handle", "i")
 
     def __init__(self, handle: ActivationOffloadHandle, i: int = -1):
         self.handle, self.i = handle, i
-        self.run = run_eagerly(type(self).body)
+        eager_call(type(self))
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return _inert_hook, ()
-
-    def __call__(self, module: nn.Module, *args: Any) -> None:
-        self.run(self, *args)
 
 
 class _ModelPre(_Hook):
     __slots__ = ()
 
-    def body(self, args: Any) -> None:
-        self.handle._model_pre(hook_caller(__file__))
+    def body(self, module: nn.Module, args: Any) -> None:
+        self.handle._model_pre(hook_caller(__name__))
 
 
 class _ModelPost(_Hook):
     __slots__ = ()
 
-    def body(self, args: Any, output: Any) -> None:
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
         self.handle._model_post()
 
 
 class _LayerPre(_Hook):
     __slots__ = ()
 
-    def body(self, args: Any) -> None:
+    def body(self, module: nn.Module, args: Any) -> None:
         self.handle._layer_pre(self.i)
 
 
 class _LayerPost(_Hook):
     __slots__ = ()
 
-    def body(self, args: Any, output: Any) -> None:
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
         self.handle._layer_post(self.i, output)
 
 

@@ -85,8 +85,18 @@ class Checkpoint:
                 weight_map = json.loads(p.read_text())["weight_map"]
             except (ValueError, KeyError, TypeError) as e:
                 raise CheckpointError(f"{p} is not a safetensors index ({e})") from None
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise CheckpointError(f"{p}: weight_map must map tensor names to file names")
+            root = p.parent.resolve()
             for file in sorted(set(weight_map.values())):
-                shard = _read_header(p.parent / file)
+                shard_path = (p.parent / file).resolve()
+                if shard_path.parent != root:
+                    raise CheckpointError(f"{p} names a shard outside its directory: {file!r}")
+                if not shard_path.is_file():
+                    raise CheckpointError(f"{p} names a shard that does not exist: {file!r}")
+                shard = _read_header(shard_path)
                 for name, entry in shard.items():
                     if weight_map.get(name) == file:
                         entries[name] = entry
@@ -144,15 +154,20 @@ def _read_header(path: Path) -> dict[str, Entry]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     base = 8 + n
     entries = {}
+    spans = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
             dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not all(_is_count(d) for d in (*shape, begin, end)):
+                raise ValueError
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(f"{path}: bad header entry for {name!r}: {info!r}") from None
         numel = 1
@@ -168,4 +183,13 @@ def _read_header(path: Path) -> dict[str, Entry]:
                 f"{path} is truncated: {name!r} ends at byte {base + end}, the file has {size}"
             )
         entries[name] = Entry(name, path, dtype, shape, base + begin, end - begin)
+        spans.append((begin, end, name))
+    spans.sort()
+    for (_, end_a, a), (begin_b, _, b) in zip(spans, spans[1:], strict=False):
+        if begin_b < end_a:
+            raise CheckpointError(f"{path}: the bytes of {a!r} and {b!r} overlap")
     return entries
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

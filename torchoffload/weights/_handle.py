@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from torchoffload._calls import eager_call, hook_caller
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
@@ -343,23 +344,33 @@ class _Hook:
 # forward ends (Note: [One call at a time]).
 
 
-class _UnitPre(_Hook):
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        self.rt.enter(self.index, sys._getframe(1))
+class _Eager(_Hook):
+    """A forward hook that runs eagerly under torch.compile: the model's and each unit's hooks
+    break the graph, so each unit's forward is compiled on its own and binds its weights like
+    in eager (Note: [Hooks under torch.compile and in copies of the model] in layers.py)."""
+
+    def __init__(self, rt: WeightRuntime, index: int = -1):
+        super().__init__(rt, index)
+        eager_call(type(self))
 
 
-class _UnitPost(_Hook):
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+class _UnitPre(_Eager):
+    def body(self, module: nn.Module, args: Any) -> None:
+        self.rt.enter(self.index, hook_caller(__name__))
+
+
+class _UnitPost(_Eager):
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
         self.rt.exit(self.index, output)
 
 
-class _RootPre(_Hook):
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        self.rt.begin_call(sys._getframe(1))
+class _RootPre(_Eager):
+    def body(self, module: nn.Module, args: Any) -> None:
+        self.rt.begin_call(hook_caller(__name__))
 
 
-class _RootPost(_Hook):
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+class _RootPost(_Eager):
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
         self.rt.end_call(ok=sys.exc_info()[1] is None)
 
 

@@ -616,7 +616,11 @@ def _set_data(t: torch.Tensor, value: torch.Tensor) -> None:
     if not t.is_meta or value.is_meta:
         t.data = value
         return
-    new = torch.nn.Parameter(value, t.requires_grad) if isinstance(t, torch.nn.Parameter) else value
+    if isinstance(t, torch.nn.Parameter):
+        new = torch.Tensor._make_subclass(type(t), value, t.requires_grad)
+    else:
+        new = value.as_subclass(type(t))
+    new.__dict__.update(t.__dict__)  # swap_tensors swaps __dict__ too: keep the attributes
     torch.utils.swap_tensors(t, new)
 
 
@@ -664,6 +668,22 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
                     "checkpoint is not supported"
                 )
         reads[group[0][1].key] = (entry, group[0][1])
+    if not reads and not any(
+        n in checkpoint.entries for slot in layout.resident for n in _names(slot)
+    ):
+        raise CheckpointError(
+            f"no tensor of the model is in the checkpoint {checkpoint.source} (model names "
+            f"like {layout.streamed[0].name!r}, checkpoint names like "
+            f"{next(iter(checkpoint.entries), '(none)')!r}): is it this model's checkpoint?"
+        )
+    for slot in (*layout.streamed, *layout.resident):
+        t = slot.tensor
+        if t.is_meta and weakref.getweakrefs(t):
+            raise CheckpointError(
+                f"{slot.name!r} is on the meta device and something holds a weak reference to "
+                "it: its contents cannot be replaced in place; drop the reference (or build "
+                "the model on the host) and retry"
+            )
     for slot in layout.resident:
         if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
             missing.append(_names(slot)[0])
