@@ -4,6 +4,7 @@ test_weights_contract.py; two devices from one process in test_concurrency_gpu.p
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -103,6 +104,7 @@ def run_threads(kinds, device, steps=12, shared_pool=False):
     "kinds", [("layers", "layers"), ("layers", "context"), ("context", "context", "layers")]
 )
 def test_threads_each_training_their_own_model(kinds):
+    gc.collect()  # handles dropped by other tests release the parameter hook when collected
     users = PARAMS._users
     run_threads(kinds, "cpu")
     assert PARAMS._users == users

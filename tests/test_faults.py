@@ -101,6 +101,7 @@ class Activations:
                 mode=Mode.STREAM,
             )
         self.counts = hook_counts(self.model)
+        gc.collect()  # handles other tests dropped release the parameter hook when collected
         self.params_users = PARAMS._users  # the layer mode's handle holds one
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-2)
         self.ref_opt = torch.optim.SGD(self.ref.parameters(), lr=1e-2)

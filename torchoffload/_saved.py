@@ -123,8 +123,7 @@ class _ParamStorages:
         with self._lock:
             self._users += 1
             if self._handle is None:
-                hook = functools.partial(run_eagerly(_ParamStorages._hook), self)
-                self._handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+                self._handle = torch.nn.modules.module.register_module_forward_pre_hook(self._hook)
 
     def release(self) -> None:
         with self._lock:
@@ -135,6 +134,11 @@ class _ParamStorages:
                 self._refs.clear()
 
     def _hook(self, module: torch.nn.Module, args: Any) -> None:
+        # Under torch.compile dynamo inlines this global hook into every module's call and
+        # folds it away here (a graph break per module otherwise); compiled code's saved
+        # parameters are still caught as parameters or leaves by `_skip_reason`.
+        if torch.compiler.is_compiling():
+            return
         for t in chain(module._parameters.values(), module._buffers.values()):
             if t is not None and not t.is_meta:
                 self._add(t)

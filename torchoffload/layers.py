@@ -364,6 +364,8 @@ class ActivationOffloadHandle:
                     layer.register_forward_hook(_LayerPost(self, i), always_call=True)
                 )
             PARAMS.acquire()
+            # A handle dropped without remove() (with its model) still releases the hook.
+            self._params = weakref.finalize(self, PARAMS.release)
 
     @property
     def device(self) -> torch.device:
@@ -509,7 +511,7 @@ class ActivationOffloadHandle:
         self._removed = True
         _ATTACHED.pop(self.model, None)
         if self.mode is Mode.LAYERS:
-            PARAMS.release()
+            self._params()  # PARAMS.release(), once
 
     def recompute(self, indices: list[int]) -> None:
         """Run these layers under non-reentrant activation checkpointing until `remove()`."""
