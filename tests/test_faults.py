@@ -63,9 +63,13 @@ def in_flight(device):
     return testing.simulated_async_copies()
 
 
-def real_oom():
-    """More device memory than there is: the caching allocator's own OutOfMemoryError."""
-    torch.empty(1 << 46, dtype=torch.uint8, device="cuda")
+def oom(device):
+    """What `testing.Fault` is armed with for an out-of-memory error: on CUDA a request for
+    more device memory than there is (the caching allocator's own error), else an injected
+    one."""
+    if torch.device(device).type != "cuda":
+        return torch.OutOfMemoryError("injected")
+    return lambda: torch.empty(1 << 46, dtype=torch.uint8, device="cuda")
 
 
 class Activations:
@@ -167,9 +171,7 @@ def fault_oom(h):
     """Device memory runs out inside layer 1's forward while earlier layers' copies are in
     flight."""
     with in_flight(h.device):
-        testing.Fault.armed = (
-            real_oom if h.device.type == "cuda" else torch.OutOfMemoryError("injected")
-        )
+        testing.Fault.armed = oom(h.device)
         with pytest.raises(torch.OutOfMemoryError):
             h.forward(batches(1, h.device)[0])
 
@@ -362,9 +364,7 @@ class Weights:
 
 def weight_fault_oom(w):
     with in_flight(w.device):
-        testing.Fault.armed = (
-            real_oom if w.device.type == "cuda" else torch.OutOfMemoryError("injected")
-        )
+        testing.Fault.armed = oom(w.device)
         with pytest.raises(torch.OutOfMemoryError):
             w.call(batches(1, w.device)[0])
 

@@ -110,6 +110,11 @@ class Checkpoint:
             entries = _read_header(p)
         return cls(entries, p)
 
+    def find(self, names: list[str]) -> Entry | None:
+        """The entry of the first of ``names`` (a tensor's names: tied weights have several)
+        that the checkpoint holds."""
+        return next((self.entries[n] for n in names if n in self.entries), None)
+
     @property
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())

@@ -655,7 +655,7 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
         by_key.setdefault(slot.leaves[0].key, []).append((slot, slot.leaves[0]))
     for group in by_key.values():
         names = [n for slot, _ in group for n in _names(slot)]
-        entry = next((checkpoint.entries[n] for n in names if n in checkpoint.entries), None)
+        entry = checkpoint.find(names)
         if entry is None:
             if any(leaf.source.is_meta for _, leaf in group):
                 missing.append(names[0])
@@ -713,7 +713,7 @@ def _resident_from_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[in
     for slot in layout.resident:
         t = slot.tensor
         names = _names(slot)
-        entry = next((checkpoint.entries[n] for n in names if n in checkpoint.entries), None)
+        entry = checkpoint.find(names)
         if entry is None:
             continue
         if is_composite(t):
