@@ -51,3 +51,5 @@ def test_generate_streamed():
     out = run("examples/generate_streamed.py", "--new-tokens", "8")
     assert "tokens identical to the all-on-device run: True" in out
     assert "stream_weights" in out
+    assert "CUDA-graph tokens identical to the all-on-device static-cache decode: True" in out
+    assert "CUDA-graph decode: 13 of 16 calls replayed" in out  # eager: prefills, warm-up

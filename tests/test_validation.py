@@ -208,6 +208,9 @@ CASES = [
         ValueError,
         "meta",
     ),
+    ("cg-fn", lambda: stream().cuda_graph("step"), TypeError, "fn"),
+    ("cg-max", lambda: stream().cuda_graph(print, max_graphs=0), ValueError, "max_graphs"),
+    ("cg-max-type", lambda: stream().cuda_graph(print, max_graphs=1.5), TypeError, "max_graphs"),
     ("mb-model", lambda: minimum_budget(nn.Linear), TypeError, "model"),
     ("mb-depth", lambda: minimum_budget(model(), prefetch_depth="2"), TypeError, "prefetch_depth"),
     # -- planner

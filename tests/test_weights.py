@@ -627,3 +627,33 @@ def test_minimum_budget_matches_what_stream_weights_accepts():
                 stream(model, need - _A, prefetch_depth=depth, unit=unit)
     assert minimum_budget(model, resident=("fc1", "fc2")) < minimum_budget(model)  # the largest
     assert all(p.numel() for p in model.parameters())  # not changed
+
+
+def test_prefetch_passes_over_kept_units():
+    """Note: [Prefetch counts ring units]: with ``prefetch_depth=1`` each ring unit is loaded
+    while the ring unit before it computes, even with kept units between them (counting the
+    kept units delayed the load until compute reached them)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(hidden=64, layers=4, heads=2, vocab=256, max_seq=64)).eval()
+    h = stream_weights(model, "cpu", budget_bytes=3 * minimum_budget(model, prefetch_depth=1),
+                       prefetch_depth=1)  # fmt: skip
+    x = torch.randint(0, 256, (2, 10))
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+        hooks = weight_test_hooks(h, trace=True)
+        h.reset_stats()
+        model(x)
+    kept = set(h.kept)
+    ring = [u for u in h.schedule if u not in kept]
+    assert (
+        kept
+        and any(  # a kept unit between two ring units
+            a not in kept and b in kept for a, b in zip(h.schedule, h.schedule[1:], strict=False)
+        )
+    )
+    at = {(kind, name): i for i, (kind, name, *_) in enumerate(hooks.trace)}
+    for before, unit in zip(ring, ring[1:], strict=False):
+        assert at[("load", unit)] < at[("read", before)], (before, unit)
+    assert h.stats().misses == 0
+    h.remove()

@@ -19,10 +19,11 @@ The order in which units run is recorded on the first forward and used to prefet
 Modules, bottom up: `_layout` (the pure cut and byte layout), `_arena` (device ranges, ring and
 events), `_schedule` (the recorded order), `_checkpoint` (safetensors catalogs read into the
 host store), `_runtime` (the engine, driven by eager hooks, the exported-program runner and
-compiled programs), `_handle` (the public face).
+compiled programs), `_graph` (calls replayed as CUDA graphs), `_handle` (the public face).
 """
 
 from torchoffload.weights._checkpoint import CheckpointError
+from torchoffload.weights._graph import GraphStats, StreamedGraph
 from torchoffload.weights._handle import (
     WeightStats,
     WeightStreamHandle,
@@ -32,6 +33,8 @@ from torchoffload.weights._handle import (
 
 __all__ = [
     "CheckpointError",
+    "GraphStats",
+    "StreamedGraph",
     "WeightStats",
     "WeightStreamHandle",
     "minimum_budget",

@@ -34,6 +34,13 @@ _MiB = 1 << 20
 # *kept* at fixed places at the top of the arena, largest first, as long as the ring below
 # still holds ``prefetch_depth + 2`` of the largest streamed unit (the pipeline plus the waste
 # of one wrap). A kept unit is copied once and never again: each call streams only the rest.
+#
+# Note: [Prefetch counts ring units]
+# ``prefetch_depth`` counts the units ahead that live in the ring; kept units found loaded are
+# passed over. Counted, they filled the window with units that need no copy, so the next ring
+# unit's copy started only when compute reached the kept units before it (seen in the arena
+# trace: `test_prefetch_passes_over_kept_units`), and the copy stream idled meanwhile.
+# The ring still holds ``prefetch_depth + 2`` of its largest unit, so the window fits.
 
 
 @dataclass
@@ -50,6 +57,7 @@ class Counters:
     schedule_rerecords: int = 0
     out_of_order: int = 0
     interrupted_calls: int = 0
+    graph_replays: int = 0
 
 
 @dataclass
@@ -238,6 +246,25 @@ class Arena:
         self.starts.clear()
         self.head = 0
         self.loaded_bytes = 0
+
+    def reset_ring(self, units: list[UnitState], done: Any) -> None:
+        """Forget the units in the ring (not the kept ones) and make the whole ring one
+        tombstone guarded by ``done``: what overwrites it next waits on that event (Note:
+        [Weights in a captured graph] in _runtime.py). Kept units stay, guarded by ``done``
+        too; ``None``: the caller synchronized the device."""
+        for unit in units:
+            # a kept unit loaded in the ring before it was kept is forgotten like the others
+            if unit.loc is not None and unit.loc != unit.fixed:
+                unit.loc = unit.region = unit.ready = None
+                unit.pending = False
+                self.loaded_bytes -= unit.nbytes
+        kept = [r for r in self.regions if r.unit is not None and r.unit.loc == r.unit.fixed]
+        for region in kept:  # read by what ``done`` follows, or (None) by nothing in flight
+            region.done = done
+        ring = [Region(0, self.ring_cap, None, done)] if self.ring_cap and done is not None else []
+        self.regions[:] = ring + kept
+        self.starts[:] = [r.start for r in self.regions]
+        self.head = 0
 
     def _overlapping(self, start: int, end: int) -> tuple[int, int]:
         """``regions[i:j]`` are the regions that overlap ``[start, end)`` (they are sorted and

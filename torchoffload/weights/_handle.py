@@ -20,6 +20,7 @@ from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
 from torchoffload.weights._checkpoint import Checkpoint
+from torchoffload.weights._graph import StreamedGraph
 from torchoffload.weights._runtime import STREAMED, StreamConfig, WeightRuntime
 
 _log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class WeightStats:
     stall_ms: float | None  # time the compute stream waited on copies (time_waits=True)
     setup_s: float  # seconds setup took (host copy, pinning, arena)
     interrupted_calls: int = 0  # calls cut short by KeyboardInterrupt and recovered
+    graph_replays: int = 0  # calls replayed as CUDA graphs (`cuda_graph`), within ``calls``
 
     @property
     def hit_rate(self) -> float:
@@ -139,7 +141,22 @@ class WeightStreamHandle:
                 stall_ms=stall,
                 setup_s=self._setup_s,
                 interrupted_calls=c.interrupted_calls,
+                graph_replays=c.graph_replays,
             )
+
+    def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> StreamedGraph:
+        """``fn`` (a function that calls the streamed model, or the model itself) as a
+        `StreamedGraph`: called like ``fn``, the first call of an argument signature runs
+        eagerly, the second is captured as a CUDA graph with the weight copies, their events
+        and the arena slots in it, and later ones replay it, with no host work per unit.
+
+        Tensor arguments are copied into the graph's static inputs; the returned tensors are
+        its static outputs, overwritten by its next replay. Other arguments are part of the
+        signature (an object such as a KV cache by identity). Runs under `torch.no_grad()`.
+        On the CPU the same bookkeeping runs without a graph (for tests). See Note:
+        [Captured calls by signature] and Note: [Weights in a captured graph]."""
+        self._runtime._check_live()
+        return StreamedGraph(self._runtime, fn, max_graphs=max_graphs)
 
     def reset_stats(self) -> None:
         rt = self._runtime

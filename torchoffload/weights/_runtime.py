@@ -22,6 +22,7 @@ waits for the device, unbinds what it left bound and carries on (``stats().inter
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import weakref
@@ -58,6 +59,31 @@ _MiB = 1 << 20
 # buffer by buffer through the flatten layer (Note: [One flatten layer for every engine]).
 # A bind first checks the tensor's dtype: `model.to(dtype)` replaces an empty tensor's data
 # with one of another dtype, and binding that to the stored bytes would reinterpret them.
+
+#
+# Note: [Weights in a captured graph]
+# A CUDA graph replays the device work of one captured call: kernels, weight copies into the
+# arena and the events between the copy and compute streams, at the addresses chosen at
+# capture; the host runs none of the hooks. So the captured call is made self-contained:
+# - Before it (outside the capture, device synchronized, the lock held until it ends): every
+#   kept unit is loaded. The graph reads kept units and never copies them.
+# - At its start, the ring is one tombstone guarded by an event recorded on the capture
+#   stream. Every copy in the ring waits on it or on an event after it, so the copy stream
+#   joins the capture (an event recorded before a capture cannot be waited on inside it).
+#   Copies go to a copy stream of the graph's own: no other thread's copy can enter it.
+# - Inside it, prefetch stops at the call's last unit: the next call's first units are not
+#   prefetched into an arena whose state at the next replay the graph cannot know. Ready
+#   events are waited on, never queried. At its end the capture stream waits on the copy
+#   stream.
+# - A replay first makes the compute stream wait on the event of every arena region (eager
+#   copies in flight, eager reads on any stream) and loads again the kept units that were
+#   dropped since (`load_state_dict` clears the arena). After the launch the ring becomes
+#   one tombstone guarded by an event recorded after it, so an eager call that follows
+#   overwrites nothing the replay still reads. Consecutive replays on one stream are
+#   ordered by the stream.
+# The replay path does not query or wait on the host. Ring weights are copied from the host
+# store at every replay, so values loaded with `load_state_dict` are what the next replay
+# reads.
 
 
 @dataclass(frozen=True)
@@ -168,6 +194,8 @@ class WeightRuntime:
         self._free = threading.Condition(self._lock)
         self._call: _Call | None = None
         self.removed = False
+        self.capturing = False  # a call is being captured (Note: [Weights in a captured graph])
+        self._saved_counters: Counters | None = None
         # id(state_dict() destination) -> (its weak reference, {storage key: host copy})
         self._copies: dict[int, tuple[weakref.ref, dict]] = {}
         if dev.type != "cpu":
@@ -272,7 +300,7 @@ class WeightRuntime:
                 call.depth -= 1
                 return
             self._release()
-            if ok and call.pass_ is not None and not self.removed:
+            if ok and call.pass_ is not None and not self.removed and not self.capturing:
                 self._end_pass(call.pass_)
 
     def enter(self, index: int, frame: FrameType | None) -> None:
@@ -286,10 +314,11 @@ class WeightRuntime:
                 "streamed weight's device bytes are reused right after its unit, so autograd "
                 "cannot keep it for backward)"
             )
-        if self._cuda and torch.cuda.is_current_stream_capturing():
+        if self._cuda and not self.capturing and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"stream_weights cannot serve {unit.name!r} inside CUDA graph capture: a replay "
-                "would skip the host-side schedule and read whatever the arena holds then"
+                f"stream_weights cannot serve {unit.name!r} inside a CUDA graph capture made "
+                "outside torchoffload: a replay would skip the host-side schedule and read "
+                "whatever the arena holds then. Capture with handle.cuda_graph(fn) instead"
             )
         with self._lock:
             if self.removed:
@@ -397,6 +426,111 @@ class WeightRuntime:
         if self.removed:
             raise RuntimeError("this WeightStreamHandle was removed")
 
+    # -- CUDA graphs (Note: [Weights in a captured graph]) ------------------------------------
+
+    def prepare_capture(self) -> None:
+        """Before a capture, outside it: wait for the device and for calls of other threads,
+        load every kept unit, empty the ring. Takes the lock, which `end_capture` gives back,
+        so no other call runs until the capture ends."""
+        self._lock.acquire()
+        try:
+            self._check_live()
+            self._wait_idle("capture")
+            self._sync()
+            self.arena.reset_ring(self.units, None)
+            for unit in self.units:
+                if unit.fixed is not None and unit.loc is None:
+                    self.arena.place(unit, prefetch=False)
+            self._sync()
+            for unit in self.units:
+                unit.ready = None
+                unit.pending = False
+            self.arena.reset_ring(self.units, None)
+            self._saved_counters = dataclasses.replace(self.counters)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def start_capture(self, engine: Any) -> None:
+        """First thing inside the capture: its copies go to ``engine`` (streams of the graph's
+        own), and the ring is one tombstone guarded by an event of the capture stream, so the
+        first copy joins the capture."""
+        misplaced = [u.name for u in self.units if u.fixed is not None and u.loc != u.fixed]
+        if misplaced:  # the graph would read them where its own copies write
+            raise AssertionError(f"kept units not at their places at capture: {misplaced}")
+        self.capturing = True
+        self.arena.engine = engine
+        self.arena.reset_ring(self.units, self.engine.record())
+
+    def finish_capture(self) -> None:
+        """Last thing inside the capture: the capture stream waits on the graph's copies."""
+        engine = self.arena.engine
+        saved = self._saved_counters
+        copied = saved is None or self.counters.h2d_copies > saved.h2d_copies
+        if copied and not engine.synchronous and engine.use_streams:  # else never joined
+            self.engine.current_stream().wait_stream(engine.h2d)
+
+    def end_capture(self) -> Counters:
+        """After the capture (also after a failed one): the shared engine back, the ring
+        forgotten, the counters as before it; returns what one replay adds to them."""
+        try:
+            self.capturing = False
+            if self.arena is not None:
+                self.arena.engine = self.engine
+                self.arena.reset_ring(self.units, None)
+                for unit in self.units:
+                    unit.ready = None
+            before, self._saved_counters = self._saved_counters, None
+            after = self.counters
+            if before is None:
+                return Counters()
+            delta = Counters(**{
+                f.name: getattr(after, f.name) - getattr(before, f.name)
+                for f in dataclasses.fields(Counters)
+            })  # fmt: skip
+            self.counters = before
+            self.arena.counters = before
+            return delta
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def replaying(self, kept: list[int]):
+        """Around the launch of a captured call: the compute stream waits on what eager
+        calls left in flight, kept units dropped since are loaded again; afterwards the ring
+        is guarded by an event recorded after the launch."""
+        with self._lock:
+            self._check_live()
+            self._wait_idle("a graph replay")
+            for index in kept:
+                unit = self.units[index]
+                if unit.loc is None:
+                    self.arena.place(unit, prefetch=False)
+            waited: set[int] = set()  # after a replay every region holds one event
+            stream = self.engine.current_stream()  # None on the CPU: nothing to wait on
+            for region in self.arena.regions if stream is not None else ():
+                done = region.done
+                if done is not None and id(done) not in waited:
+                    waited.add(id(done))
+                    stream.wait_event(done)
+            try:
+                yield
+            finally:
+                self.arena.reset_ring(self.units, self.engine.record())
+
+    def count_replay(self, delta: Counters) -> None:
+        """A replay did what its capture counted (``delta``)."""
+        with self._lock:
+            c = self.counters
+            for f in dataclasses.fields(Counters):
+                setattr(c, f.name, getattr(c, f.name) + getattr(delta, f.name))
+            c.calls += 1
+            c.graph_replays += 1
+
+    def _sync(self) -> None:
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device.type).synchronize(self.device)
+
     # -- one unit --------------------------------------------------------------------------------
 
     def _finish(self, unit: UnitState, done: Any) -> None:
@@ -418,15 +552,27 @@ class WeightRuntime:
             _log.debug("schedule re-recorded: %s", [self.units[i].name for i in p.record])
 
     def _prefetch_after(self, pos: int) -> None:
-        for index in self.schedule.ahead(pos, self.config.prefetch_depth):
+        """Prefetch the next ``prefetch_depth`` units of the schedule that live in the ring;
+        kept units found loaded are passed over (Note: [Prefetch counts ring units])."""
+        depth = self.config.prefetch_depth
+        if not depth:
+            return
+        for index in self.schedule.ahead(pos, wrap=not self.capturing):
             unit = self.units[index]
+            if unit.fixed is not None and unit.loc is not None:
+                continue
+            depth -= 1
             if unit.busy:
+                if not depth:
+                    break
                 continue
             if unit.loc is None:
                 if not self.arena.place(unit, prefetch=True):
                     break  # the ring is full of units still needed: retry at the next unit
                 self.counters.prefetch_issued += 1
             unit.pending = True  # needed soon: later prefetches must not overwrite it
+            if not depth:
+                break
 
     def _wait_ready(self, unit: UnitState) -> None:
         event = unit.ready
@@ -434,6 +580,9 @@ class WeightRuntime:
         if event is None or self.engine.synchronous:
             return
         if testing is not None and "ready" in testing.skip:
+            return
+        if self.capturing:  # an event of the capture cannot be queried
+            self.engine.wait(event)
             return
         if event.query():  # copied already (a kept unit): no wait, now or later
             unit.ready = None

@@ -62,11 +62,15 @@ class Schedule:
         p.cursor = pos + 1
         return pos, out_of_order
 
-    def ahead(self, pos: int, depth: int) -> list[int]:
-        """The ``depth`` units after position ``pos`` (cyclic, never ``pos`` itself)."""
+    def ahead(self, pos: int, *, wrap: bool = True):
+        """The units after position ``pos``, nearest first: cyclic (up to the one before
+        ``pos``) unless ``wrap`` is False (up to the call's last). A generator: the caller
+        takes as many as it needs."""
         order = self.order
         n = len(order)
-        return [order[(pos + j) % n] for j in range(1, min(depth, n - 1) + 1)]
+        end = n if wrap else n - pos
+        for j in range(1, end):
+            yield order[(pos + j) % n]
 
     def end(self, p: Pass) -> Ended:
         if not p.record:

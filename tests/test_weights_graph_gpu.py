@@ -1,0 +1,94 @@
+"""Streamed calls replayed as CUDA graphs, on a GPU: bitwise parity with the copy stream
+slowed, the arena within its budget, no host sync while replaying, and the cases where a
+replay could read a stale weight (eager calls in between, load_state_dict, a new shape)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchoffload import minimum_budget, stream_weights, testing
+from torchoffload.models import GPT, GPTConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
+]
+
+CFG = GPTConfig(hidden=512, layers=8, heads=8, vocab=4096, max_seq=256)
+
+
+def make(dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG).to(dtype).cuda().eval()
+
+
+def tokens(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, CFG.vocab, shape, generator=g).cuda()
+
+
+@pytest.mark.parametrize("budget_units", [3, 6, 100])  # 100: every unit kept, no copies
+def test_replays_bitwise_with_slow_copies(budget_units):
+    ref = make()
+    xs = [tokens((2, 64), s) for s in range(8)] + [tokens((1, 33), s) for s in range(8, 12)]
+    with torch.no_grad():
+        expected = [ref(x) for x in xs]
+    del ref
+    model = make()
+    budget = budget_units * minimum_budget(model, prefetch_depth=0)
+    h = stream_weights(model, "cuda", budget_bytes=budget)
+    g = h.cuda_graph(model)
+    with testing.slow_copies():  # the graph's copies are slowed as well (captured sleeps)
+        for i, (x, e) in enumerate(zip(xs, expected, strict=True)):
+            out = g(x)
+            assert torch.equal(out, e), i
+    s, st = g.stats(), h.stats()
+    assert (s.graphs, s.eager_calls, s.replays) == (2, 2, len(xs) - 2)
+    assert st.graph_replays == len(xs) - 2 and st.peak_device_bytes <= budget
+    assert (s.h2d_bytes_per_replay[0] > 0) == (st.kept_units < st.units)
+    h.remove()
+
+
+def test_device_memory_and_no_host_sync_while_replaying():
+    model = make()
+    budget = 3 * minimum_budget(model, prefetch_depth=0)
+    h = stream_weights(model, "cuda", budget_bytes=budget)
+    g = h.cuda_graph(model)
+    x = tokens((2, 64), 0)
+    for _ in range(3):
+        g(x)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.set_sync_debug_mode("error")  # raises on any synchronizing CUDA call
+    try:
+        for _ in range(20):
+            g(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert h.stats().peak_device_bytes <= budget
+    h.remove()
+
+
+def test_eager_calls_load_state_dict_and_a_new_shape_between_replays():
+    ref = make()
+    model = make()
+    h = stream_weights(model, "cuda", budget_bytes=6 * minimum_budget(model, prefetch_depth=0))
+    g = h.cuda_graph(model)
+    xs = [tokens((2, 40), s) for s in range(8)]
+    with torch.no_grad(), testing.slow_copies():
+        for x in xs[:3]:
+            assert torch.equal(g(x), ref(x))
+        assert h.stats().kept_units > 0
+        assert torch.equal(model(xs[3]), ref(xs[3]))  # eager, on the same ring
+        assert torch.equal(g(xs[4]), ref(xs[4]))
+        new = make(seed=5)
+        model.load_state_dict(new.state_dict())  # drops the kept units too
+        assert torch.equal(g(xs[5]), new(xs[5]))
+        y = tokens((1, 7), 9)
+        assert torch.equal(g(y), new(y)) and torch.equal(g(y), new(y))  # warm-up, capture
+        assert torch.equal(g(xs[6]), new(xs[6]))
+    h.remove()

@@ -1,0 +1,220 @@
+"""A streamed call replayed as a CUDA graph, its weight copies captured in it.
+
+```python
+handle = torchoffload.stream_weights(model, "cuda", budget_bytes=4 << 30)
+step = handle.cuda_graph(lambda ids, pos: model(ids, cache_position=pos, ...).logits)
+for _ in range(n):
+    logits = step(ids, pos)   # 1st call of a shape: eager; 2nd: captured; then replayed
+```
+
+Note: [Captured calls by signature]
+A graph is captured per *signature* of the arguments: for a tensor its shape, stride, dtype
+and device; for anything else its type and value (hashable objects by their own equality,
+so an object such as a KV cache is matched by identity, and the graph keeps it alive). The
+first call of a signature runs eagerly (a warm-up: lazy initialization, the weight schedule,
+kept units), the second is captured and replayed, later ones are replayed. Each call runs
+the function's work once. Tensor arguments are copied into the graph's static inputs before a
+replay; the outputs are the graph's static outputs, overwritten by its next replay (clone to
+keep them), as with any CUDA graph. A new signature captures a new graph, up to
+``max_graphs``; beyond that calls run eagerly (``stats().eager_calls``). Control flow that
+depends on tensor values is fixed at capture, as in any CUDA graph: such a function must be
+captured per branch by the caller. Weights are never stale: ring weights are copied from the
+host store in every replay and kept units are checked before it (Note: [Weights in a
+captured graph] in _runtime.py).
+
+On the CPU (no CUDA graphs) a "replay" runs the function again with the runtime in capture
+mode, so the bookkeeping (static inputs and outputs, the ring reset, kept units, counters)
+is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchoffload._transfer import CopyEngine
+from torchoffload._validate import check_callable, check_int
+from torchoffload.weights._arena import Counters
+from torchoffload.weights._runtime import WeightRuntime
+
+__all__ = ["GraphStats", "StreamedGraph"]
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """What a `StreamedGraph` did since it was made."""
+
+    graphs: int  # signatures captured
+    captures: int
+    replays: int
+    eager_calls: int  # warm-ups and calls beyond max_graphs
+    h2d_bytes_per_replay: tuple[int, ...]  # per graph, in capture order
+
+
+class _Captured:
+    __slots__ = ("graph", "inputs", "positions", "spec", "outputs", "kept", "delta", "fn_args")
+
+    def __init__(self) -> None:
+        self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
+        self.inputs: list[torch.Tensor] = []  # static copies of the tensor arguments
+        self.positions: list[int] = []  # where they are among the flattened arguments
+        self.spec: Any = None
+        self.outputs: Any = None
+        self.kept: list[int] = []
+        self.delta = Counters()
+        self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
+
+
+class StreamedGraph:
+    """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
+    signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
+
+    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8):
+        check_callable("fn", fn, optional=False)
+        check_int("max_graphs", max_graphs, minimum=1)
+        self._rt = runtime
+        self._fn = fn
+        self.max_graphs = max_graphs
+        self.device = runtime.device
+        self._cuda = self.device.type == "cuda"
+        self._graphs: dict[Any, _Captured] = {}
+        self._engine: CopyEngine | None = None  # the graphs' own copy stream
+        self._stream: Any = None  # the capture stream
+        self._captures = 0
+        self._replays = 0
+        self._eager = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rt.removed:
+            raise RuntimeError("the WeightStreamHandle of this graph was removed")
+        leaves, spec = tree_flatten((args, kwargs))
+        key = (spec, tuple(self._describe(i, x) for i, x in enumerate(leaves)))
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) < self.max_graphs:
+                self._graphs[key] = _Captured()
+            return self._eagerly(args, kwargs)
+        with torch.no_grad():
+            if entry.graph is None:
+                self._capture(entry, leaves, spec)
+            else:
+                for i, static in zip(entry.positions, entry.inputs, strict=True):
+                    if leaves[i] is not static:
+                        static.copy_(leaves[i])
+            self._replay(entry)
+        return entry.outputs
+
+    def stats(self) -> GraphStats:
+        done = [e for e in self._graphs.values() if e.graph is not None]
+        return GraphStats(
+            graphs=len(done),
+            captures=self._captures,
+            replays=self._replays,
+            eager_calls=self._eager,
+            h2d_bytes_per_replay=tuple(e.delta.h2d_bytes for e in done),
+        )
+
+    def reset(self) -> None:
+        """Drop every captured graph (and its memory); the next call of each signature is
+        a warm-up again."""
+        self._graphs.clear()
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return f"StreamedGraph({s.graphs} graphs, {s.replays} replays, on {self.device})"
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _describe(self, i: int, x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if self._cuda and x.device != self.device:
+                raise ValueError(
+                    f"argument {i} of the graphed call is on {x.device}: tensors a CUDA graph "
+                    f"reads must be on {self.device} (a host value would be baked in)"
+                )
+            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
+        try:
+            hash(x)
+        except TypeError:
+            raise TypeError(
+                f"argument {i} of the graphed call is a {type(x).__name__}, which is neither a "
+                "tensor nor hashable: a graph is keyed by its arguments (Note: [Captured calls "
+                "by signature])"
+            ) from None
+        return (type(x), x)
+
+    def _eagerly(self, args: Any, kwargs: Any) -> Any:
+        self._eager += 1
+        with torch.no_grad():
+            return self._fn(*args, **kwargs)
+
+    def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
+        rt = self._rt
+        statics = list(leaves)
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+                statics[i] = s.copy_(x)
+                entry.positions.append(i)
+                entry.inputs.append(s)
+        args, kwargs = tree_unflatten(statics, spec)
+        entry.spec = spec
+        entry.fn_args = (args, kwargs)
+        if not self._cuda:
+            entry.graph = "host"  # its first replay sets the outputs
+        else:
+            if self._engine is None:
+                self._engine = CopyEngine(self.device)
+                self._stream = torch.cuda.Stream(self.device)
+            self._engine.testing = rt.engine.testing  # the test instruments of the shared one
+            graph = torch.cuda.CUDAGraph()
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            rt.prepare_capture()
+            try:
+                with torch.cuda.graph(
+                    graph, stream=self._stream, capture_error_mode="thread_local"
+                ):
+                    rt.start_capture(self._engine)
+                    entry.outputs = self._fn(*args, **kwargs)
+                    rt.finish_capture()
+            finally:
+                entry.delta = rt.end_capture()
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+            entry.graph = graph
+        entry.kept = [u.index for u in rt.units if u.fixed is not None]
+        self._captures += 1
+
+    def _run_on_host(self, entry: _Captured) -> Any:
+        """The CPU stand-in for a capture and for a replay: the call run in capture mode (see
+        the module doc). Returns its output; ``entry.delta`` is what it counted."""
+        rt = self._rt
+        args, kwargs = entry.fn_args
+        rt.prepare_capture()
+        try:
+            rt.start_capture(rt.engine)
+            out = self._fn(*args, **kwargs)
+            rt.finish_capture()
+        finally:
+            entry.delta = rt.end_capture()
+        return out
+
+    def _replay(self, entry: _Captured) -> None:
+        with self._rt.replaying(entry.kept):
+            if self._cuda:
+                entry.graph.replay()
+            else:
+                out = self._run_on_host(entry)
+                leaves, spec = tree_flatten(out)
+                if entry.outputs is None:
+                    entry.outputs = tree_unflatten(
+                        [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec
+                    )
+                else:
+                    for static, x in zip(tree_flatten(entry.outputs)[0], leaves, strict=True):
+                        if isinstance(static, torch.Tensor):
+                            static.copy_(x)
+        self._rt.count_replay(entry.delta)
+        self._replays += 1
