@@ -10,6 +10,12 @@ The model's own ``generate`` is used unchanged.
 
 It generates once with all weights on the device (unless ``--no-compare``) and once streamed,
 and prints speed, memory and whether the tokens are identical. Needs ``transformers``.
+
+Then it decodes the same tokens the way a serving loop does: a static KV cache and one step
+per token, the step replayed as a CUDA graph with its weight copies captured in it
+(``handle.cuda_graph``; on the CPU the same bookkeeping runs without a graph). For a compiled
+model, pass ``torch.compile(model)``'s steps the same way: ``handle.cuda_graph`` captures the
+compiled kernels together with the copies.
 """
 
 from __future__ import annotations
@@ -66,6 +72,45 @@ def generate(model, prompt, new_tokens: int, device: torch.device, after_warmup=
     return out, time.perf_counter() - start
 
 
+def decode_static(model, prompt, new_tokens: int, device: torch.device, graph=None):
+    """Greedy decode over a static KV cache, one token per step; ``graph``: the handle's
+    ``cuda_graph``, which replays each step as a CUDA graph. Timed after a warm-up decode (it
+    captures the graph); returns (tokens, seconds)."""
+    from transformers import StaticCache
+
+    n = prompt.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=n + new_tokens)
+
+    def step(ids, pos):
+        out = model(input_ids=ids, position_ids=pos.expand(ids.shape[0], 1), cache_position=pos,
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        return out.logits[:, -1]
+
+    run_step = graph(step) if graph is not None else step
+    positions = torch.arange(n, n + new_tokens, device=device)
+
+    def decode():
+        with torch.inference_mode():
+            cache.reset()
+            out = model(input_ids=prompt, cache_position=positions.new_tensor(range(n)),
+                        past_key_values=cache, use_cache=True)  # fmt: skip
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            toks = [tok]
+            for i in range(new_tokens - 1):
+                tok = run_step(tok, positions[i : i + 1]).argmax(-1, keepdim=True)
+                toks.append(tok)
+        return torch.cat(toks, 1)
+
+    decode()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    toks = decode()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return toks, time.perf_counter() - start
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=None, help="a local HF checkpoint directory")
@@ -112,6 +157,8 @@ def main() -> None:
         expected, seconds = generate(model, prompt, args.new_tokens, device)
         peak = torch.cuda.max_memory_allocated() if gpu else None
         rows.append(("all on device", seconds, peak, None))
+        expected_static, seconds = decode_static(model, prompt, args.new_tokens, device)
+        rows.append(("  static cache", seconds, None, None))
         model.to("cpu")
         if gpu:
             torch.cuda.empty_cache()
@@ -124,6 +171,10 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() if gpu else None
     stats = handle.stats()
     rows.append(("stream_weights", seconds, peak, stats))
+    handle.reset_stats()
+    graphed, seconds = decode_static(model, prompt, args.new_tokens, device, handle.cuda_graph)
+    graph_stats = handle.stats()
+    rows.append(("  + CUDA graph", seconds, None, graph_stats))
 
     print(f"\n{'mode':<16}{'tokens/s':>10}{'ms/token':>10}{'peak device GiB':>17}{'H2D GB/s':>10}")
     for name, secs, peak_bytes, st in rows:
@@ -139,8 +190,11 @@ def main() -> None:
         f"{size(stats.arena_bytes)} arena: {stats.units} units, {stats.kept_units} "
         f"kept, hit rate {stats.hit_rate:.3f}, setup {stats.setup_s:.1f} s"
     )
+    print(f"CUDA-graph decode: {graph_stats.graph_replays} of {graph_stats.calls} calls replayed")
     if expected is not None:
         print(f"tokens identical to the all-on-device run: {torch.equal(expected, got)}")
+        same = torch.equal(expected_static, graphed)
+        print(f"CUDA-graph tokens identical to the all-on-device static-cache decode: {same}")
     handle.remove()
 
 

@@ -1,0 +1,64 @@
+"""The copy-stream timeline of a CUDA-graph streamed decode (`handle.cuda_graph`): how busy the
+copy stream is, its gaps, and the bandwidth while copying, from `torch.profiler`.
+
+    python benchmarks/profile_decode.py --shape demo --budget-gib 0.2
+    python benchmarks/profile_decode.py --shape 8b --budget-gib 12 --tokens 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode import Decoder, build, sync  # noqa: E402
+from torchoffload import stream_weights  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", default="demo")
+    p.add_argument("--budget-gib", type=float, default=0.2)
+    p.add_argument("--tokens", type=int, default=32)
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    model = build(args.shape, dev)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, model.config.vocab_size, (1, 128), generator=g).to(dev)
+    h = stream_weights(model, dev, budget_bytes=int(args.budget_gib * 2**30),
+                       resident=("embed_tokens",))  # fmt: skip
+    dec = Decoder(model, prompt, args.tokens, h.cuda_graph)
+    dec.run()  # warm-up and capture
+    sync(dev)
+    before = h.stats().h2d_bytes
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        dec.run()
+        sync(dev)
+    moved = h.stats().h2d_bytes - before
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    copies = sorted((e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name)
+    busy = sum(b - a for a, b in copies)
+    span = copies[-1][1] - copies[0][0]
+    gaps = sorted(b[0] - a[1] for a, b in zip(copies, copies[1:], strict=False) if b[0] - a[1] > 20)
+    durations = sorted(b - a for a, b in copies)
+    print(f"{args.shape}, budget {args.budget_gib} GiB, {len(h.kept)}/{len(h.units)} units kept; "
+          f"one decode (prefill + {args.tokens - 1} steps)")  # fmt: skip
+    print(f"H2D copies {len(copies)}, {moved / 2**20:.1f} MiB, copy stream busy {busy / 1e3:.2f} "
+          f"ms of a {span / 1e3:.2f} ms span ({busy / span:.3f}), {moved / busy / 1e3:.1f} GB/s "
+          "while copying")  # fmt: skip
+    print(f"copy durations: min {durations[0]:.0f} us, median "
+          f"{durations[len(durations) // 2]:.0f}, max {durations[-1]:.0f}")  # fmt: skip
+    if gaps:
+        print(f"gaps over 20 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, median "
+              f"{gaps[len(gaps) // 2]:.0f} us")  # fmt: skip
+    h.remove()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
