@@ -202,3 +202,45 @@ def test_kept_units_sit_at_their_places_for_every_replay():
             assert h.stats().kept_units > 0
             arena_consistent(h._runtime)
     h.remove()
+
+
+def test_a_failed_warm_up_is_no_warm_up():
+    """A capture needs the schedule and the kept places of a completed eager call: after a
+    warm-up that raised, the next call is a warm-up again (a graph captured before the kept
+    places were fixed would copy into them at every replay)."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cpu", budget_bytes=3 * minimum_budget(model))
+    fail = [True]
+
+    def step(x):
+        if fail.pop() if fail else False:
+            raise RuntimeError("first call fails")
+        return model(x)
+
+    g = h.cuda_graph(step)
+    x = tokens((2, 10), 0)
+    with pytest.raises(RuntimeError, match="first call fails"):
+        g(x)
+    with torch.no_grad():
+        expected = ref(x)
+    for _ in range(3):
+        assert torch.equal(g(x), expected)
+    s = g.stats()
+    assert (s.eager_calls, s.captures, s.replays) == (2, 1, 2)
+    entry = next(iter(g._graphs.values()))
+    assert entry.arena == g._arena_state() and h.stats().kept_units > 0
+    h.remove()
+
+
+def test_a_graph_is_recaptured_when_the_kept_places_change(streamed):
+    ref, model, h = streamed
+    g = h.cuda_graph(model)
+    x = tokens((2, 10), 0)
+    with torch.no_grad():
+        expected = ref(x)
+    for _ in range(3):
+        g(x)
+    entry = next(iter(g._graphs.values()))
+    entry.arena = ("another split",)  # as if the arena had been planned again since
+    assert torch.equal(g(x), expected)
+    assert g.stats().captures == 2

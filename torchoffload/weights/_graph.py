@@ -29,6 +29,7 @@ is tested without a GPU.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +56,9 @@ class GraphStats:
 
 
 class _Captured:
-    __slots__ = ("graph", "inputs", "positions", "spec", "outputs", "kept", "delta", "fn_args")
+    __slots__ = (
+        "graph", "inputs", "positions", "spec", "outputs", "kept", "delta", "fn_args", "arena"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
@@ -66,6 +69,7 @@ class _Captured:
         self.kept: list[int] = []
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
+        self.arena: Any = None  # where the kept units were at capture (`_arena_state`)
 
 
 class StreamedGraph:
@@ -86,18 +90,27 @@ class StreamedGraph:
         self._captures = 0
         self._replays = 0
         self._eager = 0
+        self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._rt.removed:
+        with self._lock:  # static inputs and outputs are shared: one call at a time
+            return self._call(args, kwargs)
+
+    def _call(self, args: Any, kwargs: Any) -> Any:
+        rt = self._rt
+        if rt.removed:
             raise RuntimeError("the WeightStreamHandle of this graph was removed")
         leaves, spec = tree_flatten((args, kwargs))
         key = (spec, tuple(self._describe(i, x) for i, x in enumerate(leaves)))
         entry = self._graphs.get(key)
-        if entry is None:
-            if len(self._graphs) < self.max_graphs:
-                self._graphs[key] = _Captured()
-            return self._eagerly(args, kwargs)
+        if entry is None or rt.schedule.order is None:  # a warm-up: no schedule, nothing kept
+            out = self._eagerly(args, kwargs)
+            if entry is None and len(self._graphs) < self.max_graphs:
+                self._graphs[key] = _Captured()  # after it returned: a failed one is no warm-up
+            return out
         with torch.no_grad():
+            if entry.graph is not None and entry.arena != self._arena_state():
+                entry = self._graphs[key] = _Captured()  # kept units moved: capture again
             if entry.graph is None:
                 self._capture(entry, leaves, spec)
             else:
@@ -120,7 +133,8 @@ class StreamedGraph:
     def reset(self) -> None:
         """Drop every captured graph (and its memory); the next call of each signature is
         a warm-up again."""
-        self._graphs.clear()
+        with self._lock:
+            self._graphs.clear()
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -151,15 +165,23 @@ class StreamedGraph:
         with torch.no_grad():
             return self._fn(*args, **kwargs)
 
+    def _arena_state(self) -> Any:
+        """The arena's split into ring and kept places, which a captured graph relies on."""
+        arena = self._rt.arena
+        kept = tuple((u.index, u.fixed) for u in self._rt.units if u.fixed is not None)
+        return arena.ring_cap, kept
+
     def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
         rt = self._rt
         statics = list(leaves)
+        entry.positions, entry.inputs = [], []  # a failed capture left nothing behind
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
                 statics[i] = s.copy_(x)
                 entry.positions.append(i)
                 entry.inputs.append(s)
+        entry.arena = self._arena_state()
         args, kwargs = tree_unflatten(statics, spec)
         entry.spec = spec
         entry.fn_args = (args, kwargs)
@@ -178,8 +200,10 @@ class StreamedGraph:
                     graph, stream=self._stream, capture_error_mode="thread_local"
                 ):
                     rt.start_capture(self._engine)
-                    entry.outputs = self._fn(*args, **kwargs)
-                    rt.finish_capture()
+                    try:
+                        entry.outputs = self._fn(*args, **kwargs)
+                    finally:  # joined even when fn raises: the capture ends with its error
+                        rt.finish_capture()
             finally:
                 entry.delta = rt.end_capture()
             torch.cuda.current_stream(self.device).wait_stream(self._stream)

@@ -155,8 +155,14 @@ class WeightStreamHandle:
         signature (an object such as a KV cache by identity). Runs under `torch.no_grad()`.
         On the CPU the same bookkeeping runs without a graph (for tests). See Note:
         [Captured calls by signature] and Note: [Weights in a captured graph]."""
-        self._runtime._check_live()
-        return StreamedGraph(self._runtime, fn, max_graphs=max_graphs)
+        rt = self._runtime
+        rt._check_live()
+        if rt.device.type == "cuda" and not (rt.host.is_pinned() and rt.config.use_streams):
+            raise ValueError(
+                "cuda_graph needs the host store pinned and a copy stream: call stream_weights "
+                "with pin_memory=True and use_streams=True (the defaults)"
+            )
+        return StreamedGraph(rt, fn, max_graphs=max_graphs)
 
     def reset_stats(self) -> None:
         rt = self._runtime

@@ -489,7 +489,8 @@ class WeightRuntime:
                 for f in dataclasses.fields(Counters)
             })  # fmt: skip
             self.counters = before
-            self.arena.counters = before
+            if self.arena is not None:  # fn may have called remove()
+                self.arena.counters = before
             return delta
         finally:
             self._lock.release()
@@ -555,7 +556,7 @@ class WeightRuntime:
         """Prefetch the next ``prefetch_depth`` units of the schedule that live in the ring;
         kept units found loaded are passed over (Note: [Prefetch counts ring units])."""
         depth = self.config.prefetch_depth
-        if not depth:
+        if not depth or not self.arena.ring_cap:  # nothing lives in the ring: all kept
             return
         for index in self.schedule.ahead(pos, wrap=not self.capturing):
             unit = self.units[index]
