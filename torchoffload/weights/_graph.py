@@ -56,20 +56,16 @@ class GraphStats:
 
 
 class _Captured:
-    __slots__ = (
-        "graph", "inputs", "positions", "spec", "outputs", "kept", "delta", "fn_args", "arena"
-    )  # fmt: skip
+    __slots__ = ("graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena")
 
     def __init__(self) -> None:
         self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
         self.inputs: list[torch.Tensor] = []  # static copies of the tensor arguments
         self.positions: list[int] = []  # where they are among the flattened arguments
-        self.spec: Any = None
         self.outputs: Any = None
-        self.kept: list[int] = []
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
-        self.arena: Any = None  # where the kept units were at capture (`_arena_state`)
+        self.arena: Any = None  # ring size and kept places at capture (`_arena_state`)
 
 
 class StreamedGraph:
@@ -169,7 +165,7 @@ class StreamedGraph:
         """The arena's split into ring and kept places, which a captured graph relies on."""
         arena = self._rt.arena
         kept = tuple((u.index, u.fixed) for u in self._rt.units if u.fixed is not None)
-        return arena.ring_cap, kept
+        return arena.ring_cap, kept  # a capture keeps nothing new: this holds until replays
 
     def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
         rt = self._rt
@@ -183,7 +179,6 @@ class StreamedGraph:
                 entry.inputs.append(s)
         entry.arena = self._arena_state()
         args, kwargs = tree_unflatten(statics, spec)
-        entry.spec = spec
         entry.fn_args = (args, kwargs)
         if not self._cuda:
             entry.graph = "host"  # its first replay sets the outputs
@@ -208,7 +203,6 @@ class StreamedGraph:
                 entry.delta = rt.end_capture()
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
             entry.graph = graph
-        entry.kept = [u.index for u in rt.units if u.fixed is not None]
         self._captures += 1
 
     def _run_on_host(self, entry: _Captured) -> Any:
@@ -226,7 +220,7 @@ class StreamedGraph:
         return out
 
     def _replay(self, entry: _Captured) -> None:
-        with self._rt.replaying(entry.kept):
+        with self._rt.replaying([index for index, _ in entry.arena[1]]):
             if self._cuda:
                 entry.graph.replay()
             else:

@@ -398,8 +398,8 @@ class WeightRuntime:
     def _recover(self) -> None:
         """Undo what an interrupted call left: busy units unbound, its pass dropped."""
         busy = [u for u in self.units if u.busy]
-        if busy and self.device.type != "cpu":
-            torch.get_device_module(self.device.type).synchronize(self.device)
+        if busy:
+            self._sync()
         for unit in busy:
             self._finish(unit, None)
         for unit in self.units:
@@ -529,6 +529,7 @@ class WeightRuntime:
             c.graph_replays += 1
 
     def _sync(self) -> None:
+        """Wait for the device (nothing to wait for on the CPU)."""
         if self.device.type != "cpu":
             torch.get_device_module(self.device.type).synchronize(self.device)
 
@@ -562,16 +563,13 @@ class WeightRuntime:
             unit = self.units[index]
             if unit.fixed is not None and unit.loc is not None:
                 continue
+            if not unit.busy:
+                if unit.loc is None:
+                    if not self.arena.place(unit, prefetch=True):
+                        break  # the ring is full of units still needed: retry at the next unit
+                    self.counters.prefetch_issued += 1
+                unit.pending = True  # needed soon: later prefetches must not overwrite it
             depth -= 1
-            if unit.busy:
-                if not depth:
-                    break
-                continue
-            if unit.loc is None:
-                if not self.arena.place(unit, prefetch=True):
-                    break  # the ring is full of units still needed: retry at the next unit
-                self.counters.prefetch_issued += 1
-            unit.pending = True  # needed soon: later prefetches must not overwrite it
             if not depth:
                 break
 
@@ -701,8 +699,7 @@ class WeightRuntime:
         with self._lock:
             self._check_live()
             self._wait_idle("load_state_dict()")
-            if self.device.type != "cpu":  # nothing may still read the host bytes
-                torch.get_device_module(self.device.type).synchronize(self.device)
+            self._sync()  # nothing may still read the host bytes
             with torch.no_grad():
                 for leaf, v in pairs:
                     self._host_view(leaf).copy_(v)
@@ -726,8 +723,7 @@ class WeightRuntime:
                 return
             self._wait_idle("remove()")
             self.removed = True
-            if self.device.type != "cpu":
-                torch.get_device_module(self.device.type).synchronize(self.device)
+            self._sync()
             with torch.inference_mode(False), torch.no_grad():
                 self._restore()
             for slot in self.layout.streamed:
