@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import torchoffload.compile as toc
 from torchoffload.models import GPT, GPTConfig
@@ -89,4 +90,37 @@ def test_runner_errors():
         toc.stream_exported_weights(torch.nn.Linear(2, 2), "cpu", budget_bytes=1 << 20)
     runner = toc.stream_exported_weights(ep, "cpu", budget_bytes=1 << 20)
     with pytest.raises(RuntimeError, match="probe id 999"):
-        runner._serve(999)
+        runner._server.serve(999)
+
+
+class _ViewedLater(nn.Module):
+    """``a`` is read through a view (``a.t()``) after ``b``'s probe: the view node itself
+    reads nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(16, 16))
+        self.b = nn.Parameter(torch.randn(16, 16))
+        self.c = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        at = self.a.t()
+        y = x @ self.b
+        return (y @ at) @ self.c
+
+
+def test_a_weight_read_through_a_view_is_held_until_the_read():
+    """Finishing ``a`` at ``b``'s probe (after the view, before the read) let ``b``'s copy
+    overwrite it: a wrong result at the one-unit budget. Now ``a`` is held to its read, and a
+    budget that cannot hold both says so."""
+    torch.manual_seed(0)
+    model = _ViewedLater().eval()
+    x = torch.randn(4, 16)
+    ep = torch.export.export(model, (x,))
+    with torch.no_grad():
+        expected = model(x)
+    runner = toc.stream_exported_weights(ep, "cpu", budget_bytes=2048, prefetch_depth=0)
+    assert torch.equal(runner(x), expected)
+    runner = toc.stream_exported_weights(ep, "cpu", budget_bytes=1024, prefetch_depth=0)
+    with pytest.raises(RuntimeError, match="no room in the"):
+        runner(x)

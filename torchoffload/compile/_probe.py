@@ -19,6 +19,8 @@ A probe outside a runner returns a copy of its weight (the program runs unchange
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,17 +31,116 @@ from torchoffload._transfer import compute_device
 from torchoffload.weights import WeightStreamHandle, _layout
 from torchoffload.weights._runtime import StreamConfig, WeightRuntime
 
-__all__ = ["ExportedWeightRunner", "insert_weight_probes", "stream_exported_weights"]
+__all__ = [
+    "ExportedWeightRunner",
+    "ProbeServer",
+    "insert_weight_probes",
+    "readers",
+    "serving",
+    "stream_exported_weights",
+]
 
-_active: list[ExportedWeightRunner] = []  # the runner whose graph is running now
+_active: list[ProbeServer] = []  # the server whose program is running now (innermost last)
+
+
+def serving() -> ProbeServer | None:
+    """The `ProbeServer` of the program running now on any thread, or None."""
+    return _active[-1] if _active else None
+
+
+def readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s memory: its users, and the users of every view of it (a
+    view reads nothing itself; whoever consumes the view does)."""
+    out: list[fx.Node] = []
+    todo = list(node.users)
+    while todo:
+        user = todo.pop()
+        if user.op == "output":
+            continue
+        out.append(user)
+        if _is_view(user):
+            todo.extend(user.users)
+    return out
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return _is_view(node.args[0])
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    )
+
+
+class ProbeServer:
+    """Serves a program's weight probes by id from a `WeightRuntime` (Note: [Serving a
+    probe]). ``sources[i]`` is probe ``i``'s (unit index, module, attribute): the unit to enter
+    and where its tensor is bound, or unit -1 for a tensor that stays on the device.
+    ``positions[i]`` and ``last_use[i]`` are probe ``i``'s place in the graph and that of its
+    last user. Used by `ExportedWeightRunner` and `StreamedPackage`, through the runtime's
+    call API (``begin_call``, ``enter``, ``exit``, ``end_call``)."""
+
+    def __init__(self, runtime: WeightRuntime, sources: list[tuple[int, nn.Module, str]],
+                 positions: Sequence[int], last_use: Sequence[int]):  # fmt: skip
+        self.runtime = runtime
+        self.sources = sources
+        self.positions = list(positions)
+        self.last_use = list(last_use)
+        self.served: list[int] = []  # probe ids served in the current call (for tests)
+        self._held: dict[int, int] = {}  # unit index -> position of its last use so far
+
+    def run(self, program: Any, args: tuple, kwargs: dict) -> Any:
+        """Call ``program(*args, **kwargs)`` with its probes served from the runtime."""
+        rt = self.runtime
+        if program is None:
+            raise RuntimeError("this program was removed")
+        if self in _active:
+            raise RuntimeError("this streamed program is already running (re-entered)")
+        with torch.no_grad():
+            rt.begin_call(None)  # ended in the finally below, so it needs no frame
+            _active.append(self)
+            self.served = []
+            ok = False
+            try:
+                out = program(*args, **kwargs)
+                ok = True
+            finally:
+                try:
+                    self._release(None)
+                finally:
+                    _active.remove(self)
+                    rt.end_call(ok)
+        return out
+
+    def serve(self, probe_id: int) -> torch.Tensor:
+        if not 0 <= probe_id < len(self.sources):
+            raise RuntimeError(
+                f"probe id {probe_id} is not one of this program's {len(self.sources)} probes"
+            )
+        self.served.append(probe_id)
+        self._release(self.positions[probe_id])
+        index, module, attr = self.sources[probe_id]
+        if index >= 0:
+            if index not in self._held:
+                self.runtime.enter(index, None)
+            self._held[index] = max(self._held.get(index, -1), self.last_use[probe_id])
+        return getattr(module, attr).detach()
+
+    def _release(self, before: int | None) -> None:
+        """Finish the units whose uses are queued (Note: [Serving a probe])."""
+        for index, use in list(self._held.items()):
+            if before is None or use < before:
+                del self._held[index]
+                self.runtime.exit(index, None)
 
 
 @torch.library.custom_op("torchoffload::probe", mutates_args=())
 def probe(w: torch.Tensor, probe_id: int) -> torch.Tensor:
     """The weight for probe ``probe_id``: served by the running `ExportedWeightRunner`, or a
     copy of ``w`` when no runner is running. See Note: [Serving a probe]."""
-    if _active:
-        return _active[-1]._serve(probe_id)
+    server = serving()
+    if server is not None:
+        return server.serve(probe_id)
     return w.clone()
 
 
@@ -139,47 +240,15 @@ class ExportedWeightRunner:
         self._gm = gm
         positions = {n: i for i, n in enumerate(gm.graph.nodes)}
         probes = [n for n in gm.graph.nodes if n.target is torch.ops.torchoffload.probe.default]
-        self._probe_pos = [positions[p] for p in probes]
-        self._use_pos = [max(positions[u] for u in p.users) for p in probes]
-        self._held: dict[int, int] = {}  # unit index -> position of its last use so far
+        self._server = ProbeServer(
+            self._runtime,
+            [(i, self._runtime.units[i].layout.module, "w") for i in self._unit_of],
+            [positions[p] for p in probes],
+            [max(positions[u] for u in readers(p)) for p in probes],
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        rt = self._runtime
-        if self in _active:
-            raise RuntimeError("this ExportedWeightRunner is already running (re-entered)")
-        with torch.no_grad():
-            rt.begin_call(None)  # ended in the finally below, so it needs no frame
-            _active.append(self)
-            ok = False
-            try:
-                out = self._gm(*args, **kwargs)
-                ok = True
-            finally:
-                try:
-                    self._release(None)
-                finally:
-                    _active.remove(self)
-                    rt.end_call(ok)
-        return out
-
-    def _serve(self, probe_id: int) -> torch.Tensor:
-        if not 0 <= probe_id < len(self._unit_of):
-            raise RuntimeError(
-                f"probe id {probe_id} is not one of this program's {len(self._unit_of)} probes"
-            )
-        self._release(self._probe_pos[probe_id])
-        index = self._unit_of[probe_id]
-        if index not in self._held:
-            self._runtime.enter(index, None)
-        self._held[index] = max(self._held.get(index, -1), self._use_pos[probe_id])
-        return self._runtime.units[index].layout.module.w.detach()
-
-    def _release(self, before: int | None) -> None:
-        """Finish the units whose uses are queued (Note: [Serving a probe])."""
-        for index, use in list(self._held.items()):
-            if before is None or use < before:
-                del self._held[index]
-                self._runtime.exit(index, None)
+        return self._server.run(self._gm, args, kwargs)
 
     def remove(self) -> None:
         """Release the host copy and the arena."""
