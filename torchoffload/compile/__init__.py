@@ -13,7 +13,10 @@ Training: ``torch.compile(model, backend=toc.backend(ActivationOffloadConfig()))
 saved activations inside the compiled graphs (`offload_activations_pass`); the config is the
 eager mode's (``ActivationPassConfig`` is the same type). Inference:
 ``toc.stream_exported_weights(ep, device, budget_bytes=...)`` runs an exported program with
-its weights streamed through probes (`insert_weight_probes`).
+its weights streamed through probes (`insert_weight_probes`); ``toc.save_streamed_package``
+compiles a model with AOTInductor into a package that holds no weights and
+``toc.load_streamed_package`` runs it with its weights streamed from a safetensors file
+(`torchoffload.compile._package`).
 """
 
 from torchoffload.compile._backend import ActivationPartitioner, backend
@@ -23,6 +26,15 @@ from torchoffload.compile._ops import (
     op_stats,
     reset_op_stats,
     set_op_pool,
+)
+from torchoffload.compile._package import (
+    Catalog,
+    StreamedPackage,
+    WeightEntry,
+    export_streamed,
+    load_streamed_package,
+    read_catalog,
+    save_streamed_package,
 )
 from torchoffload.compile._pass import (
     ActivationPassConfig,
@@ -39,16 +51,23 @@ from torchoffload.compile._probe import (
 __all__ = [
     "ActivationPartitioner",
     "ActivationPassConfig",
+    "Catalog",
     "ExportedWeightRunner",
     "OffloadDecision",
     "OpStats",
     "PassReport",
+    "StreamedPackage",
+    "WeightEntry",
     "backend",
     "discard_in_flight",
+    "export_streamed",
     "insert_weight_probes",
+    "load_streamed_package",
     "offload_activations_pass",
     "op_stats",
+    "read_catalog",
     "reset_op_stats",
+    "save_streamed_package",
     "set_op_pool",
     "stream_exported_weights",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Checkpoint", "CheckpointError", "Entry"]
+__all__ = ["Checkpoint", "CheckpointError", "Entry", "write_safetensors"]
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -133,6 +133,40 @@ class Checkpoint:
                 for entry, dst in items:
                     f.seek(entry.offset)
                     _readinto(f, dst, entry)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: dict[str, torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> dict[str, Entry]:
+    """Write ``tensors`` (each dense, C order once made contiguous) to a safetensors file, one
+    tensor at a time (no second copy of the whole set in memory), and return the file's
+    entries. Tensors on an accelerator are copied to the host one by one."""
+    names = {dt: code for code, dt in _DTYPES.items()}
+    header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in names:
+            raise TypeError(f"cannot write {name!r}: safetensors has no dtype {t.dtype}")
+        if t.is_meta:
+            raise ValueError(f"cannot write {name!r}: it is on the meta device (no values)")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}  # fmt: skip
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    p = Path(path)
+    with open(p, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for t in tensors.values():
+            host = t.detach().to("cpu").contiguous()
+            n = host.numel() * host.element_size()
+            if n:
+                f.write(memoryview((ctypes.c_char * n).from_address(host.data_ptr())).cast("B"))
+    return _read_header(p)
 
 
 def _readinto(f, dst: torch.Tensor, entry: Entry) -> None:

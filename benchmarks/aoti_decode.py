@@ -1,0 +1,262 @@
+"""Greedy decode of a Llama-shaped model compiled with AOTInductor into a package that holds no
+weights (`torchoffload.compile.save_streamed_package`), its weights streamed from a safetensors
+file through a device arena (`load_streamed_package`).
+
+    python benchmarks/aoti_decode.py --shape demo   # hidden 1024, 8 layers
+    python benchmarks/aoti_decode.py --shape 8b     # hidden 4096, 32 layers, GQA 8, vocab 128256
+    python benchmarks/aoti_decode.py --shape tiny   # a smoke run (CPU or GPU)
+
+The model is this file's `Decoder` (random weights, Hugging Face Llama's names and shapes): one
+program for the prefill and the one-token steps (the sequence length is dynamic), its KV cache
+two input tensors written in place. Rows: ``aoti resident`` is the same package with a budget
+that keeps every unit in the arena (no copy after the first call): the compiled program's own
+speed, which is the bound's compute term; ``aoti streamed`` at each budget, the embedding
+table resident (``--resident``) as in benchmarks/decode.py. Each row decodes twice (warm-up,
+timed) and its tokens must equal the resident row's. Columns as
+benchmarks/decode.py: ms per decoded token, weight bytes copied per token and their GB/s, the
+bound ``max(t_resident, bytes / bw)`` over the time (bw: pinned host-to-device bandwidth
+measured in this run), peak device memory, host ms per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.decode import SHAPES  # noqa: E402
+from benchmarks.weights import h2d_bandwidth  # noqa: E402
+from torchoffload.compile import load_streamed_package, save_streamed_package  # noqa: E402
+
+GIB = 1 << 30
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return (x.float() * torch.rsqrt(var + 1e-5)).to(x.dtype) * self.weight
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden, inter, heads, kv_heads):
+        super().__init__()
+        hd = hidden // heads
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, hd
+        self.input_layernorm = RMSNorm(hidden)
+        self.post_attention_layernorm = RMSNorm(hidden)
+        attn = nn.Module()
+        attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)
+        attn.k_proj = nn.Linear(hidden, kv_heads * hd, bias=False)
+        attn.v_proj = nn.Linear(hidden, kv_heads * hd, bias=False)
+        attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
+        mlp = nn.Module()
+        mlp.gate_proj = nn.Linear(hidden, inter, bias=False)
+        mlp.up_proj = nn.Linear(hidden, inter, bias=False)
+        mlp.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.self_attn, self.mlp = attn, mlp
+
+    def forward(self, x, cos, sin, pos, k_cache, v_cache, mask):
+        b, t, _ = x.shape
+        a = self.self_attn
+        h = self.input_layernorm(x)
+        q = a.q_proj(h).view(b, t, self.heads, self.hd).transpose(1, 2)
+        k = a.k_proj(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        v = a.v_proj(h).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        k_cache.index_copy_(2, pos, k)
+        v_cache.index_copy_(2, pos, v)
+        rep = self.heads // self.kv_heads
+        keys = k_cache.repeat_interleave(rep, 1)
+        values = v_cache.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        x = x + a.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        h = self.post_attention_layernorm(x)
+        m = self.mlp
+        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return x * cos + torch.cat((-x2, x1), -1) * sin
+
+
+class Decoder(nn.Module):
+    """A Llama decoder over a static KV cache passed in as two tensors
+    ``[layers, batch, kv_heads, max_len, head_dim]`` written in place at ``pos``."""
+
+    def __init__(self, hidden, inter, layers, heads, kv_heads, vocab):
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        self.model.layers = nn.ModuleList(
+            Layer(hidden, inter, heads, kv_heads) for _ in range(layers)
+        )
+        self.model.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        hd = hidden // heads
+        inv = 1.0 / (500000.0 ** (torch.arange(0, hd, 2).float() / hd))
+        self.register_buffer("inv_freq", inv, persistent=False)  # kept in the program
+
+    def forward(self, ids, pos, k_cache, v_cache):
+        x = self.model.embed_tokens(ids)
+        freqs = pos.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        max_len = k_cache.shape[3]
+        mask = torch.arange(max_len, device=ids.device)[None, :] <= pos[:, None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, pos, k_cache[i], v_cache[i], mask)
+        return self.lm_head(self.model.norm(x[:, -1:]))[:, -1].float()
+
+
+def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None):
+    dev = prompt.device
+    n = prompt.shape[1]
+    for c in caches:
+        c.zero_()
+    tok = program(prompt, torch.arange(n, device=dev), *caches).argmax(-1, keepdim=True)
+    toks = [tok]
+    positions = torch.arange(n, n + tokens, device=dev)
+    if after_prefill is not None:
+        after_prefill()
+    for i in range(tokens - 1):
+        if host_times is not None:
+            sync(dev)
+        t0 = time.perf_counter()
+        tok = program(tok, positions[i : i + 1], *caches).argmax(-1, keepdim=True)
+        if host_times is not None:
+            host_times.append(time.perf_counter() - t0)
+        toks.append(tok)
+    return torch.cat(toks, 1)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--budgets", type=float, nargs="*", help="GiB (default: the shape's)")
+    p.add_argument(
+        "--resident",
+        default="embed_tokens",
+        help="name patterns kept on the device in the streamed rows (comma-separated)",
+    )
+    p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    hidden, inter, layers, heads, kv, vocab, default_budgets = SHAPES[args.shape]
+    dtype = torch.bfloat16 if gpu else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Decoder(hidden, inter, layers, heads, kv, vocab).to(dtype).eval()
+    for prm in model.parameters():
+        prm.data.normal_(0, 0.02)
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    max_len = args.prompt + args.tokens
+    caches = [torch.zeros(layers, 1, kv, max_len, hidden // heads, dtype=dtype, device=device)
+              for _ in range(2)]  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(1, vocab, (1, args.prompt), generator=g).to(device)
+    work = Path(args.dir or tempfile.mkdtemp(prefix="aoti_decode_"))
+    work.mkdir(parents=True, exist_ok=True)
+    seq = torch.export.Dim("seq", min=1, max=max_len)
+    t0 = time.perf_counter()
+    catalog = save_streamed_package(
+        model, (prompt, torch.arange(args.prompt, device=device), *caches),
+        work / "decoder.pt2", weights=work / "decoder.safetensors",
+        dynamic_shapes=({1: seq}, {0: seq}, None, None),
+    )  # fmt: skip
+    save_s = time.perf_counter() - t0
+    model = None
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    bw = h2d_bandwidth(device)
+    pt2 = (work / "decoder.pt2").stat().st_size
+    print(
+        f"# {datetime.date.today()} {torch.cuda.get_device_name(device) if gpu else 'cpu'} "
+        f"torch {torch.__version__}; {args.shape}: {weights / GIB:.2f} GiB of weights, "
+        f"{len(catalog.probes)} probes; package {pt2 / 2**20:.1f} MiB ({pt2 / weights:.4%} of "
+        f"the weights), saved in {save_s:.0f} s; prompt {args.prompt}, {args.tokens} tokens; "
+        f"pinned H2D {bw:.1f} GB/s",
+        flush=True,
+    )
+    rows = []
+    expected = None
+    t_resident = None
+    steps = args.tokens - 1
+    for name, budget_gib in [("aoti resident", None)] + [
+        ("aoti streamed", b) for b in (args.budgets or default_budgets)
+    ]:
+        budget = int(budget_gib * GIB) if budget_gib is not None else weights + (64 << 20)
+        resident = tuple(filter(None, args.resident.split(","))) if budget_gib else ()
+        t0 = time.perf_counter()
+        program = load_streamed_package(work / "decoder.pt2", work / "decoder.safetensors",
+                                        device, budget_bytes=budget, resident=resident)  # fmt: skip
+        load_s = time.perf_counter() - t0
+        with torch.inference_mode():
+            decode(program, prompt, args.tokens, caches)  # warm-up
+            sync(device)
+            if gpu:
+                torch.cuda.reset_peak_memory_stats(device)
+            start = []
+
+            def after_prefill(start=start, program=program):
+                sync(device)
+                start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
+
+            toks = decode(program, prompt, args.tokens, caches, after_prefill=after_prefill)
+            sync(device)
+            seconds = time.perf_counter() - start[0][0]
+            moved = (program.handle.stats().h2d_bytes - start[0][1]) / steps
+            host: list[float] = []
+            decode(program, prompt, args.tokens, caches, host)
+        ms = seconds * 1e3 / steps
+        if expected is None:
+            expected, t_resident = toks, ms
+        bound = max(t_resident, moved / (bw * 1e9) * 1e3) if gpu else math.nan
+        peak = torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan
+        row = dict(row=name, budget_gib=budget_gib, ms_per_token=ms, bytes_per_token=moved,
+                   gbps=moved / seconds * steps / 1e9, bound_ms=bound, ratio=bound / ms,
+                   peak_gib=peak, host_ms=statistics.median(host) * 1e3,
+                   equal=torch.equal(toks, expected), load_s=load_s)  # fmt: skip
+        rows.append(row)
+        print(f"  {name:<14} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
+              f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
+              f"({row['ratio']:.3f})  peak {peak:6.2f} GiB  host {row['host_ms']:6.2f} ms  "
+              f"equal {row['equal']}  load {load_s:.1f} s", flush=True)  # fmt: skip
+        program.remove()
+        del program
+        gc.collect()
+    if args.json:
+        args.json.write_text(json.dumps(dict(shape=args.shape, bw=bw, rows=rows), indent=1))
+    return 0 if all(r["equal"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

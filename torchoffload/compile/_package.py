@@ -1,0 +1,537 @@
+"""Compiled programs that hold no weights: AOTInductor packages whose weights stream by id.
+
+::
+
+    import torchoffload.compile as toc
+    toc.save_streamed_package(model, (tokens,), "model.pt2", weights="model.safetensors")
+    program = toc.load_streamed_package("model.pt2", "model.safetensors", "cuda",
+                                        budget_bytes=4 << 30)
+    logits = program(tokens)
+
+`export_streamed` traces the model with fake weights on the target device (no weight byte is
+read or copied) and replaces every use of every parameter and buffer with
+``torch.ops.torchoffload.weight(after, probe_id, geometry, dtype, device)``: an op with no weight
+input, so the program knows each weight by its probe id only and a compiler has no weight to
+fold, copy or embed. The `Catalog` says, per probe id, which weight it is (name, dtype, shape,
+stride, bytes, and its byte offset in the weights file written at export). `save_streamed_package`
+compiles that program with AOTInductor and stores the catalog inside the ``.pt2``;
+`load_streamed_package` checks the catalog against a safetensors file (one file, a sharded
+index, or a directory), reads the weights straight into the weight engine's pinned host store
+(`stream_weights(checkpoint=)`'s reader) and serves every probe from the engine's device arena.
+
+Note: [Ordering weights in a compiled program]
+A compiler may reorder, fuse and reuse buffers; the eager runner's rules (Note: [Serving a
+probe]) hold only if the compiled program keeps three orders, so each is made a data
+dependency or an output that any compiler must respect:
+1. Probes run in id order: probe j takes probe j-1's output in ``after``.
+2. Every node before probe j in graph order runs before it and is not computed again after it:
+   ``after`` also holds each node between probe j-1 and probe j that has a user past probe j.
+   A node fed to an opaque op is realized (computed once into a buffer that its consumers
+   read), so a compiler that inlines a pointwise read of a weight into its consumers (Inductor
+   does this with an embedding lookup) can inline it only into nodes that run before probe j.
+   Every other node there is an ancestor of one in ``after``; earlier ones are covered by 1.
+   So when probe j finishes a unit (records its "done" event), every read of that unit's
+   weights is queued. A view of a weight reads nothing: the unit is finished after the last
+   node that reads it through views (`readers`). Found by a Hugging Face Llama on the CPU,
+   whose compiled residual adds re-read the embedding table after its unit was finished.
+3. No compiler reuses a weight's memory: every probe output is also a graph output (dropped by
+   the runner), and an output buffer is never freed or written in place by the program.
+The cost is that the nodes in 2 are materialized where a compiler might have fused them into a
+later kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+from torchoffload._transfer import compute_device
+from torchoffload._validate import check_int
+from torchoffload.compile._ops import _lib
+from torchoffload.compile._probe import ProbeServer, readers, serving
+from torchoffload.weights import WeightStreamHandle, _layout
+from torchoffload.weights._checkpoint import _DTYPES, Checkpoint, CheckpointError, write_safetensors
+from torchoffload.weights._handle import _check_resident
+from torchoffload.weights._runtime import STREAMED, StreamConfig, WeightRuntime
+
+__all__ = [
+    "Catalog",
+    "StreamedPackage",
+    "WeightEntry",
+    "export_streamed",
+    "load_streamed_package",
+    "read_catalog",
+    "save_streamed_package",
+]
+
+CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
+FORMAT = 1
+_DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
+
+
+# Defined at the lower level (Note: [Defining the ops with torch.library.Library]) for its cost
+# and because its outputs alias each other: every weight is a view of the one arena storage,
+# which a custom_op's alias check refuses.
+_lib.define(
+    "weight(Tensor[] after, int probe_id, int[] geometry, ScalarType dtype, Device device) "
+    "-> Tensor"
+)
+
+
+def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:  # fmt: skip
+    """The weight of probe ``probe_id``, served by the running program (`StreamedPackage`).
+    ``geometry`` is ``[ndim, *shape, *stride]`` (never empty: an empty int list does not survive
+    the AOTInductor proxy executor); ``after`` only orders the op (Note: [Ordering weights in a
+    compiled program])."""
+    server = serving()
+    if server is None:
+        raise RuntimeError(
+            f"torchoffload.weight probe {probe_id} ran outside a streamed program: load the "
+            "package with torchoffload.compile.load_streamed_package and call what it returns"
+        )
+    return server.serve(probe_id)
+
+
+def _weight_fake(after, probe_id, geometry, dtype, device):
+    n = geometry[0]
+    return torch.empty_strided(geometry[1 : 1 + n], geometry[1 + n :], dtype=dtype, device=device)
+
+
+_lib.impl("weight", _weight, "CompositeExplicitAutograd")
+torch.library.register_fake("torchoffload::weight", _weight_fake, lib=_lib)
+fx.node.has_side_effect(torch.ops.torchoffload.weight.default)
+
+
+# -- the catalog --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One weight of a streamed program: its names (a tied weight has several; the first is the
+    one the weights file holds), geometry, bytes, and byte offset in the weights file written at
+    export (``None`` when none was)."""
+
+    names: tuple[str, ...]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    nbytes: int
+    offset: int | None = None
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """What a streamed program's probes serve: ``probes[i]`` is the name of the weight probe
+    ``i`` serves; ``weights`` maps that name to its `WeightEntry`. ``positions[i]`` is probe
+    ``i``'s place in the traced graph and ``last_use[i]`` that of its last user, which decide
+    when a unit is finished (Note: [Serving a probe])."""
+
+    device_type: str
+    probes: tuple[str, ...]
+    weights: dict[str, WeightEntry]
+    positions: tuple[int, ...]
+    last_use: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e.nbytes for e in self.weights.values())
+
+    def to_json(self) -> str:
+        weights = {
+            name: {"names": list(e.names), "dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape),
+                   "stride": list(e.stride), "nbytes": e.nbytes, "offset": e.offset}
+            for name, e in self.weights.items()
+        }  # fmt: skip
+        return json.dumps(
+            {"format": FORMAT, "device_type": self.device_type, "probes": list(self.probes),
+             "weights": weights, "positions": list(self.positions),
+             "last_use": list(self.last_use)},
+            indent=1,
+        )  # fmt: skip
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "catalog") -> Catalog:
+        try:
+            d = json.loads(text)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format {d.get('format')!r}, this torchoffload reads {FORMAT}")
+            weights = {
+                name: WeightEntry(tuple(e["names"]), _DTYPES[e["dtype"]], tuple(e["shape"]),
+                                  tuple(e["stride"]), int(e["nbytes"]), e["offset"])
+                for name, e in d["weights"].items()
+            }  # fmt: skip
+            cat = cls(str(d["device_type"]), tuple(d["probes"]), weights,
+                      tuple(d["positions"]), tuple(d["last_use"]))  # fmt: skip
+            if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
+                raise ValueError("probes, positions and last_use differ in length")
+            unknown = [n for n in cat.probes if n not in weights]
+            if unknown:
+                raise ValueError(f"probe of {unknown[0]!r}, which it does not describe")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{source} is not a torchoffload weight catalog ({e})") from None
+        return cat
+
+
+# -- export -------------------------------------------------------------------------------------
+
+
+def export_streamed(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dynamic_shapes: Any = None,
+    device: torch.device | str | int | None = None,
+) -> tuple[torch.export.ExportedProgram, Catalog]:
+    """Export ``model`` as a program that holds no weights: each use of each parameter and
+    buffer reads ``torch.ops.torchoffload.weight`` by probe id (module docstring). Returns the
+    program and its `Catalog`.
+
+    The model is traced with fake weights on ``device`` (default: that of the first tensor in
+    ``args``), so its own weights may be anywhere, the ``meta`` device included, and are never
+    read. ``args``, ``kwargs`` and ``dynamic_shapes`` are `torch.export.export`'s. Not
+    supported (a clear error): buffers the forward writes to, tensor-subclass weights, and a
+    model that `stream_weights` streams now.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(args, tuple):
+        raise TypeError(f"args must be a tuple of arguments, not {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if device is None:
+        if not tensors:
+            raise ValueError("no tensor in args or kwargs: pass device= to say where it runs")
+        device = tensors[0].device
+    device = compute_device(device)
+    slots = _layout.find_slots(model)
+    for slot in slots:
+        if slot.tensor in STREAMED:
+            raise RuntimeError(
+                f"{slot.name!r} is streamed by stream_weights (its device tensor is empty): "
+                "export before stream_weights or after the handle's remove()"
+            )
+        if type(slot.tensor) not in (torch.Tensor, nn.Parameter):
+            raise TypeError(
+                f"cannot export {slot.name!r}: a {type(slot.tensor).__qualname__} weight (only "
+                "plain tensors stream inside a compiled program)"
+            )
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    memo: dict[int, Any] = {}
+    saved = set(model.state_dict(keep_vars=True))
+    for slot in slots:
+        t = slot.tensor
+        if not t.is_meta and not any(q in saved for _, _, q in slot.where):
+            # A buffer outside the state dict (a rotary table computed at construction): no
+            # checkpoint holds it, so the program keeps it as a constant of its own.
+            memo[id(t)] = t.detach().to(device)
+            continue
+        fake = mode.from_tensor(t.detach())
+        if fake.device != device:
+            with mode:
+                fake = fake.to(device)
+        if isinstance(t, nn.Parameter):
+            fake = nn.Parameter(fake, requires_grad=False)
+        memo[id(t)] = fake
+    fake_model = copy.deepcopy(model, memo)
+    fake_args, fake_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: mode.from_tensor(t), (args, kwargs)
+    )
+    ep = torch.export.export(
+        fake_model, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes, strict=False
+    )
+    ep = ep.run_decompositions({})  # functional: a write to a weight shows in the signature
+    mutated = list(ep.graph_signature.buffers_to_mutate.values())
+    if mutated:
+        raise ValueError(
+            f"the forward writes to buffer {mutated[0]!r}: a streamed program's weights are "
+            "read-only (pass such state, e.g. a KV cache, as an input instead)"
+        )
+    gm = ep.module()
+    catalog = _insert_weight_reads(gm, device)
+    return (
+        torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
+                            strict=False),
+        catalog,
+    )  # fmt: skip
+
+
+def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
+    """Replace every use of a parameter or buffer of ``gm`` by a weight probe, ordered and
+    returned as Note: [Ordering weights in a compiled program] says; drop the weights."""
+    graph = gm.graph
+    found = dict(gm.named_parameters(remove_duplicate=False))
+    found.update(gm.named_buffers(remove_duplicate=False))
+    found = {n: t for n, t in found.items() if isinstance(t, FakeTensor)}  # the rest: constants
+    names_of: dict[int, list[str]] = {}
+    for name, t in found.items():
+        names_of.setdefault(id(t), []).append(name)
+    entries: dict[str, WeightEntry] = {}
+    probes: list[fx.Node] = []
+    probe_names: list[str] = []
+    pending: list[fx.Node] = []  # nodes since the last probe
+    op = torch.ops.torchoffload.weight.default
+    for node in list(graph.nodes):
+        if node.op in ("get_attr", "placeholder", "output"):
+            continue
+        attrs = [a for a in node.all_input_nodes if a.op == "get_attr" and a.target in found]
+        for attr in dict.fromkeys(attrs):
+            t = found[attr.target]
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"cannot stream {attr.target!r}: it is not contiguous (stride {t.stride()}); "
+                    "make it contiguous before export"
+                )
+            canonical = names_of[id(t)][0]
+            if canonical not in entries:
+                entries[canonical] = WeightEntry(
+                    tuple(names_of[id(t)]), t.dtype, tuple(t.shape), tuple(t.stride()),
+                    t.numel() * t.element_size(),
+                )  # fmt: skip
+            after = [probes[-1]] if probes else []
+            since = set(pending)
+            after += [n for n in pending if _is_tensor(n) and not since.issuperset(n.users)]
+            geometry = [t.dim(), *t.shape, *t.stride()]
+            with graph.inserting_before(node):
+                p = graph.call_function(op, (after, len(probes), geometry, t.dtype, device))
+            p.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+            node.replace_input_with(attr, p)
+            probes.append(p)
+            probe_names.append(canonical)
+            pending = []
+        pending.append(node)
+    if not probes:
+        raise ValueError("the model uses no parameters or buffers: nothing to stream")
+    for node in list(graph.nodes):
+        if node.op == "get_attr" and node.target in found and not node.users:
+            graph.erase_node(node)
+    for name in found:
+        owner, _, leaf = name.rpartition(".")
+        mod = gm.get_submodule(owner)
+        mod._parameters.pop(leaf, None)
+        mod._buffers.pop(leaf, None)
+    output = next(n for n in graph.nodes if n.op == "output")
+    flat = tuple(output.args[0])
+    output.args = (flat + tuple(probes),)
+    info = graph._codegen.pytree_info
+    user = pytree.tree_unflatten([0] * len(flat), info.out_spec)
+    graph._codegen.pytree_info = info._replace(
+        out_spec=pytree.tree_structure((user, tuple(range(len(probes)))))
+    )
+    graph.lint()
+    gm.recompile()
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    return Catalog(
+        device.type, tuple(probe_names), entries, tuple(position[p] for p in probes),
+        tuple(max(position[u] for u in readers(p)) for p in probes),
+    )  # fmt: skip
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+# -- package ------------------------------------------------------------------------------------
+
+
+def save_streamed_package(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    package_path: str | os.PathLike[str],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    dynamic_shapes: Any = None,
+    device: torch.device | str | int | None = None,
+    inductor_configs: dict[str, Any] | None = None,
+) -> Catalog:
+    """Compile ``model`` with AOTInductor into ``package_path`` (a ``.pt2`` that holds no
+    weight bytes: the program reads them through probes, `export_streamed`), with its `Catalog`
+    inside. ``weights``: also write the model's weights there as a safetensors file (the
+    catalog records their offsets); leave it ``None`` when they already are in a checkpoint
+    with the same names (e.g. a Hugging Face model's), which `load_streamed_package` then
+    reads. Returns the catalog."""
+    _check_path("package_path", package_path)
+    if weights is not None:
+        _check_path("weights", weights)
+    package_path = Path(os.fspath(package_path))
+    if package_path.suffix != ".pt2":
+        raise ValueError(f"package_path must end in .pt2, got {str(package_path)!r}")
+    ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                  device=device)  # fmt: skip
+    if weights is not None:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        written = write_safetensors(weights, {n: named[n] for n in catalog.weights},
+                                    {"torchoffload": "weights of a streamed package"})  # fmt: skip
+        catalog = Catalog(
+            catalog.device_type, catalog.probes,
+            {n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},
+            catalog.positions, catalog.last_use,
+        )  # fmt: skip
+    torch._inductor.aoti_compile_and_package(
+        ep, package_path=str(package_path), inductor_configs=inductor_configs
+    )
+    with zipfile.ZipFile(package_path, "a") as z:
+        root = z.namelist()[0].split("/", 1)[0]
+        z.writestr(f"{root}/extra/{CATALOG_FILE}", catalog.to_json())
+    return catalog
+
+
+def _check_path(name: str, value: object) -> None:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+
+
+def _with_offset(e: WeightEntry, offset: int) -> WeightEntry:
+    return WeightEntry(e.names, e.dtype, e.shape, e.stride, e.nbytes, offset)
+
+
+def read_catalog(package_path: str | os.PathLike[str]) -> Catalog:
+    """The `Catalog` stored in a package by `save_streamed_package`."""
+    _check_path("package_path", package_path)
+    p = Path(os.fspath(package_path))
+    if not p.is_file():
+        raise FileNotFoundError(f"package {str(p)!r} does not exist")
+    try:
+        with zipfile.ZipFile(p) as z:
+            found = [n for n in z.namelist() if n.endswith(f"/extra/{CATALOG_FILE}")]
+            if not found:
+                raise ValueError(
+                    f"{p} holds no torchoffload weight catalog: it was not built by "
+                    "save_streamed_package (a plain AOTInductor package embeds its weights "
+                    "and has no weight probes to serve)"
+                )
+            text = z.read(found[0]).decode()
+    except zipfile.BadZipFile:
+        raise ValueError(f"{p} is not a .pt2 package (not a zip archive)") from None
+    return Catalog.from_json(text, f"{p}'s catalog")
+
+
+class _Holder(nn.Module):
+    pass
+
+
+class StreamedPackage:
+    """An AOTInductor program whose weights stream from pinned host memory (built by
+    `load_streamed_package`). Call it like the exported model; ``handle`` is the weight
+    engine's `WeightStreamHandle` (``stats()``, ``schedule``); ``catalog`` the package's."""
+
+    def __init__(self, program: Any, catalog: Catalog, runtime: WeightRuntime,
+                 holder: nn.Module):  # fmt: skip
+        self.catalog = catalog
+        self.handle = WeightStreamHandle(runtime)
+        self._program = program
+        self._holder = holder
+        self._server = ProbeServer(
+            runtime, [_source(runtime, holder, name) for name in catalog.probes],
+            catalog.positions, catalog.last_use,
+        )  # fmt: skip
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out, _weights = self._server.run(self._program, args, kwargs)
+        return out
+
+    def remove(self) -> None:
+        """Release the host store and the arena; the program cannot run afterwards."""
+        self.handle.remove()
+        self._program = None
+
+    def __repr__(self) -> str:
+        return f"StreamedPackage({len(self.catalog.probes)} probes, {self.handle!r})"
+
+
+def _source(runtime: WeightRuntime, holder: nn.Module, name: str) -> tuple[int, nn.Module, str]:
+    owner, _, leaf = name.rpartition(".")
+    module = holder.get_submodule(owner)
+    for i, unit in enumerate(runtime.units):
+        if unit.layout.module is module:
+            return i, module, leaf
+    return -1, module, leaf  # resident
+
+
+def load_streamed_package(
+    package_path: str | os.PathLike[str],
+    weights: str | os.PathLike[str],
+    device: torch.device | str | int | None = None,
+    *,
+    budget_bytes: int,
+    prefetch_depth: int = 2,
+    resident: str | Sequence[str] = (),
+    pin_memory: bool = True,
+) -> StreamedPackage:
+    """Load a package written by `save_streamed_package` and the safetensors ``weights`` it
+    reads (a file, a sharded ``model.safetensors.index.json``, or a directory holding either):
+    the weights go straight into pinned host memory and stream through a device arena of at
+    most ``budget_bytes``, ``prefetch_depth`` units ahead; ``resident`` name patterns stay on
+    the device, outside the budget (as in `stream_weights`). A unit is a module's weights.
+
+    Everything that can be checked before reading a byte is: the catalog against the weights
+    file (names, dtypes, shapes, sizes, truncation), the package's device type, the budget.
+    Outputs are bitwise those of the same program compiled with its weights resident.
+    """
+    check_int("budget_bytes", budget_bytes, minimum=1)
+    check_int("prefetch_depth", prefetch_depth, minimum=0)
+    _check_path("weights", weights)
+    resident = _check_resident(resident)
+    catalog = read_catalog(package_path)
+    dev = compute_device(device)
+    if dev.type != catalog.device_type:
+        raise ValueError(
+            f"the package was compiled for {catalog.device_type!r} and cannot run on {dev}"
+        )
+    checkpoint = Checkpoint.open(weights)
+    for entry in catalog.weights.values():
+        found = checkpoint.find(list(entry.names))
+        if found is None:
+            raise CheckpointError(
+                f"{checkpoint.source} has no tensor {entry.name!r}, which the package reads (a "
+                "buffer computed at construction, such as a rotary table, is in no checkpoint: "
+                "export a model whose buffers are real, e.g. built under accelerate's "
+                "init_empty_weights(include_buffers=False), and the package keeps it)"
+            )
+        if found.dtype != entry.dtype or found.shape != entry.shape or found.nbytes != entry.nbytes:
+            raise CheckpointError(
+                f"{checkpoint.source}: {found.name!r} is {list(found.shape)} {found.dtype} "
+                f"({found.nbytes} bytes) but the package reads {list(entry.shape)} "
+                f"{entry.dtype} ({entry.nbytes} bytes)"
+            )
+    holder = _Holder()
+    for entry in catalog.weights.values():
+        t = nn.Parameter(
+            torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="meta"),
+            requires_grad=False,
+        )
+        for name in entry.names:
+            owner, _, leaf = name.rpartition(".")
+            module = holder
+            for part in owner.split(".") if owner else ():
+                if part not in module._modules:
+                    module.add_module(part, _Holder())
+                module = module._modules[part]
+            module._parameters[leaf] = t
+    config = StreamConfig(dev, budget_bytes, prefetch_depth, pin_memory=pin_memory)
+    layout = _layout.plan(holder, budget=budget_bytes, depth=prefetch_depth, resident=resident,
+                          unit="leaves")  # fmt: skip
+    program = torch._inductor.aoti_load_package(os.fspath(package_path))
+    with torch.inference_mode(False), torch.no_grad():
+        runtime = WeightRuntime(layout, config, checkpoint)
+    return StreamedPackage(program, catalog, runtime, holder)
