@@ -53,3 +53,10 @@ def test_generate_streamed():
     assert "stream_weights" in out
     assert "CUDA-graph tokens identical to the all-on-device static-cache decode: True" in out
     assert "CUDA-graph decode: 13 of 16 calls replayed" in out  # eager: prefills, warm-up
+
+
+def test_generate_streamed_aoti():
+    pytest.importorskip("transformers")
+    out = run("examples/generate_streamed.py", "--new-tokens", "4", "--no-compare", "--aoti")
+    assert "holding no weight bytes" in out
+    assert "AOTI streamed tokens identical to the same package all kept: True" in out
