@@ -32,8 +32,11 @@ dependency or an output that any compiler must respect:
    Every other node there is an ancestor of one in ``after``; earlier ones are covered by 1.
    So when probe j finishes a unit (records its "done" event), every read of that unit's
    weights is queued. A view of a weight reads nothing: the unit is finished after the last
-   node that reads it through views (`readers`). Found by a Hugging Face Llama on the CPU,
-   whose compiled residual adds re-read the embedding table after its unit was finished.
+   node that reads it through views (`readers`; the ordering edges of 1 read nothing). A
+   no-op a compiler removes (``w.clone()`` becomes ``w``) is removed before the probes go in,
+   with Inductor's own rules, so its users count as readers too. Found by a Hugging Face
+   Llama on the CPU, whose compiled residual adds re-read the embedding table after its unit
+   was finished, and in review by a cloned table read at the end (max diff 4.07).
 3. No compiler reuses a weight's memory: every probe output is also a graph output (dropped by
    the runner), and an output buffer is never freed or written in place by the program.
 The cost is that the nodes in 2 are materialized where a compiler might have fused them into a
@@ -45,6 +48,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import weakref
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,7 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.compile._ops import _lib
-from torchoffload.compile._probe import ProbeServer, readers, serving
+from torchoffload.compile._probe import ProbeServer, _is_view, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
 from torchoffload.weights._checkpoint import _DTYPES, Checkpoint, CheckpointError, write_safetensors
 from torchoffload.weights._handle import _check_resident
@@ -258,7 +262,11 @@ def export_streamed(
     ep = torch.export.export(
         fake_model, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes, strict=False
     )
-    ep = ep.run_decompositions({})  # functional: a write to a weight shows in the signature
+    # Inductor's own decompositions (functional: a write to a weight shows in the signature),
+    # so that the graph probed is close to the one the compiler sees.
+    from torch._inductor.decomposition import select_decomp_table
+
+    ep = ep.run_decompositions(select_decomp_table())
     mutated = list(ep.graph_signature.buffers_to_mutate.values())
     if mutated:
         raise ValueError(
@@ -266,6 +274,13 @@ def export_streamed(
             "read-only (pass such state, e.g. a KV cache, as an input instead)"
         )
     gm = ep.module()
+    # A no-op a compiler removes (``w.clone()``, ``cat([w])``, a same-dtype conversion) makes
+    # its users read ``w`` itself: remove them first, with Inductor's own rules, so that those
+    # users count as readers (Note: [Ordering weights in a compiled program]).
+    from torch._inductor.fx_passes.post_grad import remove_noop_ops
+
+    remove_noop_ops(gm.graph)
+    gm.recompile()
     catalog = _insert_weight_reads(gm, device)
     return (
         torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
@@ -284,6 +299,14 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
     names_of: dict[int, list[str]] = {}
     for name, t in found.items():
         names_of.setdefault(id(t), []).append(name)
+    output = next(n for n in graph.nodes if n.op == "output")
+    for node in graph.nodes:
+        if node.op == "get_attr" and node.target in found and output in _views_and_self(node):
+            raise ValueError(
+                f"the forward returns {node.target!r} (or a view or copy of it that a "
+                "compiler elides): a streamed weight's device memory is reused after the "
+                "call; return a computed result, or keep the weight out of the outputs"
+            )
     entries: dict[str, WeightEntry] = {}
     probes: list[fx.Node] = []
     probe_names: list[str] = []
@@ -328,7 +351,6 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
         mod = gm.get_submodule(owner)
         mod._parameters.pop(leaf, None)
         mod._buffers.pop(leaf, None)
-    output = next(n for n in graph.nodes if n.op == "output")
     flat = tuple(output.args[0])
     output.args = (flat + tuple(probes),)
     info = graph._codegen.pytree_info
@@ -341,8 +363,22 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
     position = {n: i for i, n in enumerate(graph.nodes)}
     return Catalog(
         device.type, tuple(probe_names), entries, tuple(position[p] for p in probes),
-        tuple(max(position[u] for u in readers(p)) for p in probes),
+        tuple(max(position[u] for u in readers(p, op)) for p in probes),
     )  # fmt: skip
+
+
+def _views_and_self(node: fx.Node) -> set[fx.Node]:
+    """``node``, its views, their views, ... and the users of all of them."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u not in seen:
+                seen.add(u)
+                if _is_view(u):
+                    todo.append(u)
+    return seen
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -445,6 +481,9 @@ class StreamedPackage:
             runtime, [_source(runtime, holder, name) for name in catalog.probes],
             catalog.positions, catalog.last_use,
         )  # fmt: skip
+        # Dropped without remove(): release the store and the arena (the engine's registry of
+        # streamed tensors would otherwise keep them alive).
+        self._finalizer = weakref.finalize(self, runtime.restore, False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out, _weights = self._server.run(self._program, args, kwargs)
@@ -452,7 +491,7 @@ class StreamedPackage:
 
     def remove(self) -> None:
         """Release the host store and the arena; the program cannot run afterwards."""
-        self.handle.remove()
+        self._finalizer()
         self._program = None
 
     def __repr__(self) -> str:
@@ -531,7 +570,9 @@ def load_streamed_package(
     config = StreamConfig(dev, budget_bytes, prefetch_depth, pin_memory=pin_memory)
     layout = _layout.plan(holder, budget=budget_bytes, depth=prefetch_depth, resident=resident,
                           unit="leaves")  # fmt: skip
-    program = torch._inductor.aoti_load_package(os.fspath(package_path))
+    program = torch._inductor.aoti_load_package(
+        os.fspath(package_path), device_index=dev.index if dev.index is not None else -1
+    )
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, checkpoint)
     return StreamedPackage(program, catalog, runtime, holder)

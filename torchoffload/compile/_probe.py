@@ -20,6 +20,7 @@ A probe outside a runner returns a copy of its weight (the program runs unchange
 from __future__ import annotations
 
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,22 +41,31 @@ __all__ = [
     "stream_exported_weights",
 ]
 
-_active: list[ProbeServer] = []  # the server whose program is running now (innermost last)
+_local = threading.local()  # .active: the servers whose programs run on this thread
+
+
+def _active() -> list[ProbeServer]:
+    if not hasattr(_local, "active"):
+        _local.active = []
+    return _local.active
 
 
 def serving() -> ProbeServer | None:
-    """The `ProbeServer` of the program running now on any thread, or None."""
-    return _active[-1] if _active else None
+    """The `ProbeServer` of the program running now on this thread, or None (a program runs
+    its probes on the thread that calls it, so two threads each get their own)."""
+    active = _active()
+    return active[-1] if active else None
 
 
-def readers(node: fx.Node) -> list[fx.Node]:
+def readers(node: fx.Node, ordering: Any = None) -> list[fx.Node]:
     """The nodes that read ``node``'s memory: its users, and the users of every view of it (a
-    view reads nothing itself; whoever consumes the view does)."""
+    view reads nothing itself; whoever consumes the view does). Users whose target is
+    ``ordering`` (an op that takes tensors only to be ordered after them) read nothing."""
     out: list[fx.Node] = []
     todo = list(node.users)
     while todo:
         user = todo.pop()
-        if user.op == "output":
+        if user.op == "output" or (ordering is not None and user.target is ordering):
             continue
         out.append(user)
         if _is_view(user):
@@ -94,11 +104,12 @@ class ProbeServer:
         rt = self.runtime
         if program is None:
             raise RuntimeError("this program was removed")
-        if self in _active:
+        active = _active()
+        if self in active:
             raise RuntimeError("this streamed program is already running (re-entered)")
         with torch.no_grad():
             rt.begin_call(None)  # ended in the finally below, so it needs no frame
-            _active.append(self)
+            active.append(self)
             self.served = []
             ok = False
             try:
@@ -108,7 +119,7 @@ class ProbeServer:
                 try:
                     self._release(None)
                 finally:
-                    _active.remove(self)
+                    active.remove(self)
                     rt.end_call(ok)
         return out
 

@@ -715,17 +715,19 @@ class WeightRuntime:
 
     # -- remove ----------------------------------------------------------------------------
 
-    def restore(self) -> None:
+    def restore(self, keep_values: bool = True) -> None:
         """Put every tensor back where it was (its device, dtype and values; parameters keep
-        their identity) and free the arena and the host store. Idempotent."""
+        their identity) and free the arena and the host store. Idempotent. ``keep_values=False``
+        frees without copying the values back (tensors nobody else holds)."""
         with self._lock:
             if self.removed:
                 return
             self._wait_idle("remove()")
             self.removed = True
             self._sync()
-            with torch.inference_mode(False), torch.no_grad():
-                self._restore()
+            if keep_values:
+                with torch.inference_mode(False), torch.no_grad():
+                    self._restore()
             for slot in self.layout.streamed:
                 STREAMED.pop(slot.tensor, None)
             self.arena.clear(self.units)
