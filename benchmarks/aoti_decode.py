@@ -37,7 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.decode import SHAPES  # noqa: E402
+from benchmarks.decode import SHAPES, sync  # noqa: E402
 from benchmarks.weights import h2d_bandwidth  # noqa: E402
 from torchoffload.compile import load_streamed_package, save_streamed_package  # noqa: E402
 
@@ -146,11 +146,6 @@ def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None)
             host_times.append(time.perf_counter() - t0)
         toks.append(tok)
     return torch.cat(toks, 1)
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> int:

@@ -64,7 +64,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.compile._ops import _lib
-from torchoffload.compile._probe import ProbeServer, _is_view, readers, serving
+from torchoffload.compile._probe import ProbeServer, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
 from torchoffload.weights._checkpoint import _DTYPES, Checkpoint, CheckpointError, write_safetensors
 from torchoffload.weights._handle import _check_resident
@@ -301,7 +301,7 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
         names_of.setdefault(id(t), []).append(name)
     output = next(n for n in graph.nodes if n.op == "output")
     for node in graph.nodes:
-        if node.op == "get_attr" and node.target in found and output in _views_and_self(node):
+        if node.op == "get_attr" and node.target in found and output in readers(node, outputs=True):
             raise ValueError(
                 f"the forward returns {node.target!r} (or a view or copy of it that a "
                 "compiler elides): a streamed weight's device memory is reused after the "
@@ -365,20 +365,6 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
         device.type, tuple(probe_names), entries, tuple(position[p] for p in probes),
         tuple(max(position[u] for u in readers(p, op)) for p in probes),
     )  # fmt: skip
-
-
-def _views_and_self(node: fx.Node) -> set[fx.Node]:
-    """``node``, its views, their views, ... and the users of all of them."""
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        for u in n.users:
-            if u not in seen:
-                seen.add(u)
-                if _is_view(u):
-                    todo.append(u)
-    return seen
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -478,7 +464,7 @@ class StreamedPackage:
         self._program = program
         self._holder = holder
         self._server = ProbeServer(
-            runtime, [_source(runtime, holder, name) for name in catalog.probes],
+            runtime, _sources(runtime, holder, catalog.probes),
             catalog.positions, catalog.last_use,
         )  # fmt: skip
         # Dropped without remove(): release the store and the arena (the engine's registry of
@@ -498,13 +484,15 @@ class StreamedPackage:
         return f"StreamedPackage({len(self.catalog.probes)} probes, {self.handle!r})"
 
 
-def _source(runtime: WeightRuntime, holder: nn.Module, name: str) -> tuple[int, nn.Module, str]:
-    owner, _, leaf = name.rpartition(".")
-    module = holder.get_submodule(owner)
-    for i, unit in enumerate(runtime.units):
-        if unit.layout.module is module:
-            return i, module, leaf
-    return -1, module, leaf  # resident
+def _sources(runtime: WeightRuntime, holder: nn.Module, names: Sequence[str]):
+    """(unit index, module, attribute) of each probe's weight; unit -1: resident."""
+    unit_of = {id(unit.layout.module): i for i, unit in enumerate(runtime.units)}
+    out = []
+    for name in names:
+        owner, _, leaf = name.rpartition(".")
+        module = holder.get_submodule(owner)
+        out.append((unit_of.get(id(module), -1), module, leaf))
+    return out
 
 
 def load_streamed_package(
