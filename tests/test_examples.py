@@ -60,3 +60,14 @@ def test_generate_streamed_aoti():
     out = run("examples/generate_streamed.py", "--new-tokens", "4", "--no-compare", "--aoti")
     assert "holding no weight bytes" in out
     assert "AOTI streamed tokens identical to the same package all kept: True" in out
+
+
+def test_train_offloaded_optimizer_bitwise_on_cpu():
+    pytest.importorskip("transformers")
+    out = run(
+        "examples/train_offloaded_optimizer.py", "--dtype", "fp32", "--steps", "3",
+        "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
+        "--intermediate", "512", "--vocab", "2048", "--seq", "64",
+    )  # fmt: skip
+    assert "bitwise equal losses: True" in out
+    assert "host step" in out and out.count("tokens/s") == 2

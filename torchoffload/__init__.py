@@ -13,6 +13,12 @@ from torchoffload.layers import (
     apply_activation_offloading,
     find_layers,
 )
+from torchoffload.optim import (
+    MovedGradError,
+    OffloadedOptimizer,
+    OptimizerOffloadConfig,
+    OptimizerStats,
+)
 from torchoffload.planner import Hardware, InfeasibleBudgetError, Plan, Profile, plan, trace
 from torchoffload.weights import (
     CheckpointError,
@@ -36,6 +42,10 @@ __all__ = [
     "Profile",
     "trace",
     "minimum_budget",
+    "MovedGradError",
+    "OffloadedOptimizer",
+    "OptimizerOffloadConfig",
+    "OptimizerStats",
     "PinnedPool",
     "PoolExhaustedError",
     "PoolStats",

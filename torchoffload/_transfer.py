@@ -120,6 +120,22 @@ class CopyEngine:
             stream.wait_stream(compute)
         return self._copy(stream, [(dst, src)], (), compute), compute
 
+    def offload_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[Any, Any]:
+        """`offload` of several ``(host dst, device src)`` pairs: one wait, one "stored" event
+        after the last copy."""
+        testing = self.testing
+        if testing is not None:
+            testing.before_copy("offload")
+        if self.synchronous:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None, None
+        compute = self._mod.current_stream(self._index)
+        stream = self.d2h if self.use_streams else compute
+        if stream is not compute:
+            stream.wait_stream(compute)
+        return self._copy(stream, pairs, (), compute), compute
+
     def reload(
         self, src: torch.Tensor, stored: Any, dst: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Any, Any]:

@@ -1,0 +1,318 @@
+"""Full fine-tuning with the optimizer on the host: a Llama-shaped model (random weights from a
+config, bf16, Hugging Face gradient checkpointing, AdamW), one row per way of training.
+
+    python benchmarks/optim.py                      # Llama-3.2-3B shape, batch 2, seq 4096
+    python benchmarks/optim.py --layers 4 --steps 3 # quick
+
+Rows, each in its own process (host and device memory start clean):
+- ``resident``: fused AdamW on the GPU over the bf16 parameters (bf16 state).
+- ``fsdp2-cpu``: FSDP2 ``CPUOffloadPolicy`` on one rank (parameters, gradients and AdamW state
+  on the host; its step is torch's foreach AdamW on the CPU, after backward).
+- ``offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters, each
+  bucket stepped while backward runs). ``offload-at-step``: the same with ``overlap=False``.
+- ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), and a
+  fused AdamW step over fp32 host tensors of the model's size (ms).
+
+Bound of an offloaded step: ``max(t_fwd+bwd (resident), host step, link bytes / link GB/s)``,
+where the host step is the calibrated fused AdamW step plus the bf16<->fp32 conversions at the
+measured triad bandwidth, and the link moves bf16 gradients down and bf16 parameters up.
+``--row parity`` instead trains a small fp32 GPT 50 steps with AdamW resident on the GPU and
+offloaded, and prints how far their losses and parameters drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+GiB = 2**30
+
+
+def llama(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
+        vocab_size=args.vocab, max_position_embeddings=args.seq, tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # newer transformers
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def host_rss() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / GiB
+    return float("nan")
+
+
+def train(args, model, opt, *, sync_between: bool):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
+    times, fb, st, losses = [], [], [], []
+    for step in range(args.steps + 1):
+        torch.cuda.synchronize()
+        if step == 1:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        if sync_between:
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        losses.append(float(loss))
+        if step > 0:  # the first step allocates state
+            times.append(t2 - t0)
+            fb.append(t1 - t0)
+            st.append(t2 - t1)
+    med = sorted(times)[len(times) // 2]
+
+    def median_ms(xs):
+        return sorted(xs)[len(xs) // 2] * 1e3 if sync_between else None
+
+    return dict(
+        step_ms=med * 1e3, fwd_bwd_ms=median_ms(fb), opt_ms=median_ms(st),
+        tokens_s=args.batch * args.seq / med,
+        peak_gib=torch.cuda.max_memory_allocated() / GiB, host_gib=host_rss(), losses=losses,
+    )  # fmt: skip
+
+
+def row_resident(args):
+    model = llama(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    return train(args, model, opt, sync_between=True)
+
+
+def row_offload(args, overlap: bool, host_threads: int | None = None):
+    import torchoffload as to
+
+    model = llama(args)
+    t = time.perf_counter()
+    opt = to.OffloadedOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
+        host_threads=host_threads,
+    )  # fmt: skip
+    setup = time.perf_counter() - t
+    out = train(args, model, opt, sync_between=False)
+    s = opt.stats()
+    out.update(
+        setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
+        link_gb=(s.d2h_bytes + s.h2d_bytes) / s.steps / 1e9,
+    )  # fmt: skip
+    return out
+
+
+def row_fsdp2(args):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    model = llama(args)
+    for layer in model.model.layers:
+        fully_shard(layer, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    out = train(args, model, opt, sync_between=True)
+    dist.destroy_process_group()
+    return out
+
+
+def row_calibrate(args):
+    n = int(1 * GiB)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+
+    def bw(fn, nbytes, reps=5):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return nbytes * reps / (time.perf_counter() - t) / 1e9
+
+    d2h = bw(lambda: host.copy_(dev, non_blocking=True), n)
+    h2d = bw(lambda: dev.copy_(host, non_blocking=True), n)
+    m = n // 4
+    a, b, c = (torch.ones(m) for _ in range(3))
+    triad = bw(lambda: torch.add(a, b, out=c), 12 * m)
+    model = llama(args)
+    numel = sum(p.numel() for p in model.parameters())
+    del model
+    torch.cuda.empty_cache()
+    # A fused AdamW step over fp32 host tensors of the model's size, in 32 MiB buckets of bf16
+    # parameters as OffloadedOptimizer steps them (16 Mi elements each).
+    chunk = 16 << 20
+    ps = [torch.zeros(min(chunk, numel - i), requires_grad=True) for i in range(0, numel, chunk)]
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opts = [torch.optim.AdamW([p], lr=1e-5, fused=True) for p in ps]
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for o in opts:
+            o.step()
+        times.append(time.perf_counter() - t)
+    return dict(d2h_gbs=d2h, h2d_gbs=h2d, triad_gbs=triad, numel=numel,
+                adamw_ms=sorted(times)[1] * 1e3)  # fmt: skip
+
+
+def row_parity(args):
+    """Resident fused AdamW on the GPU against OffloadedOptimizer (AdamW on the host), fp32."""
+    import copy
+
+    import torchoffload as to
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.use_deterministic_algorithms(True)
+    cfg = GPTConfig(hidden=512, layers=4, heads=8, vocab=4096, max_seq=256)
+    torch.manual_seed(0)
+    a = GPT(cfg).cuda()
+    b = copy.deepcopy(a)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=True)
+    ob = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-3, fused=True)
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for step in range(50):
+        x = torch.randint(0, cfg.vocab, (8, 256), generator=g).cuda()
+        la, lb = a.loss(x), b.loss(x)
+        la.backward()
+        lb.backward()
+        oa.step()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+        rows.append((step, float(la), float(lb)))
+    pairs = list(zip(a.parameters(), b.parameters(), strict=True))
+    diff = max((p - q).abs().max().item() for p, q in pairs)
+    same = all(torch.equal(p, q) for p, q in pairs)
+    # The kernel alone: 3 fused AdamW steps on equal fp32 tensors and gradients, CUDA vs CPU.
+    w, gr = torch.randn(1 << 22, generator=g), torch.randn(1 << 22, generator=g) * 1e-3
+    ws = [w.clone().requires_grad_(), w.cuda().requires_grad_()]
+    for x in ws:
+        opt = torch.optim.AdamW([x], lr=1e-3, fused=True)
+        for _ in range(3):
+            x.grad = gr.to(x.device)
+            opt.step()
+    kernel_diff = (ws[0] - ws[1].cpu()).abs().max().item()
+    kernel_equal = torch.equal(ws[0], ws[1].cpu())
+    return dict(rows=rows, max_param_diff=diff, bitwise=same, kernel_diff=kernel_diff,
+                kernel_equal=kernel_equal)  # fmt: skip
+
+
+ROWS = {
+    "calibrate": row_calibrate,
+    "resident": row_resident,
+    "fsdp2-cpu": row_fsdp2,
+    "offload": lambda a: row_offload(a, True),
+    "offload-at-step": lambda a: row_offload(a, False),
+    "offload-all-threads": lambda a: row_offload(a, True, torch.get_num_threads()),
+    "parity": row_parity,
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--hidden", type=int, default=3072)
+    p.add_argument("--layers", type=int, default=28)
+    p.add_argument("--heads", type=int, default=24)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=8192)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rows", default="calibrate,resident,offload,offload-at-step,fsdp2-cpu")
+    p.add_argument("--row", help=argparse.SUPPRESS)
+    p.add_argument("--timeout", type=int, default=240)
+    args = p.parse_args()
+    if args.row:
+        print("RESULT " + json.dumps(ROWS[args.row](args)), flush=True)
+        return
+    results = {}
+    for name in args.rows.split(","):
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--row", name]
+        t = time.perf_counter()
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            out = run.stdout + run.stderr
+        except subprocess.TimeoutExpired as e:
+            out = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            results[name] = json.loads(lines[-1][7:])
+            print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
+        else:
+            print(f"{name}: FAILED\n{out[-3000:]}", flush=True)
+    report(args, results)
+
+
+def report(args, results) -> None:
+    print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}, hidden {args.hidden}, "
+          f"layers {args.layers}, batch {args.batch}, seq {args.seq}")  # fmt: skip
+    cal = results.get("calibrate")
+    if "parity" in results:
+        par = results["parity"]
+        print("parity (fp32 GPT, AdamW resident on the GPU vs offloaded), step: loss a, loss b")
+        for step, la, lb in par["rows"][:: max(1, len(par["rows"]) // 10)]:
+            print(f"  {step:3d}  {la:.6f}  {lb:.6f}  diff {abs(la - lb):.2e}")
+        print(f"  bitwise {par['bitwise']}, max parameter diff after 50 steps "
+              f"{par['max_param_diff']:.3e}; fused AdamW alone, CUDA vs CPU, 3 steps on equal "
+              f"tensors: equal {par['kernel_equal']}, max diff "
+              f"{par['kernel_diff']:.3e}")  # fmt: skip
+    bound = None
+    if cal:
+        n = cal["numel"]
+        link = 2 * n * 2 / 1e9 / min(cal["d2h_gbs"], cal["h2d_gbs"])  # bf16 grads down, params up
+        convert = 12 * n / 1e9 / cal["triad_gbs"]  # bf16 -> fp32 grads, fp32 -> bf16 params
+        host = cal["adamw_ms"] / 1e3 + convert
+        fb = (results.get("resident", {}).get("fwd_bwd_ms") or 0) / 1e3
+        bound = max(fb, host, link)
+        print(f"calibration: D2H {cal['d2h_gbs']:.1f} GB/s, H2D {cal['h2d_gbs']:.1f} GB/s, host "
+              f"triad {cal['triad_gbs']:.1f} GB/s, fused AdamW over {n / 1e9:.2f} B fp32 "
+              f"params {cal['adamw_ms']:.0f} ms; bound = max(fwd+bwd {fb * 1e3:.0f}, host "
+              f"{host * 1e3:.0f}, link {link * 1e3:.0f}) = {bound * 1e3:.0f} ms")  # fmt: skip
+    print("| row | tokens/s | step ms | fwd+bwd ms | opt.step ms | peak GiB | host GiB "
+          "| host step ms | hidden | x bound |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in ("resident", "offload", "offload-at-step", "offload-all-threads", "fsdp2-cpu"):
+        r = results.get(name)
+        if not r:
+            continue
+        ratio = f"{r['step_ms'] / 1e3 / bound:.2f}" if bound and "offload" in name else "-"
+        host_step = f"{r['host_step_ms']:.0f}" if "host_step_ms" in r else "-"
+        hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
+        fb, st = (f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("fwd_bwd_ms", "opt_ms"))
+        print(f"| {name} | {r['tokens_s']:.0f} | {r['step_ms']:.0f} | {fb} | "
+              f"{st} | {r['peak_gib']:.1f} | {r['host_gib']:.1f} | {host_step} | "
+              f"{hidden} | {ratio} |")  # fmt: skip
+    for name, r in results.items():
+        if "losses" in r:
+            print(f"{name} losses: {r['losses']}")
+
+
+if __name__ == "__main__":
+    main()

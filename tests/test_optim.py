@@ -1,0 +1,451 @@
+"""OffloadedOptimizer on the CPU: the step is bitwise the optimizer class's own on fp32 host
+tensors (same gradients in), with accumulation, clipping, schedulers, state dicts, faults and
+bad input."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import torchoffload as to
+from torchoffload.optim import MovedGradError, OptimizerOffloadConfig
+
+
+def model(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)
+    ).to(dtype)
+
+
+def batch(i, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 16, generator=g).to(dtype)
+
+
+def loss_of(m, x):
+    return m(x).float().square().mean()
+
+
+class Reference:
+    """The plain optimizer class on fp32 CPU copies of a twin model's parameters: the twin
+    computes the gradients, the copies are stepped, the twin receives them rounded."""
+
+    def __init__(self, twin, cls, *, max_grad_norm=None, groups=None, **kw):
+        self.twin = twin
+        self.masters = [p.detach().float().clone().requires_grad_() for p in twin.parameters()]
+        params = self.masters if groups is None else groups(self.masters)
+        self.opt = cls(params, **kw)
+        self.max_grad_norm = max_grad_norm
+        self.norm = None
+
+    def backward(self, x):
+        loss_of(self.twin, x).backward()
+
+    def step(self):
+        for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        if self.max_grad_norm is not None:
+            self.norm = torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+        self.opt.step()
+        self.twin.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+                p.copy_(m)
+
+
+def same_params(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def same_state(opt, ref):
+    mine = opt.state_dict()["state"]
+    theirs = ref.opt.state_dict()["state"]
+    assert mine.keys() == theirs.keys()
+    for i in mine:
+        assert mine[i].keys() == theirs[i].keys()
+        for k in mine[i]:
+            assert torch.equal(torch.as_tensor(mine[i][k]), torch.as_tensor(theirs[i][k])), (i, k)
+    return True
+
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "adamw-fused": (torch.optim.AdamW, dict(lr=1e-2, fused=True)),
+    "sgd-momentum": (torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=1e-2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+def test_step_is_bitwise_the_optimizer_class_on_fp32_host_copies(dtype, name, overlap):
+    cls, kw = OPTIMIZERS[name]
+    a = model(dtype)
+    ref = Reference(copy.deepcopy(a), cls, **kw)
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=2048, overlap=overlap, **kw)
+    assert len(opt._runtime.buckets) > 2
+    for i in range(4):
+        loss_of(a, batch(i, dtype)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.backward(batch(i, dtype))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    assert same_state(opt, ref)
+    masters = opt.state_dict()["master_params"]
+    if dtype == torch.float32:
+        assert masters == {}
+    else:
+        assert all(torch.equal(masters[i], m) for i, m in enumerate(ref.masters))
+    stats = opt.stats()
+    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
+    assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * nbytes
+    assert 0.0 <= stats.overlap <= 1.0 and stats.host_step_ms > 0
+    opt.remove()
+
+
+def test_gradient_accumulation_keeps_gradients_on_the_device_until_the_last_backward():
+    a = model(torch.bfloat16)
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    for step in range(3):
+        for micro in range(3):
+            x = batch(10 * step + micro, torch.bfloat16)
+            if micro < 2:
+                with opt.accumulating():
+                    loss_of(a, x).backward()
+                assert all(type(p.grad) is torch.Tensor for p in a.parameters())
+            else:
+                loss_of(a, x).backward()
+                assert all(type(p.grad) is to.optim.MovedGrad for p in a.parameters())
+            ref.backward(x)
+        opt.step()
+        ref.step()
+        assert all(p.grad is None for p in a.parameters())
+        assert same_params(a, ref.twin)
+    assert same_state(opt, ref)
+
+
+def test_step_after_only_accumulating_backwards_takes_the_gradients_at_step():
+    a = model()
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    with opt.accumulating():
+        loss_of(a, batch(0)).backward()
+        loss_of(a, batch(1)).backward()
+    opt.step()
+    ref.backward(batch(0))
+    ref.backward(batch(1))
+    ref.step()
+    assert same_params(a, ref.twin)
+
+
+def test_a_second_final_backward_before_step_raises_and_names_accumulating():
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    loss_of(a, batch(0)).backward()
+    with pytest.raises((RuntimeError, MovedGradError), match="accumulating"):
+        loss_of(a, batch(1)).backward()
+    opt.zero_grad()
+    loss_of(a, batch(2)).backward()  # usable again
+    opt.step()
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["clipped", "not-clipped"])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")], ids=["l2", "inf"])
+def test_clipping_is_clip_grad_norm_on_the_host_gradients(max_norm, norm_type):
+    a = model(torch.bfloat16)
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm)
+    ref_norm = []
+    orig = torch.nn.utils.clip_grad_norm_
+
+    def clip(params, m):
+        return orig(params, m, norm_type=norm_type)
+
+    opt = to.OffloadedOptimizer(
+        a.parameters(),
+        torch.optim.AdamW,
+        lr=1e-2,
+        config=OptimizerOffloadConfig(
+            bucket_bytes=2048, max_grad_norm=max_norm, norm_type=norm_type
+        ),
+    )
+    for i in range(3):
+        loss_of(a, batch(i, torch.bfloat16)).backward()
+        opt.step()
+        ref.backward(batch(i, torch.bfloat16))
+        for m, p in zip(ref.masters, ref.twin.parameters(), strict=True):
+            m.grad = p.grad.float()
+        ref_norm.append(clip(ref.masters, max_norm))
+        ref.opt.step()
+        ref.twin.zero_grad()
+        with torch.no_grad():
+            for m, p in zip(ref.masters, ref.twin.parameters(), strict=True):
+                p.copy_(m)
+        assert torch.equal(opt.grad_norm, ref_norm[-1])
+        assert same_params(a, ref.twin)
+    assert opt.stats().grad_norm == float(ref_norm[-1])
+
+
+def test_clip_grad_norm_on_the_model_raises_instead_of_seeing_no_gradients():
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    loss_of(a, batch(0)).backward()
+    assert all(p.grad is not None for p in a.parameters())
+    with pytest.raises(MovedGradError, match="max_grad_norm"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+    with pytest.raises(MovedGradError):
+        a[0].weight.grad.sum()
+    assert "MovedGrad" in repr(a[0].weight.grad)
+    opt.step()
+    assert all(p.grad is None for p in a.parameters())
+
+
+def test_lr_scheduler_and_param_groups_reach_the_host_step():
+    a = model()
+    twin = copy.deepcopy(a)
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 0.05}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
+    ps = list(a.parameters())
+    opt = to.OffloadedOptimizer(groups(ps), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(4):
+        loss_of(a, batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        ref.backward(batch(i))
+        ref.step()
+        ref_sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.opt.param_groups]
+        assert same_params(a, ref.twin), i
+    assert opt.param_groups[0]["lr"] == 0.05 / 16
+    assert same_state(opt, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_dict_round_trip_continues_bitwise(dtype):
+    a = model(dtype)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    for i in range(2):
+        loss_of(a, batch(i, dtype)).backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    b = copy.deepcopy(a)
+    opt_b = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=0.5, bucket_bytes=4096)
+    opt_b.load_state_dict(sd)
+    assert opt_b.param_groups[0]["lr"] == 1e-2
+    for i in range(2, 5):
+        for m, o in ((a, opt), (b, opt_b)):
+            loss_of(m, batch(i, dtype)).backward()
+            o.step()
+    assert same_params(a, b)
+    sa, sb = opt.state_dict(), opt_b.state_dict()
+    for i in sa["state"]:
+        for k in sa["state"][i]:
+            assert torch.equal(sa["state"][i][k], sb["state"][i][k])
+
+
+def test_state_dict_is_the_plain_class_format_both_ways():
+    a = model()
+    plain_model = copy.deepcopy(a)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    for i in range(2):
+        loss_of(a, batch(i)).backward()
+        opt.step()
+    sd = copy.deepcopy(opt.state_dict())  # CPU state is shared, not copied, by load_state_dict
+    plain_model.load_state_dict(a.state_dict())
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain.load_state_dict(sd)
+    back = to.OffloadedOptimizer(
+        copy.deepcopy(plain_model).parameters(), torch.optim.AdamW, lr=1e-2
+    )
+    back.load_state_dict(copy.deepcopy(plain.state_dict()))
+    for i in range(2, 4):
+        loss_of(a, batch(i)).backward()
+        opt.step()
+        loss_of(plain_model, batch(i)).backward()
+        plain.step()
+        plain.zero_grad()
+    assert same_params(a, plain_model)  # fp32 on the CPU: the plain class is the reference
+
+
+def test_load_state_dict_refuses_masters_that_do_not_match_the_model():
+    a = model(torch.bfloat16)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2)
+    loss_of(a, batch(0, torch.bfloat16)).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    fresh = model(torch.bfloat16, seed=1)
+    other = to.OffloadedOptimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(ValueError, match="same checkpoint"):
+        other.load_state_dict(sd)
+    with pytest.raises(ValueError, match="number of parameter groups"):
+        other.load_state_dict({"state": {}, "param_groups": []})
+    fresh.load_state_dict(a.state_dict())
+    other.load_state_dict(sd)
+
+
+def test_parameters_changed_outside_the_optimizer_are_read_again():
+    a = model(torch.bfloat16)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    loss_of(a, batch(0, torch.bfloat16)).backward()
+    opt.step()
+    a.load_state_dict(model(torch.bfloat16, seed=7).state_dict())  # a checkpoint, loaded late
+    fresh = model(torch.bfloat16, seed=7)
+    ref = Reference(fresh, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(
+        {
+            "state": copy.deepcopy(opt.state_dict()["state"]),
+            "param_groups": ref.opt.state_dict()["param_groups"],
+        }
+    )
+    for i in range(1, 3):
+        loss_of(a, batch(i, torch.bfloat16)).backward()
+        opt.step()
+        ref.backward(batch(i, torch.bfloat16))
+        ref.step()
+        assert same_params(a, ref.twin)
+
+
+def test_unused_and_frozen_parameters_are_not_stepped():
+    a = model()
+    a[0].weight.requires_grad_(False)
+    unused = nn.Parameter(torch.ones(3))
+    params = list(a.parameters()) + [unused]
+    opt = to.OffloadedOptimizer(params, torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    frozen = a[0].weight.clone()
+    loss_of(a, batch(0)).backward()
+    opt.step()
+    assert torch.equal(a[0].weight, frozen) and torch.equal(unused, torch.ones(3))
+    assert a[2].weight.grad is None
+
+
+class FailingSGD(torch.optim.SGD):
+    calls = 0
+    fail_at = None
+
+    def step(self, closure=None):
+        FailingSGD.calls += 1
+        if FailingSGD.calls == FailingSGD.fail_at:
+            raise ValueError("injected optimizer failure")
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+def test_an_exception_mid_step_leaves_each_parameter_old_or_new(overlap):
+    a = model()
+    before = copy.deepcopy(a)
+    ref = Reference(copy.deepcopy(a), torch.optim.SGD, lr=0.1, momentum=0.9)
+    opt = to.OffloadedOptimizer(
+        a.parameters(), FailingSGD, lr=0.1, momentum=0.9, bucket_bytes=2048, overlap=overlap
+    )
+    n = len(opt._runtime.buckets)
+    FailingSGD.calls, FailingSGD.fail_at = 0, 2
+    loss_of(a, batch(0)).backward()
+    with pytest.raises(RuntimeError, match=rf"{n - 1} of {n} buckets were stepped") as info:
+        opt.step()
+    assert "injected optimizer failure" in str(info.value)
+    ref.backward(batch(0))
+    ref.step()
+    failed = opt._runtime.buckets[1].records
+    for i, (p, old, new) in enumerate(
+        zip(a.parameters(), before.parameters(), ref.twin.parameters(), strict=True)
+    ):
+        want = old if any(r.entry.index == i for r in failed) else new
+        assert torch.equal(p, want), i
+        assert torch.equal(opt._runtime.records[i].master, want.float())
+    assert all(p.grad is None for p in a.parameters())
+    FailingSGD.fail_at = None
+    loss_of(a, batch(1)).backward()  # the optimizer goes on
+    opt.step()
+
+
+def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplog):
+    a = model()
+    before = copy.deepcopy(a)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, overlap=False)
+    loss_of(a, batch(0)).backward()
+    opt.zero_grad()  # nothing was stepped: at-step mode steps only in step()
+    assert same_params(a, before)
+    assert all(p.grad is None for p in a.parameters())
+    opt2 = to.OffloadedOptimizer(before.parameters(), torch.optim.SGD, lr=0.1)
+    loss_of(before, batch(0)).backward()
+    with caplog.at_level(logging.WARNING, logger="torchoffload.optim._runtime"):
+        opt2.zero_grad()
+    assert "without step()" in caplog.text
+    for p, rec in zip(before.parameters(), opt2._runtime.records, strict=True):
+        assert torch.equal(p, rec.master)  # device and host agree
+
+
+def test_grad_scaler_is_refused():
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(loss_of(a, batch(0))).backward()
+    with pytest.raises(RuntimeError, match="GradScaler|moved to the host"):
+        scaler.step(opt)  # its unscale reads the moved gradients
+
+
+def test_remove_restores_plain_gradients_and_refuses_further_use():
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    opt.remove()
+    loss_of(a, batch(0)).backward()
+    assert all(type(p.grad) is torch.Tensor for p in a.parameters())
+    with pytest.raises(RuntimeError, match="removed"):
+        opt.step()
+    again = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)  # no longer managed
+    again.remove()
+
+
+def test_bad_input_is_refused_with_the_argument_named():
+    a = model()
+    ps = list(a.parameters())
+    with pytest.raises(TypeError, match="optimizer_class"):
+        to.OffloadedOptimizer(ps, "adamw")
+    with pytest.raises(TypeError, match="optimizer_class"):
+        to.OffloadedOptimizer(ps, to.OffloadedOptimizer)
+    with pytest.raises(ValueError, match="appears twice"):
+        to.OffloadedOptimizer(ps + ps[:1], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="empty"):
+        to.OffloadedOptimizer([], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="meta"):
+        to.OffloadedOptimizer([nn.Parameter(torch.ones(2, device="meta"))], torch.optim.SGD)
+    with pytest.raises(ValueError, match="floating"):
+        to.OffloadedOptimizer([torch.ones(2, dtype=torch.int64)], torch.optim.SGD)
+    with pytest.raises(ValueError, match="leaf"):
+        to.OffloadedOptimizer([ps[0] * 2], torch.optim.SGD)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1, bucket_bytes=0)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1, max_grad_norm=-1.0)
+    with pytest.raises(TypeError, match="in config"):
+        to.OffloadedOptimizer(ps, torch.optim.SGD, config=OptimizerOffloadConfig(), overlap=False)
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # the class's own check
+        to.OffloadedOptimizer(ps, torch.optim.SGD, lr=-1.0)
+    opt = to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="already managed"):
+        to.OffloadedOptimizer(ps[1:], torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="closure"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match="param group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+    with pytest.raises(TypeError, match="pickled"):
+        import pickle
+
+        pickle.dumps(opt)
+    a.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="after converting"):
+        loss_of(a, batch(0, torch.bfloat16)).backward()  # the hook finds the dtype changed
+    opt.remove()

@@ -1,0 +1,33 @@
+"""Training state on the host: an optimizer whose state, fp32 master weights and step live in
+pinned host memory, stepped on a worker thread while backward computes.
+
+```python
+opt = torchoffload.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+loss.backward()   # each bucket's gradients leave the device once final; the host steps it
+opt.step()        # waits for the last buckets; the next forward waits on the uploads
+opt.zero_grad()
+```
+
+Modules, bottom up: `_layout` (the pure host layout and buckets), `_runtime` (copies, hooks,
+the worker), `_optimizer` (the public face, a `torch.optim.Optimizer`).
+"""
+
+from torchoffload.optim._layout import HostLayout, host_bytes, plan_layout
+from torchoffload.optim._optimizer import OffloadedOptimizer
+from torchoffload.optim._runtime import (
+    MovedGrad,
+    MovedGradError,
+    OptimizerOffloadConfig,
+    OptimizerStats,
+)
+
+__all__ = [
+    "HostLayout",
+    "MovedGrad",
+    "MovedGradError",
+    "OffloadedOptimizer",
+    "OptimizerOffloadConfig",
+    "OptimizerStats",
+    "host_bytes",
+    "plan_layout",
+]

@@ -1,0 +1,88 @@
+"""Where an offloaded optimizer keeps each parameter's host copies, and how parameters are cut
+into buckets: pure functions of the parameters' shapes and dtypes.
+
+Per parameter the host holds, in three exact-size buffers allocated once:
+- ``master``: the fp32 values the optimizer steps (for an fp32 parameter, its only host copy,
+  also the source of the upload);
+- ``grad``: the fp32 gradient the optimizer reads;
+- ``staging``: for a parameter that is not fp32, a buffer of its own dtype that first receives
+  its gradient from the device and then, after the step, its new value for the device.
+The optimizer's own state (AdamW: two fp32 moments) is allocated by the optimizer class on the
+host and is not counted here; `host_bytes` estimates it from ``state_floats``.
+
+A bucket is a run of consecutive parameters, in reverse order (the order in which backward
+usually finishes their gradients), of about ``bucket_bytes`` parameter bytes: its gradients
+leave the device together and its step runs as one call of the optimizer class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_ALIGN = 64  # bytes: every host tensor starts on a cache line
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter's place: ``index`` in the optimizer's parameter order, its ``bucket``,
+    and byte offsets into the master, grad and staging buffers (staging -1 for fp32)."""
+
+    index: int
+    bucket: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    numel: int
+    master: int
+    grad: int
+    staging: int
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    entries: tuple[Entry, ...]  # in parameter order
+    buckets: tuple[tuple[int, ...], ...]  # parameter indices per bucket, in bucket order
+    master_bytes: int
+    grad_bytes: int
+    staging_bytes: int
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.master_bytes + self.grad_bytes + self.staging_bytes
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def plan_layout(shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes: int) -> HostLayout:
+    """The host layout of parameters given as ``(shape, dtype)`` in the optimizer's order."""
+    sizes = [(torch.Size(s).numel(), dtype) for s, dtype in shapes]
+    buckets: list[list[int]] = []
+    filled = 0
+    for i in reversed(range(len(sizes))):
+        nbytes = sizes[i][0] * sizes[i][1].itemsize
+        if not buckets or (filled and filled + nbytes > bucket_bytes):
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += nbytes
+    bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
+    entries = []
+    master = grad = staging = 0
+    for i, ((shape, dtype), (numel, _)) in enumerate(zip(shapes, sizes, strict=True)):
+        stage = -1
+        if dtype != torch.float32:
+            stage = staging
+            staging = _round_up(staging + numel * dtype.itemsize, _ALIGN)
+        entries.append(Entry(i, bucket_of[i], tuple(shape), dtype, numel, master, grad, stage))
+        master = _round_up(master + numel * 4, _ALIGN)
+        grad = _round_up(grad + numel * 4, _ALIGN)
+    return HostLayout(tuple(entries), tuple(tuple(b) for b in buckets), master, grad, staging)
+
+
+def host_bytes(layout: HostLayout, state_floats: int = 2) -> int:
+    """Host bytes of the layout's buffers plus ``state_floats`` fp32 values of optimizer state
+    per parameter element (AdamW: 2)."""
+    return layout.pinned_bytes + sum(e.numel for e in layout.entries) * 4 * state_floats

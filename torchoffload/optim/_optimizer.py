@@ -1,0 +1,331 @@
+"""`OffloadedOptimizer`: any `torch.optim` optimizer class, stepped on the host."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torchoffload.optim._runtime import (
+    MANAGED,
+    HostStepRuntime,
+    OptimizerOffloadConfig,
+    OptimizerStats,
+)
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """An optimizer whose state, fp32 master weights and step live in host memory.
+
+    ```python
+    opt = torchoffload.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+    for batch in batches:
+        for micro in batch[:-1]:
+            with opt.accumulating():          # every backward but the last of an accumulation
+                model(micro).loss.backward()
+        model(batch[-1]).loss.backward()      # gradients leave the device as they finish;
+        opt.step()                            # the host steps each bucket meanwhile
+        opt.zero_grad()
+    ```
+
+    ``optimizer_class`` is instantiated on the host, once per bucket of parameters, over fp32
+    copies of them, with ``optimizer_kwargs``; the step is that class's own (bitwise what it
+    computes on those fp32 host tensors). A parameter that is not fp32 keeps an fp32 master
+    copy on the host, and receives the master rounded to its dtype after each step.
+
+    During the final backward each gradient leaves the device as soon as it is final and
+    ``param.grad`` then holds a `MovedGrad` that raises when read, until `step()`. Clip with
+    ``max_grad_norm`` (the config), not ``clip_grad_norm_`` on the model. LR schedulers,
+    `state_dict`/`load_state_dict` (in the plain class's format, plus ``"master_params"`` for
+    parameters that are not fp32), `zero_grad` and step hooks work as with the plain class.
+
+    ``params``: parameters (or param groups) of one device; ``config``: an
+    `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        config: OptimizerOffloadConfig | None = None,
+        **kwargs: Any,
+    ):
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+            )
+        if issubclass(optimizer_class, OffloadedOptimizer):
+            raise TypeError(
+                "optimizer_class must be the class to run on the host, not OffloadedOptimizer"
+            )
+        config_fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+        if config is None:
+            config = OptimizerOffloadConfig(**config_fields)
+        elif not isinstance(config, OptimizerOffloadConfig):
+            raise TypeError(
+                f"config must be an OptimizerOffloadConfig, got {type(config).__name__}"
+            )
+        elif config_fields:
+            raise TypeError(f"pass {sorted(config_fields)} in config, not beside it")
+        groups = _groups(params)
+        flat = [p for g in groups for p in g["params"]]
+        device = _check_params(flat)
+        # The class's defaults, and its own check of the keyword arguments.
+        probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
+        self._building = True
+        super().__init__(groups, probe.defaults)
+        self._building = False
+        self.config = config
+        group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        self._runtime = HostStepRuntime(
+            flat, group_of, self.param_groups, optimizer_class, kwargs, config, device
+        )
+        self._finalizer = weakref.finalize(self, self._runtime.close)
+        # GradScaler then hands the step its scale instead of unscaling p.grad (see step()).
+        self._step_supports_amp_scaling = True
+
+    # - The optimizer API
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Finish the host step (waiting for the buckets still running on the host) and make
+        the compute stream wait on the uploads of the new values (no host sync)."""
+        if closure is not None:
+            raise ValueError("OffloadedOptimizer.step does not take a closure")
+        if any(getattr(self, k, None) is not None for k in ("grad_scale", "found_inf")):
+            raise RuntimeError(
+                "OffloadedOptimizer does not support torch.amp.GradScaler (its gradients leave "
+                "the device, unscaled, during backward and may have been stepped already): "
+                "train in bf16 without loss scaling"
+            )
+        self._live().step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
+        and those already on the host. Buckets that the host stepped during backward keep
+        their new values (a warning says so)."""
+        self._live().discard()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def accumulating(self) -> contextlib.AbstractContextManager[None]:
+        """Gradients of a backward inside stay on the device and accumulate there as usual;
+        the next backward outside is the final one (like DDP's ``no_sync``)."""
+        return self._live().accumulating()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_building", False):
+            raise RuntimeError(
+                "OffloadedOptimizer cannot add a param group after construction: build it with "
+                "every group"
+            )
+        super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
+        the fp32 master of every parameter that is not fp32, by index."""
+        rt = self._live()
+        packed_groups, index = [], 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            packed_groups.append(packed)
+        state, masters = {}, {}
+        for bucket in rt.buckets:
+            for rec in bucket.records:
+                s = bucket.optimizer.state.get(rec.master)
+                if s:
+                    state[rec.entry.index] = s
+                if rec.staging is not None:
+                    masters[rec.entry.index] = rec.master
+        return {
+            "state": dict(sorted(state.items())),
+            "param_groups": packed_groups,
+            "master_params": dict(sorted(masters.items())),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of the plain optimizer class. Masters come from
+        ``"master_params"`` when present (they must round to the current parameters: load the
+        model's state dict from the same checkpoint first), else from the parameters."""
+        rt = self._live()
+        saved = state_dict.get("param_groups")
+        if not isinstance(saved, list) or len(saved) != len(self.param_groups):
+            raise ValueError(
+                "loaded state dict has a different number of parameter groups "
+                f"({len(saved) if isinstance(saved, list) else saved!r}, expected "
+                f"{len(self.param_groups)})"
+            )
+        for g, (mine, theirs) in enumerate(zip(self.param_groups, saved, strict=True)):
+            if len(theirs.get("params", ())) != len(mine["params"]):
+                raise ValueError(
+                    f"loaded state dict's group {g} has {len(theirs.get('params', ()))} "
+                    f"parameters, this optimizer's has {len(mine['params'])}"
+                )
+        order = [i for group in saved for i in group["params"]]  # saved id of each parameter
+        state = state_dict.get("state", {})
+        masters = state_dict.get("master_params", {})
+        for i, rec in enumerate(rt.records):
+            m = masters.get(order[i])
+            if m is None:
+                continue
+            if tuple(m.shape) != tuple(rec.param.shape):
+                raise ValueError(
+                    f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
+                    f"{tuple(rec.param.shape)}"
+                )
+            rounded = m.to(device=rec.param.device, dtype=rec.param.dtype)
+            if not torch.equal(rounded, rec.param.detach()):
+                raise ValueError(
+                    f"master_params[{order[i]}] does not round to parameter {i}'s current "
+                    "value: load the model's state dict from the same checkpoint first"
+                )
+        for mine, theirs in zip(self.param_groups, saved, strict=True):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        for bucket in rt.buckets:
+            local_groups, local_state, local = [], {}, 0
+            for host_group in bucket.optimizer.param_groups:
+                ids = []
+                for master in host_group["params"]:
+                    rec = next(r for r in bucket.records if r.master is master)
+                    key = order[rec.entry.index]
+                    if key in state:
+                        local_state[local] = state[key]
+                    ids.append(local)
+                    local += 1
+                local_groups.append({**{k: v for k, v in host_group.items() if k != "params"},
+                                     "params": ids})  # fmt: skip
+            for host_group, g in zip(local_groups, bucket.groups, strict=True):
+                host_group.update({k: v for k, v in self.param_groups[g].items() if k != "params"})
+            bucket.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for i, rec in enumerate(rt.records):
+            m = masters.get(order[i])
+            if m is not None:
+                rec.master.copy_(m)
+                rec.synced = (rec.param._version, rec.param.data_ptr())
+            else:
+                rt._refresh(rec)
+
+    # - torchoffload
+    def stats(self) -> OptimizerStats:
+        rt = self._live()
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for b in rt.buckets
+            for s in b.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        host = rt.last_host_ms
+        return OptimizerStats(
+            steps=rt.steps,
+            buckets=len(rt.buckets),
+            pinned_bytes=rt.layout.pinned_bytes,
+            state_bytes=state_bytes,
+            d2h_bytes=rt.d2h_bytes,
+            h2d_bytes=rt.h2d_bytes,
+            host_step_ms=host,
+            host_step_ms_after_call=rt.last_host_ms_after_call,
+            step_wait_ms=rt.wait_ms,
+            overlap=(1 - rt.last_host_ms_after_call / host) if host > 0 else 0.0,
+            grad_norm=None if rt.grad_norm is None else float(rt.grad_norm),
+        )
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm of the last step (with ``max_grad_norm``), before clipping."""
+        return self._live().grad_norm
+
+    def remove(self) -> None:
+        """Stop the worker, remove the hooks, free the host buffers. The parameters keep their
+        current values; the optimizer cannot be used afterwards."""
+        self._finalizer()
+
+    def _live(self) -> HostStepRuntime:
+        rt = self._runtime
+        if rt.closed:
+            raise RuntimeError("this OffloadedOptimizer was removed")
+        return rt
+
+    def __repr__(self) -> str:
+        rt = self._runtime
+        name = type(rt.buckets[0].optimizer).__name__ if rt.buckets else "?"
+        return (f"OffloadedOptimizer({name}, {len(rt.records)} parameters in "
+                f"{len(rt.buckets)} buckets on {rt.device})")  # fmt: skip
+
+    def __getstate__(self) -> Any:
+        raise TypeError("an OffloadedOptimizer cannot be pickled: save its state_dict()")
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(
+            "an OffloadedOptimizer cannot be copied: build another and load_state_dict()"
+        )
+
+
+_CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
+
+
+def _groups(params: Any) -> list[dict[str, Any]]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params must be an iterable of tensors or dicts, got a Tensor")
+    groups = list(params)
+    if not groups:
+        raise ValueError("params is empty: give the optimizer at least one parameter")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g in groups:
+        if not isinstance(g, dict) or "params" not in g:
+            raise TypeError("params must be all tensors or all dicts with a 'params' key")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        out.append({**g, "params": ps})
+    return out
+
+
+def _check_params(params: list[Any]) -> torch.device:
+    seen: set[int] = set()
+    device = None
+    for i, p in enumerate(params):
+        what = f"params: parameter {i}"
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{what} is a {type(p).__name__}, not a tensor")
+        if not p.is_leaf:
+            raise ValueError(f"{what} is not a leaf tensor")
+        if not p.is_floating_point():
+            raise ValueError(f"{what} is {p.dtype}; only real floating-point ones are supported")
+        if p.layout != torch.strided or type(p) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(
+                f"{what} is a {type(p).__name__} ({p.layout}); only dense plain tensors are "
+                "supported"
+            )
+        if p.device.type == "meta":
+            raise ValueError(f"{what} is on the meta device; materialize the model first")
+        if id(p) in seen:
+            raise ValueError(f"{what} appears twice")
+        seen.add(id(p))
+        if device is None:
+            device = p.device
+        elif p.device != device:
+            raise ValueError(
+                f"params: parameter 0 is on {device} and parameter {i} on {p.device}; an "
+                "OffloadedOptimizer takes parameters of one device"
+            )
+        if p in MANAGED:
+            raise ValueError(
+                f"{what} is already managed by another OffloadedOptimizer; remove() that first"
+            )
+    assert device is not None
+    return device

@@ -1,0 +1,580 @@
+"""The host-step runtime of an offloaded optimizer: gradients leave the device as soon as they
+are final, a worker thread steps the optimizer class on fp32 host copies while backward goes
+on, and the new values go back to the device parameters before the next forward reads them.
+
+Driven by `OffloadedOptimizer` (the public face) through `on_grad` (a post-accumulate-grad
+hook), `step`, `discard` (zero_grad), `accumulating` and `close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torchoffload._pool import pinned_buffer
+from torchoffload._transfer import copy_engine
+from torchoffload._validate import check_bool, check_int, check_number
+from torchoffload.optim._layout import Entry, HostLayout, plan_layout
+
+logger = logging.getLogger(__name__)
+
+# Note: [When a gradient is final]
+# PyTorch runs a parameter's post-accumulate-grad hook once per backward, after every use of the
+# parameter has added its gradient (autograd sums a leaf's incoming gradients before its
+# AccumulateGrad node runs). Outside `accumulating()`, that backward is the last one before
+# `step()`, so the gradient is final: the hook marks the parameter, and once every trainable
+# parameter of a bucket is marked, the bucket's gradients are copied to the host on the copy
+# stream (which waits on the compute stream first) and the device gradients are dropped once
+# that copy has completed (they are kept referenced until then: no `record_stream`).
+#
+# Note: [Uploading while backward runs]
+# A bucket's new values are copied into its device parameters on the copy stream after an event
+# recorded on the compute stream when the bucket's gradients became final. Every kernel through
+# which autograd reads a parameter in backward (its gradient formula, a forward recomputed under
+# activation checkpointing) is queued before the parameter's gradient is accumulated, so before
+# that event. Invariant relied on: nothing queued later in backward reads the parameter, i.e.
+# the model does not read parameters in backward outside autograd (a backward hook reading a
+# weight under `no_grad`). `step()` makes the compute stream wait on the last upload, so the
+# next forward reads the new values; no host sync.
+#
+# Note: [Host buffers are reused across steps without a sync]
+# A bucket's staging buffer receives its gradient (D2H), then its new value (written by the
+# worker after the step), which the upload reads. The next step's gradient copy into the same
+# buffer is queued after `step()` made the compute stream wait on the upload, and the copy
+# stream waits on the compute stream, so it cannot overtake the upload. The worker touches a
+# bucket's host buffers only after it has waited on that bucket's gradient copy event.
+
+# Note: [Host threads]
+# The host step runs on its own thread, with an OpenMP team of `host_threads`. Its parallel
+# regions keep their threads spinning between regions, and backward's own host work (autograd's
+# device thread, Python launching recomputed forwards) needs cores too: with a team as large as
+# the machine the step is hidden behind backward but slows it down. The team size is set with
+# `torch.set_num_threads` on the worker thread, which changes that thread's OpenMP setting (and
+# the default of threads started later), not the caller's.
+
+# Every parameter that a live offloaded optimizer manages: a second one on it is refused.
+MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass(frozen=True)
+class OptimizerOffloadConfig:
+    """How an `OffloadedOptimizer` runs.
+
+    - ``bucket_bytes``: parameter bytes per bucket, the unit whose gradients leave the device
+      together and whose step is one call of the optimizer class (smaller: more overlap, more
+      host overhead per step).
+    - ``max_grad_norm``: clip the gradients to this global norm before the step (like
+      ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32). The step then starts
+      only once every gradient has arrived; the copies still overlap backward. ``None``: no
+      clipping. Clip here, not with ``clip_grad_norm_`` on the model: its gradients have left
+      the device by then (reading them raises).
+    - ``norm_type``: the norm's p (``float('inf')`` for the max norm).
+    - ``overlap``: step each bucket on the host as soon as its gradients arrive, while backward
+      goes on. ``False``: step everything when `step()` is called (the gradients still leave
+      the device during backward).
+    - ``pin_memory``: page-lock the host buffers (the copies are asynchronous only then).
+    - ``use_streams``: copy on side streams; ``False`` queues the copies on the compute stream.
+    - ``host_threads``: intra-op threads of the host step (set on the worker thread). ``None``:
+      ``torch.get_num_threads()`` less 2 when the parameters are on an accelerator, so that the
+      threads launching forward and backward keep a core each (see Note: [Host threads]).
+    """
+
+    bucket_bytes: int = 32 << 20
+    max_grad_norm: float | None = None
+    norm_type: float = 2.0
+    overlap: bool = True
+    pin_memory: bool = True
+    use_streams: bool = True
+    host_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.host_threads is not None:
+            check_int("host_threads", self.host_threads, minimum=1)
+        check_int("bucket_bytes", self.bucket_bytes, minimum=1)
+        if self.max_grad_norm is not None:
+            check_number("max_grad_norm", self.max_grad_norm)
+        if self.norm_type != float("inf"):
+            check_number("norm_type", self.norm_type, positive=True)
+        for name in ("overlap", "pin_memory", "use_streams"):
+            check_bool(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class OptimizerStats:
+    """What an `OffloadedOptimizer` did. Times are of the last `step()`; bytes are totals.
+
+    ``host_step_ms``: worker time converting gradients, clipping and stepping (the host
+    work). ``host_step_ms_after_call``: the part of it that ran after `step()` was called,
+    i.e. was not hidden behind backward. ``step_wait_ms``: how long `step()` blocked its
+    caller. ``overlap``: the fraction of ``host_step_ms`` hidden behind backward."""
+
+    steps: int
+    buckets: int
+    pinned_bytes: int
+    state_bytes: int
+    d2h_bytes: int
+    h2d_bytes: int
+    host_step_ms: float
+    host_step_ms_after_call: float
+    step_wait_ms: float
+    overlap: float
+    grad_norm: float | None
+
+
+class MovedGradError(RuntimeError):
+    """A gradient was read after an `OffloadedOptimizer` moved it to the host."""
+
+
+_MOVED = (
+    "the gradient of this parameter was moved to the host by an OffloadedOptimizer when the "
+    "final backward finished it; call optimizer.step() (or zero_grad()) before the next "
+    "backward, run every backward but the last of an accumulation inside "
+    "optimizer.accumulating(), and clip with OffloadedOptimizer(max_grad_norm=...) instead of "
+    "torch.nn.utils.clip_grad_norm_"
+)
+
+
+class MovedGrad(torch.Tensor):
+    """What ``param.grad`` holds between the final backward and `step()`: a tensor with the
+    gradient's metadata and no storage, any operation on which raises `MovedGradError` (so
+    ``clip_grad_norm_`` on the model cannot silently see no gradients)."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> MovedGrad:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
+        )
+
+    def __repr__(self) -> str:  # the default repr would run ops
+        return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise MovedGradError(f"{func}: {_MOVED}")
+
+
+class _Record:
+    """One parameter: its place, its host views, its state in the current step."""
+
+    __slots__ = ("entry", "param", "trainable", "master", "grad", "staging", "synced",
+                 "has_grad", "final")  # fmt: skip
+
+    def __init__(self, entry: Entry, param: torch.Tensor, master, grad, staging):
+        self.entry = entry
+        self.param = param
+        self.trainable = param.requires_grad
+        self.master = master  # fp32 host values the optimizer steps
+        self.grad = grad  # fp32 host gradient
+        self.staging = staging  # host buffer of the parameter's dtype, or None for fp32
+        self.synced: tuple[int, int] = (-1, -1)  # (version, data_ptr) the master matches
+        self.has_grad = False
+        self.final = False
+
+
+class _Bucket:
+    __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
+                 "dispatched", "arrived", "stepped", "failed", "final_event", "norms")  # fmt: skip
+
+    def __init__(self, index: int, records: list[_Record], optimizer, groups: list[int]):
+        self.index = index
+        self.records = records  # in parameter order
+        self.optimizer = optimizer  # the optimizer class over these records' masters
+        self.groups = groups  # the user group of each of the optimizer's groups
+        self.trainable = sum(r.trainable for r in records)
+        self.reset()
+
+    def reset(self) -> None:
+        self.remaining = self.trainable
+        self.dispatched = False  # gradients sent to the host this step
+        self.arrived = False  # the worker has them in fp32
+        self.stepped = False
+        self.failed: BaseException | None = None
+        self.final_event: Any = None
+        self.norms: list[torch.Tensor] = []
+
+
+class HostStepRuntime:
+    """The host copies, hooks and worker of one offloaded optimizer."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        group_of: list[int],
+        groups: list[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        config: OptimizerOffloadConfig,
+        device: torch.device,
+    ):
+        self.config = config
+        self.device = device
+        self.user_groups = groups  # the public optimizer's param_groups (live dicts)
+        self.layout: HostLayout = plan_layout(
+            [(tuple(p.shape), p.dtype) for p in params], config.bucket_bytes
+        )
+        self.engine = copy_engine(device, use_streams=config.use_streams)
+        # - Host buffers (allocated once, exact size)
+        pin = config.pin_memory and device.type != "cpu" and torch.accelerator.is_available()
+        layout = self.layout
+        self._master_buf = pinned_buffer(layout.master_bytes, pin=pin)
+        self._grad_buf = pinned_buffer(layout.grad_bytes, pin=pin)
+        self._staging_buf = pinned_buffer(layout.staging_bytes, pin=pin)
+        self.records = [self._record(e, p) for e, p in zip(layout.entries, params, strict=True)]
+        self._index = {id(p): i for i, p in enumerate(params)}
+        for rec in self.records:
+            self._refresh(rec)
+        # - Buckets, each with an instance of the optimizer class over its masters
+        self.buckets = [
+            self._bucket(
+                b,
+                [self.records[i] for i in sorted(members)],
+                group_of,
+                optimizer_class,
+                optimizer_kwargs,
+            )  # fmt: skip
+            for b, members in enumerate(layout.buckets)
+        ]
+        # - Step state (reset by `step` and `discard`)
+        self._lock = threading.Lock()
+        self._accumulating = 0
+        self._inflight: list[tuple[Any, list[torch.Tensor]]] = []  # (D2H event, device grads)
+        self._last_upload: Any = None
+        self._call_time: float | None = None
+        self._errors: list[tuple[int, BaseException]] = []
+        # - Counters
+        self.steps = 0
+        self.d2h_bytes = 0
+        self.h2d_bytes = 0
+        self.host_ms = 0.0
+        self.host_ms_after_call = 0.0
+        self.wait_ms = 0.0
+        self.last_host_ms = self.last_host_ms_after_call = 0.0
+        self.grad_norm: torch.Tensor | None = None
+        # - Worker and hooks
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Event()
+        self._worker = threading.Thread(target=self._work, name="torchoffload-host-step",
+                                        daemon=True)  # fmt: skip
+        self._worker.start()
+        self._hooks = [
+            r.param.register_post_accumulate_grad_hook(self.on_grad)
+            for r in self.records
+            if r.trainable
+        ]
+        for rec in self.records:
+            MANAGED[rec.param] = self
+        self.closed = False
+
+    # - Construction
+    def _record(self, entry: Entry, param: torch.Tensor) -> _Record:
+        n, shape = entry.numel, entry.shape
+        master = self._master_buf[entry.master : entry.master + 4 * n].view(torch.float32)
+        grad = self._grad_buf[entry.grad : entry.grad + 4 * n].view(torch.float32)
+        staging = None
+        if entry.staging >= 0:
+            nbytes = n * entry.dtype.itemsize
+            raw = self._staging_buf[entry.staging : entry.staging + nbytes]
+            staging = raw.view(entry.dtype).view(shape)
+        return _Record(entry, param, master.view(shape), grad.view(shape), staging)
+
+    def _bucket(self, b, records, group_of, optimizer_class, optimizer_kwargs) -> _Bucket:
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for rec in records:
+            by_group.setdefault(group_of[rec.entry.index], []).append(rec.master)
+        host_groups = [
+            {**_hyper(self.user_groups[g]), "params": masters} for g, masters in by_group.items()
+        ]
+        optimizer = optimizer_class(host_groups, **optimizer_kwargs)
+        return _Bucket(b, records, optimizer, list(by_group))
+
+    # - Hooks (autograd's threads)
+    def on_grad(self, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook. See Note: [When a gradient is final]."""
+        if self._accumulating or self.closed:
+            return
+        rec = self.records[self._index[id(param)]]
+        with self._lock:
+            if rec.final:
+                raise RuntimeError(
+                    f"parameter {rec.entry.index} got a second final gradient before step(): "
+                    "run every backward but the last of a gradient accumulation inside "
+                    "optimizer.accumulating()"
+                )
+            rec.final = True
+            bucket = self.buckets[rec.entry.bucket]
+            bucket.remaining -= 1
+            go = bucket.remaining == 0 and not bucket.dispatched
+            if go:
+                bucket.dispatched = True
+        if go:
+            self._dispatch(bucket)
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        with self._lock:
+            self._accumulating += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._accumulating -= 1
+
+    def _dispatch(self, bucket: _Bucket) -> None:
+        """Copy the bucket's gradients to the host and queue it for the worker."""
+        pairs, keep = [], []
+        for rec in bucket.records:
+            self._check(rec)
+            p = rec.param
+            g = p.grad
+            rec.has_grad = g is not None
+            if g is None:
+                continue
+            if type(g) is MovedGrad:
+                raise RuntimeError(f"parameter {rec.entry.index}: {_MOVED}")
+            if g.layout != torch.strided or (g.dtype, g.shape) != (p.dtype, p.shape):
+                raise RuntimeError(
+                    f"parameter {rec.entry.index}: gradient {g.dtype} {tuple(g.shape)} "
+                    f"({g.layout}) does not match the parameter; an OffloadedOptimizer needs "
+                    "dense gradients of the parameter's dtype and shape"
+                )
+            pairs.append((rec.grad if rec.staging is None else rec.staging, g))
+            keep.append(g)
+        bucket.final_event = self.engine.record()
+        event = None
+        if pairs:
+            event, _ = self.engine.offload_many(pairs)
+        for rec in bucket.records:
+            if rec.has_grad:
+                rec.param.grad = MovedGrad(rec.param)
+        with self._lock:
+            self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
+            if keep:
+                self._inflight.append((event, keep))
+                self.d2h_bytes += sum(g.numel() * g.element_size() for g in keep)
+        self._queue.put(("bucket", bucket, event))
+
+    def _check(self, rec: _Record) -> None:
+        """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
+        p = rec.param
+        if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
+            raise RuntimeError(
+                f"parameter {rec.entry.index} is now {p.dtype} {tuple(p.shape)}, was "
+                f"{rec.entry.dtype} {rec.entry.shape} when the optimizer was built: build "
+                "the OffloadedOptimizer after converting the model"
+            )
+        if (p._version, p.data_ptr()) != rec.synced:
+            # Changed outside the optimizer (load_state_dict, an in-place init): its master
+            # follows. A blocking copy, only after such a change.
+            self._refresh(rec)
+
+    def _refresh(self, rec: _Record) -> None:
+        with torch.no_grad():
+            rec.master.copy_(rec.param.detach())
+        rec.synced = (rec.param._version, rec.param.data_ptr())
+
+    # - Worker
+    def _work(self) -> None:
+        threads = self.config.host_threads
+        if threads is None and self.device.type != "cpu":
+            threads = max(1, torch.get_num_threads() - 2)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        while True:
+            item = self._queue.get()
+            if item[0] == "stop":
+                return
+            try:
+                if item[0] == "bucket":
+                    self._arrive(item[1], item[2])
+                else:
+                    self._finish(item[1])
+            except BaseException as exc:  # reported by step()
+                self._errors.append((-1, exc))
+            finally:
+                if item[0] == "finish":
+                    self._done.set()
+
+    def _arrive(self, bucket: _Bucket, event: Any) -> None:
+        start = time.perf_counter()
+        try:
+            if event is not None:
+                event.synchronize()  # the worker's wait: see Note: [When a gradient is final]
+                start = time.perf_counter()  # host work only
+            with torch.no_grad():
+                for rec in bucket.records:
+                    if rec.has_grad and rec.staging is not None:
+                        rec.grad.copy_(rec.staging)
+                if self.config.max_grad_norm is not None:
+                    grads = [r.grad for r in bucket.records if r.has_grad]
+                    norm_type = self.config.norm_type
+                    bucket.norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
+            bucket.arrived = True
+        except BaseException as exc:
+            bucket.failed = exc
+            self._errors.append((bucket.index, exc))
+        self._account(start)
+        if self.config.overlap and self.config.max_grad_norm is None and not bucket.failed:
+            self._step(bucket)
+
+    def _finish(self, step_rest: bool) -> None:
+        """Step what has arrived and is not stepped yet (clipping first), or, when not
+        ``step_rest`` (zero_grad), nothing more."""
+        start = time.perf_counter()
+        todo = [b for b in self.buckets if b.arrived and not b.stepped and not b.failed]
+        if step_rest and self.config.max_grad_norm is not None:
+            self._clip()
+        self._account(start)
+        if step_rest:
+            for bucket in todo:
+                self._step(bucket)
+
+    def _clip(self) -> None:
+        """Scale every host gradient like ``clip_grad_norm_`` over them in parameter order:
+        the per-tensor norms (computed as buckets arrived) are stacked in that order."""
+        norms: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            with_grad = [r for r in bucket.records if r.has_grad]
+            norms.update({r.entry.index: n for r, n in zip(with_grad, bucket.norms, strict=True)})
+        if not norms:
+            self.grad_norm = torch.tensor(0.0)
+            return
+        ordered = [norms[i] for i in sorted(norms)]
+        total = torch.linalg.vector_norm(torch.stack(ordered), self.config.norm_type)
+        self.grad_norm = total
+        masters = []
+        for rec in self.records:
+            if rec.has_grad:
+                rec.master.grad = rec.grad
+                masters.append(rec.master)
+        torch.nn.utils.clip_grads_with_norm_(masters, self.config.max_grad_norm, total)
+
+    def _step(self, bucket: _Bucket) -> None:
+        """One call of the optimizer class over the bucket, then the upload of its new values.
+        See Note: [Uploading while backward runs]."""
+        start = time.perf_counter()
+        try:
+            optimizer = bucket.optimizer
+            for host_group, g in zip(optimizer.param_groups, bucket.groups, strict=True):
+                host_group.update(_hyper(self.user_groups[g]))
+            for rec in bucket.records:
+                rec.master.grad = rec.grad if rec.has_grad else None
+            optimizer.step()
+            pairs = []
+            with torch.no_grad():
+                for rec in bucket.records:
+                    rec.master.grad = None
+                    if rec.has_grad:
+                        if rec.staging is not None:
+                            rec.staging.copy_(rec.master)
+                        pairs.append((rec.param.detach(), rec.master if rec.staging is None
+                                      else rec.staging))  # fmt: skip
+            bucket.stepped = True
+            if pairs:
+                self._last_upload = self.engine.load(pairs, after=[bucket.final_event])
+                self.h2d_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+                for rec in bucket.records:
+                    if rec.has_grad:
+                        rec.synced = (rec.param._version, rec.param.data_ptr())
+        except BaseException as exc:
+            bucket.failed = exc
+            self._errors.append((bucket.index, exc))
+        self._account(start)
+
+    def _account(self, start: float) -> None:
+        end = time.perf_counter()
+        self.host_ms += (end - start) * 1e3
+        called = self._call_time
+        if called is not None and end > called:
+            self.host_ms_after_call += (end - max(start, called)) * 1e3
+
+    # - Step and discard (the caller's thread)
+    def step(self) -> None:
+        self._complete(step_rest=True)
+
+    def discard(self) -> None:
+        """zero_grad(): finish what is in flight (buckets already stepped are uploaded), step
+        nothing more, drop the gradients."""
+        stepped = self._complete(step_rest=False)
+        if stepped:
+            logger.warning(
+                "zero_grad() without step(): %d of %d buckets had already been stepped on the "
+                "host during backward (their gradients were final); those parameters hold their "
+                "new values, the others their old ones", stepped, len(self.buckets),
+            )  # fmt: skip
+
+    def _complete(self, *, step_rest: bool) -> int:
+        called = time.perf_counter()
+        self._call_time = called
+        if step_rest:
+            for bucket in self.buckets:
+                with self._lock:
+                    go = not bucket.dispatched
+                    bucket.dispatched = True
+                if go:
+                    self._dispatch(bucket)
+        self._queue.put(("finish", step_rest))
+        self._done.wait()
+        self._done.clear()
+        if step_rest:
+            self.wait_ms = (time.perf_counter() - called) * 1e3
+        self._inflight.clear()  # every gradient copy was waited on by the worker
+        self.engine.wait(self._last_upload)
+        stepped = sum(b.stepped for b in self.buckets)
+        errors, self._errors = self._errors, []
+        self._reset(keep_times=step_rest)
+        if step_rest and not errors:
+            self.steps += 1
+        if errors:
+            index, exc = errors[0]
+            where = f"bucket {index}" if index >= 0 else "the worker"
+            raise RuntimeError(
+                f"the host step failed in {where} ({stepped} of {len(self.buckets)} buckets "
+                "were stepped and uploaded; every parameter holds either its old or its new "
+                f"value, with the matching optimizer state): {exc!r}"
+            ) from exc
+        return stepped
+
+    def _reset(self, keep_times: bool) -> None:
+        if keep_times:
+            self.last_host_ms = self.host_ms
+            self.last_host_ms_after_call = self.host_ms_after_call
+        self.host_ms = self.host_ms_after_call = 0.0
+        for rec in self.records:
+            rec.final = False
+            if type(rec.param.grad) is MovedGrad:
+                rec.param.grad = None
+        for bucket in self.buckets:
+            bucket.reset()
+        self._call_time = None
+
+    # - Teardown
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._hooks:
+            h.remove()
+        self._queue.put(("stop",))
+        self._worker.join()
+        for rec in self.records:
+            if MANAGED.get(rec.param) is self:
+                del MANAGED[rec.param]
+            if type(rec.param.grad) is MovedGrad:
+                rec.param.grad = None
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _completed(event: Any) -> bool:
+    return event is None or event.query()
