@@ -58,8 +58,44 @@ def stream(**kw):
     return stream_weights(model().eval(), "cpu", **kw)
 
 
+def offopt(**kw):
+    return torchoffload.OffloadedOptimizer(model().parameters(), torch.optim.AdamW, **kw)
+
+
 CASES = [
     # (id, call, exception, a regex naming the argument)
+    # -- OffloadedOptimizer and its config
+    (
+        "oo-class",
+        lambda: torchoffload.OffloadedOptimizer([], "adamw"),
+        TypeError,
+        "optimizer_class",
+    ),  # fmt: skip
+    (
+        "oo-params",
+        lambda: torchoffload.OffloadedOptimizer(torch.ones(2), torch.optim.SGD),
+        TypeError,
+        "params",
+    ),  # fmt: skip
+    (
+        "oo-empty",
+        lambda: torchoffload.OffloadedOptimizer([], torch.optim.SGD),
+        ValueError,
+        "params",
+    ),  # fmt: skip
+    ("oo-config", lambda: offopt(config={"bucket_bytes": 1}), TypeError, "config"),
+    ("oo-bucket", lambda: offopt(bucket_bytes=0), ValueError, "bucket_bytes"),
+    ("oo-bucket-type", lambda: offopt(bucket_bytes=1.5), TypeError, "bucket_bytes"),
+    ("oo-norm", lambda: offopt(max_grad_norm=0.0), ValueError, "max_grad_norm"),
+    ("oo-norm-type", lambda: offopt(norm_type=-2.0), ValueError, "norm_type"),
+    ("oo-overlap", lambda: offopt(overlap="yes"), TypeError, "overlap"),
+    ("oo-threads", lambda: offopt(host_threads=0), ValueError, "host_threads"),
+    (
+        "ooc-pin",
+        lambda: torchoffload.OptimizerOffloadConfig(pin_memory=1),
+        TypeError,
+        "pin_memory",
+    ),  # fmt: skip
     # -- offload_activations
     ("oa-min_bytes-type", lambda: offload_activations(min_bytes="1"), TypeError, "min_bytes"),
     ("oa-min_bytes-neg", lambda: offload_activations(min_bytes=-1), ValueError, "min_bytes"),
@@ -361,6 +397,8 @@ def test_bad_input_names_the_argument(call, exc, names):
 def test_every_public_callable_has_a_row():
     """A public function or class added without validation rows fails here."""
     covered = {
+        "OffloadedOptimizer",
+        "OptimizerOffloadConfig",
         "ActivationOffloadConfig",
         "apply_activation_offloading",
         "find_layers",
@@ -388,6 +426,8 @@ def test_every_public_callable_has_a_row():
         "WeightStats",
         "WeightStreamHandle",
         "no_offload",
+        "MovedGradError",
+        "OptimizerStats",
     }
     public = {n for n in torchoffload.__all__ if callable(getattr(torchoffload, n))}
     assert public - covered - exempt == set()
