@@ -252,6 +252,18 @@ CASES = [
     # -- planner
     ("plan-model", lambda: plan("gpt", (tokens(),), budget_bytes=1 << 20), TypeError, "model"),
     (
+        "plan-state",
+        lambda: plan(model(), (tokens(),), budget_bytes=None, optimizer_state="cpu"),
+        ValueError,
+        "optimizer_state",
+    ),  # fmt: skip
+    (
+        "plan-host-budget",
+        lambda: plan(model(), (tokens(),), budget_bytes=None, host_budget_bytes=-1),
+        ValueError,
+        "host_budget_bytes",
+    ),  # fmt: skip
+    (
         "plan-inputs",
         lambda: plan(model(), 42, budget_bytes=1 << 20),
         TypeError,

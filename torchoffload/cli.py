@@ -287,9 +287,9 @@ def _build_for_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, st
 
 
 def plan_command(argv: Sequence[str] | None = None) -> int:
-    """Plan activation memory for a model without a GPU: trace one training step under fake
-    tensors, print per-layer bytes and FLOPs, and choose keep/offload/recompute per layer for a
-    memory budget."""
+    """Plan memory for a model without a GPU: trace one training step under fake tensors, print
+    per-layer bytes and FLOPs, and choose keep/offload/recompute per layer and where the
+    optimizer state lives (device or host) for a memory budget."""
     from torchoffload.planner import Hardware, InfeasibleBudgetError, plan_from_profile, trace
 
     p = argparse.ArgumentParser(prog="torchoffload plan", description=plan_command.__doc__)
@@ -312,6 +312,14 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--budget", type=parse_bytes, default=None, help="peak device memory, e.g. 60GiB"
     )
+    p.add_argument(
+        "--optimizer-state", choices=["auto", "device", "host"], default="auto",
+        help="where AdamW's state lives: auto (the faster that fits), device, or host",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-budget", type=parse_bytes, default=None,
+        help="host memory the plan may use (default: this host's physical memory)",
+    )  # fmt: skip
     p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
     p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
     p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
@@ -358,7 +366,9 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     try:
         plan = plan_from_profile(profile, args.budget, hardware=hw,
                                  prefetch_layers=args.prefetch_layers,
-                                 defer_layers=args.defer_layers)  # fmt: skip
+                                 defer_layers=args.defer_layers,
+                                 optimizer_state=args.optimizer_state,
+                                 host_budget_bytes=args.host_budget)  # fmt: skip
     except InfeasibleBudgetError as e:
         print(f"torchoffload plan: {e}", file=sys.stderr)
         return 1

@@ -82,6 +82,14 @@ def plan_layout(shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes:
     return HostLayout(tuple(entries), tuple(tuple(b) for b in buckets), master, grad, staging)
 
 
+def host_state_bytes(numel: int, nbytes: int, state_floats: int = 2) -> int:
+    """Host bytes for ``numel`` parameter elements of ``nbytes`` bytes (without a layout's
+    alignment): fp32 master and gradient, staging unless fp32, and ``state_floats`` fp32
+    values of optimizer state per element."""
+    staging = nbytes if nbytes != 4 * numel else 0
+    return numel * 4 * (2 + state_floats) + staging
+
+
 def host_bytes(layout: HostLayout, state_floats: int = 2) -> int:
     """Host bytes of the layout's buffers plus ``state_floats`` fp32 values of optimizer state
     per parameter element (AdamW: 2)."""

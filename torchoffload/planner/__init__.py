@@ -20,7 +20,13 @@ decisions under a budget), `_plan` (the `Plan`, its report, plot and application
 
 from torchoffload.planner._cost import DECISIONS, STREAM, Decision, Prediction
 from torchoffload.planner._hardware import Hardware
-from torchoffload.planner._plan import Plan, plan, plan_from_profile, synthetic_profile
+from torchoffload.planner._plan import (
+    OptimizerState,
+    Plan,
+    plan,
+    plan_from_profile,
+    synthetic_profile,
+)
 from torchoffload.planner._search import InfeasibleBudgetError
 from torchoffload.planner._trace import LayerProfile, Profile, trace
 
@@ -31,6 +37,7 @@ __all__ = [
     "Hardware",
     "InfeasibleBudgetError",
     "LayerProfile",
+    "OptimizerState",
     "Plan",
     "Prediction",
     "Profile",

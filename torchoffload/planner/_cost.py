@@ -27,6 +27,16 @@ before them (the engine orders each reload after the compute stream), and layer 
 waits for them; a recomputed layer adds the forward ops up to its last saved tensor (where
 non-reentrant checkpointing stops). The optimizer step streams parameters, gradients and state
 at the memory bandwidth; the code outside the layers is kept as traced.
+
+Note: [Optimizer state on the host]
+With the optimizer state on the host (`OffloadedOptimizer`), the device holds no optimizer
+state, and each gradient leaves as backward finishes it: the trace's live bytes lose the
+gradients accumulated so far (`Profile.grad_events`) except the last two buckets, which may be
+in flight. The host steps the buckets while backward runs (fused fp32 AdamW at
+``host_adam_params_per_s``, plus the bf16<->fp32 conversions, 12 bytes per parameter, at
+``host_memory_gbps``); gradients go down and parameters up over the link. The step then takes
+forward + max(backward, host step, link) plus one bucket's upload: what `step()` does today,
+which does not overlap the host step with the next forward.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchoffload.optim import host_state_bytes
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._trace import Profile
 
@@ -82,16 +93,29 @@ class CostModel:
     """A profile prepared for fast what-ifs. See Notes: [How a plan changes memory] and
     [How a plan changes time]."""
 
-    def __init__(self, profile: Profile, hw: Hardware, defer: int, prefetch: int):
+    def __init__(
+        self,
+        profile: Profile,
+        hw: Hardware,
+        defer: int,
+        prefetch: int,
+        host_optimizer: bool = False,
+    ):
         self.p, self.hw, self.defer, self.prefetch = profile, hw, defer, prefetch
+        self.host_optimizer = host_optimizer
         n = len(profile.layers)
         self.n = n
         marks = profile.step_marks
         self.bwd_end = marks["backward_end"]
         # Steady state: the optimizer state of earlier steps is live during forward and backward.
         extra = hw.workspace_bytes
-        steady = [v + profile.optimizer_bytes + extra for v in profile.timeline[: self.bwd_end + 1]]
-        self.opt_peak = max(profile.timeline[self.bwd_end :]) + extra if profile.timeline else 0
+        if host_optimizer:  # See Note: [Optimizer state on the host]
+            steady = _without_gradients(profile, extra)
+            self.opt_peak = steady[-1] if steady else 0
+        else:
+            timeline = profile.timeline[: self.bwd_end + 1]
+            steady = [v + profile.optimizer_bytes + extra for v in timeline]
+            self.opt_peak = max(profile.timeline[self.bwd_end :]) + extra if profile.timeline else 0
         self.steady = steady
         last = len(steady)
         # per layer and decision: (from, to, bytes) the decision removes between two markers
@@ -158,6 +182,23 @@ class CostModel:
         bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
         self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
         self.bw = hw.link_gbps * 1e9
+        # The host optimizer's work beside backward, and its upload tail.
+        numel, nbytes = profile.trainable_numel, profile.trainable_bytes
+        convert = 12 * numel if nbytes != 4 * numel else 0
+        self.t_host = numel / hw.host_adam_params_per_s + convert / (hw.host_memory_gbps * 1e9)
+        self.t_link = nbytes / self.bw
+        self.t_tail = min(nbytes, BUCKET_BYTES) / self.bw
+        if host_optimizer:
+            self.t_opt = 0.0
+
+    def exposed_optimizer(self, backward: float) -> float:
+        """The optimizer's time not hidden by a backward of ``backward`` seconds."""
+        if not self.host_optimizer:
+            return self.t_opt
+        if not self.p.trainable_numel:
+            return 0.0
+        beside = max(self.t_host, self.t_link)
+        return beside - min(backward, beside) + self.t_tail
 
     def peak(self, decisions: Sequence[str]) -> int:
         diff = [0] * (len(self.cuts) + 1)
@@ -219,7 +260,7 @@ class CostModel:
             work = self.gpu_b[i] + (self.gpu_r[i] if rec[i] else 0.0)
             end_of[i] = max(max(end_of[i + 1], ready) + work, host)
         backward = end_of[0] - forward
-        return forward, backward, self.t_opt
+        return forward, backward, self.exposed_optimizer(backward)
 
     def stream(
         self, prefetch_bytes: int = 32 << 20, inflight_bytes: int = 256 << 20
@@ -263,9 +304,37 @@ class CostModel:
             timeline.append(v + run + min(window, -run))
         peak = max([self.opt_peak, *timeline])
         f, b = max(fwd, copies), max(bwd, copies)
-        return Prediction(peak, f + b + self.t_opt, f, b, self.t_opt, moved), timeline
+        o = self.exposed_optimizer(b)
+        return Prediction(peak, f + b + o, f, b, o, moved), timeline
 
     def predict(self, decisions: Sequence[str]) -> Prediction:
         f, b, o = self.time(decisions)
         moved = sum(self.moved[i][x] for i, x in enumerate(decisions))
         return Prediction(self.peak(decisions), f + b + o, f, b, o, moved)
+
+
+BUCKET_BYTES = 32 << 20  # OptimizerOffloadConfig's default
+
+
+def _without_gradients(profile: Profile, extra: int) -> list[int]:
+    """The steady live bytes through backward when gradients leave the device as backward
+    finishes them (two buckets may still be on it) and no optimizer state is on it."""
+    end = profile.step_marks["backward_end"]
+    done = [0] * (end + 2)
+    for at, nbytes in profile.grad_events:
+        done[min(at, end) + 1] += nbytes
+    out, gone = [], 0
+    for k, v in enumerate(profile.timeline[: end + 1]):
+        gone += done[k]
+        # a gradient finished at event k left after it; keep two buckets as in flight
+        out.append(v + extra - max(gone - 2 * BUCKET_BYTES, 0))
+    return out
+
+
+def host_optimizer_bytes(profile: Profile) -> int:
+    """Host bytes of an `OffloadedOptimizer` over the profile's trainable parameters."""
+    numel, nbytes = profile.trainable_numel, profile.trainable_bytes
+    if not numel:
+        return 0
+    state_tensors = round(profile.optimizer_bytes / nbytes) if nbytes else 0
+    return host_state_bytes(numel, nbytes, state_tensors)

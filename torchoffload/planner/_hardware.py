@@ -49,6 +49,11 @@ class Hardware:
     host_us_checkpoint_fwd: float = 48.5  # per storage a checkpointed layer saves, in forward
     host_us_checkpoint_bwd: float = 75.7  # and in backward, beyond replaying its ops
     workspace_bytes: int = 64 << 20  # cuBLAS/attention workspaces the allocator holds
+    # The host optimizer (OffloadedOptimizer): a fused fp32 AdamW step on the H100 machine's 16
+    # cores took 754-921 ms over 3.21 B parameters, and a host fp32 triad moved 75-94 GB/s
+    # (benchmarks/optim.py, two machines). Not measured by `detect`.
+    host_adam_params_per_s: float = 3.5e9
+    host_memory_gbps: float = 75.0
     source: str = "defaults (one H200)"
 
     def __post_init__(self) -> None:
@@ -60,6 +65,8 @@ class Hardware:
             "kernel_us", "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_layer",
             "host_us_checkpoint_fwd", "host_us_checkpoint_bwd", "workspace_bytes",
         ):  # fmt: skip
+            check_number(f"Hardware.{name}", getattr(self, name), positive=False)
+        for name in ("host_adam_params_per_s", "host_memory_gbps"):
             check_number(f"Hardware.{name}", getattr(self, name), positive=False)
 
     @property

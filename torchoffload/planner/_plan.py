@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from torch import nn
 
 from torchoffload._placement import ActivationOffloadConfig
 from torchoffload._pool import PinnedPool
-from torchoffload._validate import check_int, check_number
+from torchoffload._validate import check_int, check_number, physical_memory
 from torchoffload.layers import ActivationOffloadHandle, Mode, resolve_layers
 from torchoffload.planner._cost import (
     BOTH,
@@ -24,6 +25,7 @@ from torchoffload.planner._cost import (
     CostModel,
     Decision,
     Prediction,
+    host_optimizer_bytes,
 )
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._search import InfeasibleBudgetError, choose_decisions, least_peak
@@ -39,6 +41,23 @@ def _human(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB"
 
 
+class OptimizerState(str, enum.Enum):
+    """Where a plan keeps the optimizer state (and the gradients, which follow it)."""
+
+    AUTO = "auto"  # the faster placement that fits both budgets
+    DEVICE = "device"
+    HOST = "host"  # `OffloadedOptimizer`: gradients leave as backward finishes them
+
+    @classmethod
+    def parse(cls, value: object) -> OptimizerState:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(
+                f"optimizer_state must be 'auto', 'device' or 'host', got {value!r}"
+            ) from None
+
+
 @dataclass(frozen=True)
 class Plan:
     """A per-layer choice between keeping, offloading and recomputing activations, with what it
@@ -52,6 +71,9 @@ class Plan:
     defer_layers: int
     predicted: Prediction
     baseline: Prediction
+    optimizer_state: OptimizerState = OptimizerState.DEVICE
+    host_bytes: int = 0  # host memory the plan needs (optimizer copies, offloaded activations)
+    host_budget_bytes: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -61,6 +83,7 @@ class Plan:
                 f"decisions must be among {[d.value for d in Decision]}, got {self.decisions!r}"
             ) from None
         object.__setattr__(self, "decisions", decisions)
+        object.__setattr__(self, "optimizer_state", OptimizerState.parse(self.optimizer_state))
 
     @property
     def stream(self) -> bool:
@@ -119,6 +142,17 @@ class Plan:
         handle.recompute(sorted(self.recompute_layers))
         return handle
 
+    def optimizer(
+        self, params: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """The optimizer this plan places: ``optimizer_class(params, **kwargs)`` on the device,
+        or an `OffloadedOptimizer` running it on the host."""
+        if self.optimizer_state == OptimizerState.HOST:
+            from torchoffload.optim import OffloadedOptimizer
+
+            return OffloadedOptimizer(params, optimizer_class, **kwargs)
+        return optimizer_class(params, **kwargs)
+
     def __str__(self) -> str:
         mib = 2**20
         gib = 2**30 if self.baseline.peak_bytes >= 2**30 else 2**20
@@ -140,11 +174,28 @@ class Plan:
                 f"{layer.bwd_flops / 1e9:>10.1f}  {decision}"
             )
         b, q = self.baseline, self.predicted
+        if self.optimizer_state == OptimizerState.HOST:
+            where = (
+                f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
+                f"gradients and optimizer state on the host (OffloadedOptimizer: gradients leave "
+                f"the device as backward finishes them; fp32 masters, gradients and state "
+                f"{host_optimizer_bytes(p) / 2**30:.2f} GiB of host memory)"
+            )
+        else:
+            where = (
+                "where state lives: parameters, gradients and optimizer state on the device "
+                f"({p.static_bytes / gib:.2f} {unit})"
+            )
+        host_line = f"host memory needed: {self.host_bytes / 2**30:.2f} GiB"
+        if self.host_budget_bytes is not None:
+            host_line += f" of a {self.host_budget_bytes / 2**30:.2f} GiB host budget"
         lines += [
             "",
             f"static: parameters {p.param_bytes / gib:.2f} {unit}, gradients "
             f"{p.grad_bytes / gib:.2f} {unit}, optimizer state "
-            f"{p.optimizer_bytes / gib:.2f} {unit}",
+            f"{p.optimizer_bytes / gib:.2f} {unit} (as traced, on the device)",
+            where,
+            host_line,
             f"saved activations: {p.saved_bytes / gib:.2f} {unit} per step "
             f"({p.outside_saved_bytes / gib:.2f} outside the layers)",
             f"{'':<14}{'peak ' + unit:>10}{'step ms':>10}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}"
@@ -209,6 +260,37 @@ class Plan:
         plt.close(fig)
 
 
+def _choose(
+    profile: Profile, model: CostModel, budget_bytes: int | None
+) -> tuple[list[str], Prediction, Prediction, int]:
+    """The fastest activation decisions under ``budget_bytes`` for one placement: (decisions,
+    prediction, baseline, least peak); decisions empty when nothing fits."""
+    keep = [KEEP] * model.n
+    baseline = model.predict(keep)
+    if budget_bytes is None or baseline.peak_bytes <= budget_bytes:
+        return keep, baseline, baseline, baseline.peak_bytes
+    least, least_bytes = least_peak(model)
+    stream, _ = model.stream()
+    floor = min(least_bytes, stream.peak_bytes) if profile.saved_storages else least_bytes
+    options = []
+    if least_bytes <= budget_bytes:
+        # Offloading any layer installs the engine's hooks on all of them, which the greedy
+        # step by step cannot weigh: so also try recomputation alone.
+        for allowed in (DECISIONS, (KEEP, RECOMPUTE)):
+            decisions = choose_decisions(model, budget_bytes, allowed)
+            pred = model.predict(decisions)
+            if pred.peak_bytes <= budget_bytes:
+                options.append((pred.step_s, decisions, pred))
+        if not options:  # the greedy got stuck; the least-peak decisions fit
+            options.append((model.predict(least).step_s, least, model.predict(least)))
+    if profile.saved_storages and stream.peak_bytes <= budget_bytes:
+        options.append((stream.step_s, [STREAM] * model.n, stream))
+    if not options:
+        return [], baseline, baseline, floor
+    _, decisions, pred = min(options, key=lambda o: o[0])
+    return decisions, pred, baseline, floor
+
+
 def plan_from_profile(
     profile: Profile,
     budget_bytes: int | None,
@@ -216,46 +298,37 @@ def plan_from_profile(
     hardware: Hardware | None = None,
     prefetch_layers: int = 1,
     defer_layers: int = 1,
+    optimizer_state: str = "auto",
+    host_budget_bytes: int | None = None,
 ) -> Plan:
-    """Choose decisions for a traced (or synthetic) profile. Raises `InfeasibleBudgetError`,
-    naming the least peak and what it is made of, when nothing fits."""
+    """Choose decisions for a traced (or synthetic) profile: per layer, keep, offload or
+    recompute; and where the optimizer state lives (``optimizer_state``: "device", "host" or
+    "auto", the faster that fits). ``host_budget_bytes``: host memory the plan may use (the
+    optimizer's host copies and the offloaded activations; default: this host's physical
+    memory). Raises `InfeasibleBudgetError`, naming the least peak and what it is made of,
+    when nothing fits."""
     hw = hardware or Hardware()
-    model = CostModel(profile, hw, defer_layers, prefetch_layers)
-    keep = [KEEP] * model.n
-    baseline = model.predict(keep)
-    if budget_bytes is None or baseline.peak_bytes <= budget_bytes:
-        decisions = keep
+    where = OptimizerState.parse(optimizer_state)
+    if host_budget_bytes is None:
+        host_budget_bytes = physical_memory()
     else:
-        least, least_bytes = least_peak(model)
-        stream, _ = model.stream()
-        floor = min(least_bytes, stream.peak_bytes) if profile.saved_storages else least_bytes
-        options = []
-        if least_bytes <= budget_bytes:
-            # Offloading any layer installs the engine's hooks on all of them, which the greedy
-            # step by step cannot weigh: so also try recomputation alone.
-            for allowed in (DECISIONS, (KEEP, RECOMPUTE)):
-                decisions = choose_decisions(model, budget_bytes, allowed)
-                pred = model.predict(decisions)
-                if pred.peak_bytes <= budget_bytes:
-                    options.append((pred.step_s, decisions))
-            if not options:  # the greedy got stuck; the least-peak decisions fit
-                options.append((model.predict(least).step_s, least))
-        if profile.saved_storages and stream.peak_bytes <= budget_bytes:
-            options.append((stream.step_s, [STREAM] * model.n))
-        if not options:
-            g = _human
-            raise InfeasibleBudgetError(
-                f"budget {g(budget_bytes)} is too small: this step needs at least "
-                f"{g(floor)}"
-                " even with every layer offloaded or "
-                "recomputed. "
-                f"Parameters, gradients and optimizer state alone take "
-                f"{g(profile.static_bytes)} (parameters {g(profile.param_bytes)}, "
-                f"gradients {g(profile.grad_bytes)}, optimizer {g(profile.optimizer_bytes)}), "
-                f"the device's workspaces {g(hw.workspace_bytes)}; "
-                f"without a plan the peak is {g(baseline.peak_bytes)}."
-            )
-        decisions = min(options, key=lambda o: o[0])[1]
+        check_int("host_budget_bytes", host_budget_bytes, minimum=0)
+    placements = {
+        OptimizerState.AUTO: (False, True), OptimizerState.DEVICE: (False,),
+        OptimizerState.HOST: (True,),
+    }[where]  # fmt: skip
+    if not profile.trainable_numel or not profile.optimizer_bytes:
+        placements = (False,)  # no optimizer state counted: nothing to place
+    tried = []
+    for host in placements:
+        model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host)
+        decisions, pred, baseline, floor = _choose(profile, model, budget_bytes)
+        host_need = (host_optimizer_bytes(profile) if host else 0) + pred.offloaded_bytes
+        tried.append((host, decisions, pred, baseline, floor, host_need))
+    fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
+    if not fits:
+        raise InfeasibleBudgetError(_refusal(profile, hw, budget_bytes, host_budget_bytes, tried))
+    host, decisions, pred, baseline, _, host_need = min(fits, key=lambda t: (t[2].step_s, t[0]))
     for i, d in enumerate(decisions):
         _log.debug("layer %d: %s", i, d)
     return Plan(
@@ -265,8 +338,47 @@ def plan_from_profile(
         decisions=tuple(decisions),
         prefetch_layers=prefetch_layers,
         defer_layers=defer_layers,
-        predicted=model.stream()[0] if decisions[0] == STREAM else model.predict(decisions),
+        predicted=pred,
         baseline=baseline,
+        optimizer_state=OptimizerState.HOST if host else OptimizerState.DEVICE,
+        host_bytes=host_need,
+        host_budget_bytes=host_budget_bytes,
+    )
+
+
+def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
+    g = _human
+    p = profile
+    parts = []
+    for host, decisions, _, _, floor, host_need in tried:
+        if host:
+            what = (
+                f"with the optimizer state on the host (gradients leave the device as backward "
+                f"finishes them) it needs at least {g(floor)} on the device, where the "
+                f"parameters alone take {g(p.param_bytes)}, and {g(host_optimizer_bytes(p))} "
+                "of host memory for the fp32 master weights, gradients and state"
+            )
+        else:
+            what = (
+                f"with the optimizer state on the device this step needs at least {g(floor)}; "
+                f"parameters, gradients and optimizer state alone take {g(p.static_bytes)} "
+                f"(parameters {g(p.param_bytes)}, gradients {g(p.grad_bytes)}, optimizer "
+                f"{g(p.optimizer_bytes)})"
+            )
+        if decisions and host_need > host_budget_bytes:
+            what += f"; that fits the device but needs {g(host_need)} of host memory"
+        parts.append(what)
+    budget = "no device budget" if budget_bytes is None else f"budget {g(budget_bytes)}"
+    tail = ""
+    if budget_bytes is not None and p.param_bytes + hw.workspace_bytes > budget_bytes:
+        tail = (
+            " The parameters alone do not fit: that needs parameters streamed from the host "
+            "for training, which torchoffload does not do yet."
+        )
+    return (
+        f"{budget} (host budget {g(host_budget_bytes)}) is too small even with every layer "
+        "offloaded or recomputed: " + "; ".join(parts) + f". The device's workspaces take "
+        f"{g(hw.workspace_bytes)}; without a plan the peak is {g(tried[0][3].peak_bytes)}." + tail
     )
 
 
@@ -284,10 +396,13 @@ def plan(
     prefetch_layers: int = 1,
     defer_layers: int = 1,
     progress: Callable[[str], None] | None = None,
+    optimizer_state: str = "auto",
+    host_budget_bytes: int | None = None,
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
-    within ``budget_bytes`` at the least predicted step time.
+    within ``budget_bytes`` at the least predicted step time, and where the optimizer state
+    lives (``optimizer_state``, ``host_budget_bytes``: see `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
     the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
@@ -295,6 +410,9 @@ def plan(
     """
     if budget_bytes is not None:
         check_int("budget_bytes", budget_bytes, minimum=1)
+    OptimizerState.parse(optimizer_state)  # checked before tracing
+    if host_budget_bytes is not None:
+        check_int("host_budget_bytes", host_budget_bytes, minimum=0)
     for name, value in (("prefetch_layers", prefetch_layers), ("defer_layers", defer_layers)):
         check_int(name, value, minimum=0)
     for name, value in (("link_gbps", link_gbps), ("compute_tflops", compute_tflops)):
@@ -312,7 +430,8 @@ def plan(
     hw = Hardware.detect(link_gbps, compute_tflops)
     return plan_from_profile(
         profile, budget_bytes, hardware=hw, prefetch_layers=prefetch_layers,
-        defer_layers=defer_layers,
+        defer_layers=defer_layers, optimizer_state=optimizer_state,
+        host_budget_bytes=host_budget_bytes,
     )  # fmt: skip
 
 

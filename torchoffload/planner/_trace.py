@@ -91,6 +91,10 @@ class Profile:
     )
     outside_fwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     outside_bwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
+    # each parameter's gradient as backward finished it: (timeline index, bytes)
+    grad_events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
+    trainable_numel: int = 0  # elements of the parameters that require grad
+    trainable_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
@@ -407,6 +411,12 @@ def trace(
             params = [t for t in fake.values() if t.requires_grad]
             rec.param_keys = {t.untyped_storage()._cdata for t in fake.values()}
             opt = _make_optimizer(optimizer, params)
+            grad_events: list[tuple[int, int]] = []
+
+            def on_grad(p: torch.Tensor) -> None:
+                grad_events.append((len(tracer.timeline) - 1, p.grad.untyped_storage().nbytes()))
+
+            handles += [p.register_post_accumulate_grad_hook(on_grad) for p in params]
             with tracer:
                 for t in fake.values():
                     tracer.track(t)
@@ -468,6 +478,9 @@ def trace(
             for e in tracer.saved_log
         ),
         outside_fwd_ops=tuple(tracer.ops[(None, False)]),
+        grad_events=tuple(grad_events),
+        trainable_numel=sum(p.numel() for p in params),
+        trainable_bytes=sum(p.numel() * p.element_size() for p in params),
         outside_bwd_ops=tuple(tracer.ops[(None, True)]),
     )
     _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)

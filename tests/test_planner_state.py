@@ -1,0 +1,127 @@
+"""The planner's placement of the optimizer state (device or host, `OffloadedOptimizer`): the
+device timeline without gradients and state, the host memory it needs, the choice under a
+device and a host budget, refusals that say what the plan is made of, and `plan.optimizer`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchoffload
+from torchoffload.models import GPT, GPTConfig
+from torchoffload.planner import (
+    Hardware,
+    InfeasibleBudgetError,
+    OptimizerState,
+    plan_from_profile,
+    trace,
+)
+from torchoffload.planner._cost import BUCKET_BYTES, CostModel, host_optimizer_bytes
+
+CFG = GPTConfig(hidden=256, layers=4, heads=4, vocab=32000, max_seq=128)
+HW = Hardware(workspace_bytes=0)
+
+
+@pytest.fixture(scope="module")
+def profile():
+    with torch.device("meta"):
+        model = GPT(CFG).to(torch.bfloat16)
+    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    return trace(model, (x,), loss_fn=lambda out: out.float().mean())
+
+
+def least(profile, host):
+    from torchoffload.planner._search import least_peak
+
+    return least_peak(CostModel(profile, HW, 1, 1, host_optimizer=host))[1]
+
+
+def test_the_trace_records_each_gradient_as_backward_finishes_it(profile):
+    assert sum(b for _, b in profile.grad_events) == profile.grad_bytes
+    numel = sum(p.numel() for p in GPT(CFG).parameters())
+    assert profile.trainable_numel == numel and profile.trainable_bytes == 2 * numel
+    marks = profile.step_marks
+    assert all(marks["forward_end"] < at <= marks["backward_end"] for at, _ in profile.grad_events)
+
+
+def test_host_placement_removes_gradients_and_state_from_the_device(profile):
+    dev = CostModel(profile, HW, 1, 1)
+    host = CostModel(profile, HW, 1, 1, host_optimizer=True)
+    end = profile.step_marks["backward_end"]
+    # at the end of backward: the device placement holds every gradient and the state, the
+    # host one at most two buckets of gradients
+    removed = dev.steady[end] - host.steady[end]
+    assert removed >= profile.optimizer_bytes + profile.grad_bytes - 2 * BUCKET_BYTES
+    assert removed <= profile.optimizer_bytes + profile.grad_bytes
+    assert all(h <= d for h, d in zip(host.steady, dev.steady, strict=True))
+    # host bytes: fp32 master and gradient, bf16 staging, AdamW's two fp32 moments
+    assert host_optimizer_bytes(profile) == profile.trainable_numel * 18
+
+
+def test_a_budget_only_the_host_placement_meets_chooses_it(profile):
+    budget = (least(profile, True) + least(profile, False)) // 2
+    plan = plan_from_profile(profile, budget, hardware=HW, host_budget_bytes=64 << 30)
+    assert plan.optimizer_state == OptimizerState.HOST
+    assert plan.predicted.peak_bytes <= budget
+    assert plan.host_bytes >= host_optimizer_bytes(profile)
+    text = str(plan)
+    assert "gradients and optimizer state on the host" in text and "host memory needed" in text
+    # Forced on the device, the same budget is refused, saying what takes the room.
+    with pytest.raises(InfeasibleBudgetError, match="optimizer state on the device"):
+        plan_from_profile(profile, budget, hardware=HW, optimizer_state="device")
+
+
+def test_an_ample_budget_keeps_the_state_on_the_device_where_it_is_faster(profile):
+    plan = plan_from_profile(profile, None, hardware=HW)
+    assert plan.optimizer_state == OptimizerState.DEVICE
+    assert "on the device" in str(plan)
+    forced = plan_from_profile(profile, None, hardware=HW, optimizer_state="host")
+    assert forced.optimizer_state == OptimizerState.HOST
+    assert forced.predicted.step_s > plan.predicted.step_s  # the host step is exposed
+
+
+def test_a_host_budget_that_cannot_hold_the_plan_is_refused_with_its_parts(profile):
+    budget = (least(profile, True) + least(profile, False)) // 2
+    need = host_optimizer_bytes(profile)
+    with pytest.raises(InfeasibleBudgetError, match="of host memory") as info:
+        plan_from_profile(profile, budget, hardware=HW, host_budget_bytes=need - 1)
+    assert "fp32 master weights, gradients and state" in str(info.value)
+
+
+def test_parameters_that_do_not_fit_are_named(profile):
+    with pytest.raises(InfeasibleBudgetError, match="parameters streamed from the host"):
+        plan_from_profile(profile, profile.param_bytes // 2, hardware=HW)
+
+
+def test_bad_placement_arguments(profile):
+    with pytest.raises(ValueError, match="optimizer_state"):
+        plan_from_profile(profile, None, optimizer_state="gpu")
+    with pytest.raises(ValueError, match="host_budget_bytes"):
+        plan_from_profile(profile, None, host_budget_bytes=-1)
+
+
+def test_plan_optimizer_builds_what_the_plan_placed(profile):
+    budget = (least(profile, True) + least(profile, False)) // 2
+    plan = plan_from_profile(profile, budget, hardware=HW, host_budget_bytes=64 << 30)
+    model = GPT(CFG)
+    opt = plan.optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    assert isinstance(opt, torchoffload.OffloadedOptimizer)
+    model.loss(torch.randint(0, CFG.vocab, (2, 16))).backward()
+    opt.step()
+    opt.remove()
+    plain = plan_from_profile(profile, None, hardware=HW).optimizer(
+        GPT(CFG).parameters(), torch.optim.AdamW, lr=1e-3
+    )
+    assert type(plain) is torch.optim.AdamW
+
+
+def test_cli_prints_where_state_lives(capsys):
+    from torchoffload.cli import main
+
+    args = ["plan", "--model", "gpt", "--hidden", "256", "--layers", "4", "--heads", "4",
+            "--vocab", "32000", "--seq", "128", "--batch", "2", "--link-gbps", "55",
+            "--tflops", "790", "--optimizer-state", "host", "--host-budget", "64GiB"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "gradients and optimizer state on the host" in out
+    assert "host memory needed" in out and "64.00 GiB host budget" in out
