@@ -339,3 +339,45 @@ def _tp_scenarios(device: str, mesh: Any) -> dict[str, Any]:
             }
     results["shapes"] = {"hidden": hidden, "inner": inner, "layers": layers, "batch": batch}
     return results
+
+
+# -- OffloadedOptimizer under FSDP2 -------------------------------------------------------------
+
+
+def offloaded_optimizer_worker(rank: int, world: int, device: str, *, steps: int = 4) -> dict:
+    """The same FSDP2 GPT (fp32) trained with AdamW on the device and with OffloadedOptimizer
+    (AdamW on the host over this rank's shards), with a gradient accumulation of two
+    micro-batches and clip_grad_norm_ before each step. Returns losses and local parameters."""
+    out: dict[str, Any] = {}
+    for mode in ("plain", "host"):
+        model = _fsdp_model(CPU_GPT if device == "cpu" else GPU_GPT, device, mixed=False)
+        params = list(model.parameters())
+        if mode == "host":
+            opt = torchoffload.OffloadedOptimizer(
+                params, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, bucket_bytes=4096
+            )
+            out["host_numel"] = sum(r.entry.numel for r in opt._runtime.records)
+        else:
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+        out["local_numel"] = sum(_local(p).numel() for p in params)
+        g = torch.Generator().manual_seed(rank)
+        cfg = CPU_GPT if device == "cpu" else GPU_GPT
+        losses = []
+        for _ in range(steps):
+            for micro in range(2):
+                x = torch.randint(0, cfg.vocab, (2, 32), generator=g).to(device)
+                loss = model.loss(x)
+                losses.append(loss.detach().cpu())
+                if micro == 0 and mode == "host":
+                    with opt.accumulating():
+                        loss.backward()
+                else:
+                    loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            opt.step()
+            opt.zero_grad()
+        out[mode] = {"losses": losses, "params": [_local(p) for p in params]}
+        if mode == "host":
+            out["stats"] = opt.stats()
+            opt.remove()
+    return out

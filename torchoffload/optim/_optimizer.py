@@ -14,6 +14,8 @@ from torchoffload.optim._runtime import (
     HostStepRuntime,
     OptimizerOffloadConfig,
     OptimizerStats,
+    is_dtensor,
+    local,
 )
 
 
@@ -76,6 +78,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         groups = _groups(params)
         flat = [p for g in groups for p in g["params"]]
         device = _check_params(flat)
+        if config.max_grad_norm is not None and any(is_dtensor(p) for p in flat):
+            raise ValueError(
+                "max_grad_norm: not supported for DTensor parameters (FSDP2, tensor parallel) "
+                "yet; their gradients stay on the device until step(), so clip them with "
+                "torch.nn.utils.clip_grad_norm_ before calling step()"
+            )
         # The class's defaults, and its own check of the keyword arguments.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
         self._building = True
@@ -181,13 +189,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m = masters.get(order[i])
             if m is None:
                 continue
-            if tuple(m.shape) != tuple(rec.param.shape):
+            p = local(rec.param)
+            if tuple(m.shape) != tuple(p.shape):
                 raise ValueError(
                     f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
-                    f"{tuple(rec.param.shape)}"
+                    f"{tuple(p.shape)}"
                 )
-            rounded = m.to(device=rec.param.device, dtype=rec.param.dtype)
-            if not torch.equal(rounded, rec.param.detach()):
+            rounded = m.to(device=p.device, dtype=p.dtype)
+            if not torch.equal(rounded, p.detach()):
                 raise ValueError(
                     f"master_params[{order[i]}] does not round to parameter {i}'s current "
                     "value: load the model's state dict from the same checkpoint first"
@@ -195,16 +204,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         for mine, theirs in zip(self.param_groups, saved, strict=True):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         for bucket in rt.buckets:
-            local_groups, local_state, local = [], {}, 0
+            local_groups, local_state, slot = [], {}, 0
             for host_group in bucket.optimizer.param_groups:
                 ids = []
                 for master in host_group["params"]:
                     rec = next(r for r in bucket.records if r.master is master)
                     key = order[rec.entry.index]
                     if key in state:
-                        local_state[local] = state[key]
-                    ids.append(local)
-                    local += 1
+                        local_state[slot] = state[key]
+                    ids.append(slot)
+                    slot += 1
                 local_groups.append({**{k: v for k, v in host_group.items() if k != "params"},
                                      "params": ids})  # fmt: skip
             for host_group, g in zip(local_groups, bucket.groups, strict=True):
@@ -214,7 +223,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m = masters.get(order[i])
             if m is not None:
                 rec.master.copy_(m)
-                rec.synced = (rec.param._version, rec.param.data_ptr())
+                p = local(rec.param)
+                rec.synced = (p._version, p.data_ptr())
             else:
                 rt._refresh(rec)
 
@@ -275,6 +285,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _groups(params: Any) -> list[dict[str, Any]]:
@@ -306,10 +317,10 @@ def _check_params(params: list[Any]) -> torch.device:
             raise ValueError(f"{what} is not a leaf tensor")
         if not p.is_floating_point():
             raise ValueError(f"{what} is {p.dtype}; only real floating-point ones are supported")
-        if p.layout != torch.strided or type(p) not in (torch.Tensor, torch.nn.Parameter):
+        if p.layout != torch.strided or not (type(p) in _PLAIN or is_dtensor(p)):
             raise ValueError(
-                f"{what} is a {type(p).__name__} ({p.layout}); only dense plain tensors are "
-                "supported"
+                f"{what} is a {type(p).__name__} ({p.layout}); only dense plain tensors and "
+                "DTensors (FSDP2, tensor parallel) are supported"
             )
         if p.device.type == "meta":
             raise ValueError(f"{what} is on the meta device; materialize the model first")

@@ -165,11 +165,12 @@ class _Record:
     """One parameter: its place, its host views, its state in the current step."""
 
     __slots__ = ("entry", "param", "trainable", "master", "grad", "staging", "synced",
-                 "has_grad", "final")  # fmt: skip
+                 "has_grad", "final", "dtensor")  # fmt: skip
 
     def __init__(self, entry: Entry, param: torch.Tensor, master, grad, staging):
         self.entry = entry
         self.param = param
+        self.dtensor = is_dtensor(param)  # FSDP2 / TP: the host holds the local shard
         self.trainable = param.requires_grad
         self.master = master  # fp32 host values the optimizer steps
         self.grad = grad  # fp32 host gradient
@@ -218,7 +219,7 @@ class HostStepRuntime:
         self.device = device
         self.user_groups = groups  # the public optimizer's param_groups (live dicts)
         self.layout: HostLayout = plan_layout(
-            [(tuple(p.shape), p.dtype) for p in params], config.bucket_bytes
+            [(tuple(local(p).shape), p.dtype) for p in params], config.bucket_bytes
         )
         self.engine = copy_engine(device, use_streams=config.use_streams)
         # - Host buffers (allocated once, exact size)
@@ -264,10 +265,12 @@ class HostStepRuntime:
         self._worker = threading.Thread(target=self._work, name="torchoffload-host-step",
                                         daemon=True)  # fmt: skip
         self._worker.start()
+        # A DTensor parameter's gradient is set by FSDP2 after its reduce-scatter, not
+        # accumulated by autograd: its bucket goes to the host at step().
         self._hooks = [
             r.param.register_post_accumulate_grad_hook(self.on_grad)
             for r in self.records
-            if r.trainable
+            if r.trainable and not r.dtensor
         ]
         for rec in self.records:
             MANAGED[rec.param] = self
@@ -332,8 +335,10 @@ class HostStepRuntime:
         pairs, keep = [], []
         for rec in bucket.records:
             self._check(rec)
-            p = rec.param
-            g = p.grad
+            p = local(rec.param)
+            g = rec.param.grad
+            if g is not None and rec.dtensor:
+                g = local(g)
             rec.has_grad = g is not None
             if g is None:
                 continue
@@ -352,7 +357,7 @@ class HostStepRuntime:
         if pairs:
             event, _ = self.engine.offload_many(pairs)
         for rec in bucket.records:
-            if rec.has_grad:
+            if rec.has_grad and not rec.dtensor:  # a DTensor's is dispatched by step()
                 rec.param.grad = MovedGrad(rec.param)
         with self._lock:
             self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
@@ -363,7 +368,7 @@ class HostStepRuntime:
 
     def _check(self, rec: _Record) -> None:
         """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
-        p = rec.param
+        p = local(rec.param)
         if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
             raise RuntimeError(
                 f"parameter {rec.entry.index} is now {p.dtype} {tuple(p.shape)}, was "
@@ -377,8 +382,9 @@ class HostStepRuntime:
 
     def _refresh(self, rec: _Record) -> None:
         with torch.no_grad():
-            rec.master.copy_(rec.param.detach())
-        rec.synced = (rec.param._version, rec.param.data_ptr())
+            p = local(rec.param)
+            rec.master.copy_(p.detach())
+        rec.synced = (p._version, p.data_ptr())
 
     # - Worker
     def _work(self) -> None:
@@ -471,15 +477,16 @@ class HostStepRuntime:
                     if rec.has_grad:
                         if rec.staging is not None:
                             rec.staging.copy_(rec.master)
-                        pairs.append((rec.param.detach(), rec.master if rec.staging is None
-                                      else rec.staging))  # fmt: skip
+                        pairs.append((local(rec.param).detach(), rec.master
+                                      if rec.staging is None else rec.staging))  # fmt: skip
             bucket.stepped = True
             if pairs:
                 self._last_upload = self.engine.load(pairs, after=[bucket.final_event])
                 self.h2d_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
                 for rec in bucket.records:
                     if rec.has_grad:
-                        rec.synced = (rec.param._version, rec.param.data_ptr())
+                        p = local(rec.param)
+                        rec.synced = (p._version, p.data_ptr())
         except BaseException as exc:
             bucket.failed = exc
             self._errors.append((bucket.index, exc))
@@ -574,3 +581,12 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 def _completed(event: Any) -> bool:
     return event is None or event.query()
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank's host holds), else the tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
