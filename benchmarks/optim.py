@@ -9,7 +9,8 @@ Rows, each in its own process (host and device memory start clean):
 - ``fsdp2-cpu``: FSDP2 ``CPUOffloadPolicy`` on one rank (parameters, gradients and AdamW state
   on the host; its step is torch's foreach AdamW on the CPU, after backward).
 - ``offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters, each
-  bucket stepped while backward runs). ``offload-at-step``: the same with ``overlap=False``.
+  bucket stepped while backward runs). ``offload-at-step``: the same with ``overlap=False``;
+  ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward).
 - ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), and a
   fused AdamW step over fp32 host tensors of the model's size (ms).
 
@@ -105,14 +106,14 @@ def row_resident(args):
     return train(args, model, opt, sync_between=True)
 
 
-def row_offload(args, overlap: bool, host_threads: int | None = None):
+def row_offload(args, overlap: bool, host_threads: int | None = None, ahead: bool = False):
     import torchoffload as to
 
     model = llama(args)
     t = time.perf_counter()
     opt = to.OffloadedOptimizer(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
-        host_threads=host_threads,
+        host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
     )  # fmt: skip
     setup = time.perf_counter() - t
     out = train(args, model, opt, sync_between=False)
@@ -229,6 +230,7 @@ ROWS = {
     "fsdp2-cpu": row_fsdp2,
     "offload": lambda a: row_offload(a, True),
     "offload-at-step": lambda a: row_offload(a, False),
+    "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "parity": row_parity,
 }
@@ -298,7 +300,9 @@ def report(args, results) -> None:
     print("| row | tokens/s | step ms | fwd+bwd ms | opt.step ms | peak GiB | host GiB "
           "| host step ms | hidden | x bound |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name in ("resident", "offload", "offload-at-step", "offload-14-threads", "fsdp2-cpu"):
+    rows = ("resident", "offload", "offload-ahead", "offload-at-step", "offload-14-threads",
+            "fsdp2-cpu")  # fmt: skip
+    for name in rows:
         r = results.get(name)
         if not r:
             continue

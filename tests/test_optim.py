@@ -338,6 +338,7 @@ class FailingSGD(torch.optim.SGD):
     def step(self, closure=None):
         FailingSGD.calls += 1
         if FailingSGD.calls == FailingSGD.fail_at:
+            FailingSGD.failed = self
             raise ValueError("injected optimizer failure")
         return super().step(closure)
 
@@ -358,7 +359,7 @@ def test_an_exception_mid_step_leaves_each_parameter_old_or_new(overlap):
     assert "injected optimizer failure" in str(info.value)
     ref.backward(batch(0))
     ref.step()
-    failed = opt._runtime.buckets[1].records
+    failed = next(b for b in opt._runtime.buckets if b.optimizer is FailingSGD.failed).records
     for i, (p, old, new) in enumerate(
         zip(a.parameters(), before.parameters(), ref.twin.parameters(), strict=True)
     ):
@@ -449,3 +450,82 @@ def test_bad_input_is_refused_with_the_argument_named():
     with pytest.raises(RuntimeError, match="after converting"):
         loss_of(a, batch(0, torch.bfloat16)).backward()  # the hook finds the dtype changed
     opt.remove()
+
+
+class Tied(nn.Module):
+    """The root's forward reads a child's parameter directly (a tied output head)."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(64, 32)
+        self.blocks = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+        self.to(dtype)
+
+    def forward(self, x):
+        return self.blocks(self.embed(x)) @ self.embed.weight.T
+
+
+class SlowAdamW(torch.optim.AdamW):
+    """Each bucket's step takes 20 ms, so the next forward runs while buckets are stepped."""
+
+    def step(self, closure=None):
+        import time
+
+        time.sleep(0.02)
+        return super().step(closure)
+
+
+def tied_batch(i):
+    return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_ahead_forward_waits_for_parameters_still_being_stepped(dtype):
+    a, twin = Tied(dtype), Tied(dtype)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(
+        a.parameters(), SlowAdamW, lr=1e-2, bucket_bytes=2048, step_ahead=True, model=a
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    waited = 0
+    for i in range(4):
+        loss = a(tied_batch(i)).float().square().mean()
+        ref_loss = twin(tied_batch(i)).float().square().mean()
+        assert torch.equal(loss, ref_loss), i  # the forward read the stepped parameters
+        loss.backward()
+        opt.step()
+        waited += len(opt._runtime.waiting) > 0  # still stepping when step() returned
+        opt.zero_grad()  # does not wait
+        sched.step()  # changes lr while the host still steps with the old one
+        ref_loss.backward()
+        ref.step()
+        ref_sched.step()
+    assert waited >= 3
+    opt.synchronize()
+    assert same_params(a, twin)
+    assert same_state(opt, ref)
+    opt.remove()
+
+
+def test_step_ahead_needs_the_model():
+    with pytest.raises(ValueError, match="model="):
+        to.OffloadedOptimizer(model().parameters(), torch.optim.SGD, lr=0.1, step_ahead=True)
+    with pytest.raises(TypeError, match="model must be"):
+        to.OffloadedOptimizer(model().parameters(), torch.optim.SGD, lr=0.1, model="m")
+
+
+def test_hyperparameters_changed_between_backward_and_step_raise():
+    import time
+
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    # The first layer's backward, the last to run, lingers: the worker steps the later
+    # layers' buckets meanwhile, with lr 1e-2.
+    a[0].register_full_backward_pre_hook(lambda *args: time.sleep(0.2))
+    loss_of(a, batch(0)).backward()
+    for g in opt.param_groups:
+        g["lr"] = 5e-3
+    with pytest.raises(RuntimeError, match="changed between the final backward and step"):
+        opt.step()

@@ -55,29 +55,37 @@ class Reference:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", ["overlap", "clip", "accumulate"])
+@pytest.mark.parametrize("mode", ["overlap", "clip", "accumulate", "ahead"])
 def test_bitwise_with_slowed_copies(dtype, mode):
     a = gpt(dtype)
     kw = dict(lr=1e-3, weight_decay=0.1, fused=True)
     clip = 0.05 if mode == "clip" else None
     ref = Reference(copy.deepcopy(a), torch.optim.AdamW, max_grad_norm=clip, **kw)
+    ahead = dict(step_ahead=True, model=a) if mode == "ahead" else {}
     opt = to.OffloadedOptimizer(
-        a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20, max_grad_norm=clip, **kw
-    )
+        a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20, max_grad_norm=clip, **kw,
+        **ahead,
+    )  # fmt: skip
     with testing.slow_copies(cycles=5_000_000):
         for step in range(4):
             micro = [tokens(10 * step + k) for k in range(2 if mode == "accumulate" else 1)]
             for k, x in enumerate(micro):
+                loss, ref_loss = a.loss(x), ref.twin.loss(x)
+                assert torch.equal(loss, ref_loss), step  # ahead: read while being stepped
                 if k < len(micro) - 1:
                     with opt.accumulating():
-                        a.loss(x).backward()
+                        loss.backward()
                 else:
-                    a.loss(x).backward()
-                ref.twin.loss(x).backward()
+                    loss.backward()
+                ref_loss.backward()
             opt.step()
             ref.step()
-            for p, q in zip(a.parameters(), ref.twin.parameters(), strict=True):
-                assert torch.equal(p, q), step
+            if mode != "ahead":  # ahead: parameters are read only by the forward
+                for p, q in zip(a.parameters(), ref.twin.parameters(), strict=True):
+                    assert torch.equal(p, q), step
+    opt.synchronize()
+    for p, q in zip(a.parameters(), ref.twin.parameters(), strict=True):
+        assert torch.equal(p, q)
     mine, theirs = opt.state_dict()["state"], ref.opt.state_dict()["state"]
     for i in theirs:
         for k in theirs[i]:

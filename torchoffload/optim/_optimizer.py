@@ -54,6 +54,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer],
         *,
         config: OptimizerOffloadConfig | None = None,
+        model: torch.nn.Module | None = None,
         **kwargs: Any,
     ):
         if not (
@@ -78,6 +79,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         groups = _groups(params)
         flat = [p for g in groups for p in g["params"]]
         device = _check_params(flat)
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if config.step_ahead and model is None:
+            raise ValueError(
+                "step_ahead needs model=: the module whose forward reads the parameters "
+                "(its forward waits for the parameters still being stepped)"
+            )
+        if config.step_ahead and any(is_dtensor(p) for p in flat):
+            raise ValueError("step_ahead: not supported for DTensor parameters (FSDP2, TP)")
         if config.max_grad_norm is not None and any(is_dtensor(p) for p in flat):
             raise ValueError(
                 "max_grad_norm: not supported for DTensor parameters (FSDP2, tensor parallel) "
@@ -95,6 +105,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             flat, group_of, self.param_groups, optimizer_class, kwargs, config, device
         )
         self._finalizer = weakref.finalize(self, self._runtime.close)
+        self._forward_hooks = []
+        if config.step_ahead:
+            rt = self._runtime
+            self._forward_hooks = [
+                model.register_forward_pre_hook(rt.enter_forward),
+                model.register_forward_hook(rt.exit_forward, always_call=True),
+            ]
         # GradScaler then hands the step its scale instead of unscaling p.grad (see step()).
         self._step_supports_amp_scaling = True
 
@@ -112,6 +129,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "train in bf16 without loss scaling"
             )
         self._live().step()
+
+    def synchronize(self) -> None:
+        """Finish a step still running on the host (``step_ahead``): afterwards every
+        parameter holds its new value, on the host and (in stream order) on the device."""
+        self._live().settle()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
@@ -144,6 +166,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
         the fp32 master of every parameter that is not fp32, by index."""
         rt = self._live()
+        rt.settle()
         packed_groups, index = [], 0
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -169,6 +192,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``"master_params"`` when present (they must round to the current parameters: load the
         model's state dict from the same checkpoint first), else from the parameters."""
         rt = self._live()
+        rt.settle()
         saved = state_dict.get("param_groups")
         if not isinstance(saved, list) or len(saved) != len(self.param_groups):
             raise ValueError(
@@ -231,6 +255,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # - torchoffload
     def stats(self) -> OptimizerStats:
         rt = self._live()
+        rt.settle()
         state_bytes = sum(
             t.numel() * t.element_size()
             for b in rt.buckets
@@ -256,11 +281,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm of the last step (with ``max_grad_norm``), before clipping."""
-        return self._live().grad_norm
+        rt = self._live()
+        rt.settle()
+        return rt.grad_norm
 
     def remove(self) -> None:
         """Stop the worker, remove the hooks, free the host buffers. The parameters keep their
         current values; the optimizer cannot be used afterwards."""
+        for h in self._forward_hooks:
+            h.remove()
         self._finalizer()
 
     def _live(self) -> HostStepRuntime:

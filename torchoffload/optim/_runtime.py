@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchoffload._pool import pinned_buffer
@@ -61,6 +62,24 @@ logger = logging.getLogger(__name__)
 # a step took 1536 ms with all 16 threads and 1602 ms with 14. So the default keeps the
 # process's setting.
 
+# Note: [The order of the host step]
+# Backward finishes the last layers' buckets first, the next forward needs the first layers'
+# first. The worker therefore steps, among the buckets it has, the one of the earliest
+# parameters (the highest bucket index) first: when it lags behind backward, what is left when
+# `step()` is called is the later layers', which the next forward needs last; after `step()`
+# the rest goes in forward order.
+#
+# Note: [Stepping ahead]
+# With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
+# returns. The parameters of buckets not yet uploaded are "waiting"; while any is, a
+# `TorchFunctionMode` entered by ``model``'s forward pre-hook (and left by its forward hook,
+# also on an exception) looks at the tensors each torch function receives: a waiting parameter
+# first waits, on the host, until the worker has queued its bucket's upload, then the compute
+# stream waits on that upload's event. Every read of a parameter through a torch function
+# inside the forward is covered, wherever the module that owns it is. Reads outside that
+# forward are not: any call of the optimizer (the next backward's hooks included) first
+# finishes the step.
+
 # Every parameter that a live offloaded optimizer manages: a second one on it is refused.
 MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -85,6 +104,11 @@ class OptimizerOffloadConfig:
     - ``use_streams``: copy on side streams; ``False`` queues the copies on the compute stream.
     - ``host_threads``: intra-op threads of the host step (set on the worker thread; see
       Note: [Host threads]). ``None``: the process's setting.
+    - ``step_ahead``: `step()` returns once every bucket is queued, and the host step goes on
+      while the next forward runs: inside ``model``'s forward (given to `OffloadedOptimizer`),
+      the first op that reads a parameter still being stepped waits for it (Note: [Stepping
+      ahead]). Parameters must not be read outside that forward before the next `step()`,
+      `synchronize()` or any other call of the optimizer, which all finish the step.
     """
 
     bucket_bytes: int = 32 << 20
@@ -94,6 +118,7 @@ class OptimizerOffloadConfig:
     pin_memory: bool = True
     use_streams: bool = True
     host_threads: int | None = None
+    step_ahead: bool = False
 
     def __post_init__(self) -> None:
         if self.host_threads is not None:
@@ -103,7 +128,7 @@ class OptimizerOffloadConfig:
             check_number("max_grad_norm", self.max_grad_norm)
         if self.norm_type != float("inf"):
             check_number("norm_type", self.norm_type, positive=True)
-        for name in ("overlap", "pin_memory", "use_streams"):
+        for name in ("overlap", "pin_memory", "use_streams", "step_ahead"):
             check_bool(name, getattr(self, name))
 
 
@@ -182,7 +207,8 @@ class _Record:
 
 class _Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
-                 "dispatched", "arrived", "stepped", "failed", "final_event", "norms")  # fmt: skip
+                 "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
+                 "done", "upload_event")  # fmt: skip
 
     def __init__(self, index: int, records: list[_Record], optimizer, groups: list[int]):
         self.index = index
@@ -190,6 +216,7 @@ class _Bucket:
         self.optimizer = optimizer  # the optimizer class over these records' masters
         self.groups = groups  # the user group of each of the optimizer's groups
         self.trainable = sum(r.trainable for r in records)
+        self.done = threading.Event()  # its upload is queued (or it will not be stepped)
         self.reset()
 
     def reset(self) -> None:
@@ -200,6 +227,9 @@ class _Bucket:
         self.failed: BaseException | None = None
         self.final_event: Any = None
         self.norms: list[torch.Tensor] = []
+        self.used: list[dict[str, Any]] | None = None  # hyperparameters, if stepped early
+        self.upload_event: Any = None
+        self.done.clear()
 
 
 class HostStepRuntime:
@@ -250,6 +280,11 @@ class HostStepRuntime:
         self._last_upload: Any = None
         self._call_time: float | None = None
         self._errors: list[tuple[int, BaseException]] = []
+        self._snapshot: list[dict[str, Any]] | None = None  # hyperparameters at step()
+        self._check_hyper: list[dict[str, Any]] = []
+        self._ahead: float | None = None  # a step() still running on the host (its time)
+        self.waiting: dict[int, _Bucket] = {}  # id(parameter) -> its bucket, while ahead
+        self._modes = threading.local()
         # - Counters
         self.steps = 0
         self.d2h_bytes = 0
@@ -303,6 +338,8 @@ class HostStepRuntime:
         """Post-accumulate-grad hook. See Note: [When a gradient is final]."""
         if self._accumulating or self.closed:
             return
+        if self._ahead is not None:
+            self.settle()
         rec = self.records[self._index[id(param)]]
         with self._lock:
             if rec.final:
@@ -390,20 +427,35 @@ class HostStepRuntime:
     def _work(self) -> None:
         if self.config.host_threads is not None:
             torch.set_num_threads(self.config.host_threads)
+        ready: dict[int, tuple[_Bucket, Any]] = {}
+        finish = None
         while True:
-            item = self._queue.get()
-            if item[0] == "stop":
-                return
-            try:
+            items = [] if ready or finish else [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item[0] == "stop":
+                    return
                 if item[0] == "bucket":
-                    self._arrive(item[1], item[2])
+                    ready[item[1].index] = (item[1], item[2])
                 else:
-                    self._finish(item[1])
+                    finish = item
+            try:
+                if ready:  # Note: [The order of the host step]
+                    self._arrive(*ready.pop(max(ready)))
+                    continue
+                if finish is not None:
+                    self._finish(finish[1], finish[2])
             except BaseException as exc:  # reported by step()
                 self._errors.append((-1, exc))
-            finally:
-                if item[0] == "finish":
-                    self._done.set()
+            if finish is not None:
+                finish = None
+                for bucket in self.buckets:
+                    bucket.done.set()
+                self._done.set()
 
     def _arrive(self, bucket: _Bucket, event: Any) -> None:
         start = time.perf_counter()
@@ -427,11 +479,12 @@ class HostStepRuntime:
         if self.config.overlap and self.config.max_grad_norm is None and not bucket.failed:
             self._step(bucket)
 
-    def _finish(self, step_rest: bool) -> None:
-        """Step what has arrived and is not stepped yet (clipping first), or, when not
-        ``step_rest`` (zero_grad), nothing more."""
+    def _finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
+        """Step what has arrived and is not stepped yet (clipping first), in forward order,
+        with the hyperparameters of the `step()` call; or, when not ``step_rest`` (zero_grad),
+        nothing more."""
         start = time.perf_counter()
-        todo = [b for b in self.buckets if b.arrived and not b.stepped and not b.failed]
+        todo = [b for b in reversed(self.buckets) if b.arrived and not b.stepped and not b.failed]
         if step_rest and self.config.max_grad_norm is not None:
             self._clip()
         self._account(start)
@@ -465,8 +518,13 @@ class HostStepRuntime:
         start = time.perf_counter()
         try:
             optimizer = bucket.optimizer
-            for host_group, g in zip(optimizer.param_groups, bucket.groups, strict=True):
-                host_group.update(_hyper(self.user_groups[g]))
+            snapshot = self._snapshot
+            if snapshot is None:  # stepped during backward: checked against step()'s values
+                bucket.used = [_hyper(self.user_groups[g]) for g in bucket.groups]
+            for k, (host_group, g) in enumerate(
+                zip(optimizer.param_groups, bucket.groups, strict=True)
+            ):
+                host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
             for rec in bucket.records:
                 rec.master.grad = rec.grad if rec.has_grad else None
             optimizer.step()
@@ -481,7 +539,8 @@ class HostStepRuntime:
                                       if rec.staging is None else rec.staging))  # fmt: skip
             bucket.stepped = True
             if pairs:
-                self._last_upload = self.engine.load(pairs, after=[bucket.final_event])
+                bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
+                self._last_upload = bucket.upload_event
                 self.h2d_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
                 for rec in bucket.records:
                     if rec.has_grad:
@@ -490,6 +549,7 @@ class HostStepRuntime:
         except BaseException as exc:
             bucket.failed = exc
             self._errors.append((bucket.index, exc))
+        bucket.done.set()
         self._account(start)
 
     def _account(self, start: float) -> None:
@@ -501,12 +561,40 @@ class HostStepRuntime:
 
     # - Step and discard (the caller's thread)
     def step(self) -> None:
-        self._complete(step_rest=True)
+        self.settle()
+        called = self._begin(step_rest=True)
+        if not self.config.step_ahead:
+            self._end(step_rest=True, called=called)
+            return
+        # Note: [Stepping ahead]
+        self.waiting = {id(r.param): self.buckets[r.entry.bucket] for r in self.records
+                        if r.has_grad}  # fmt: skip
+        self._ahead = called
+        self._reset_records()
+
+    def settle(self) -> None:
+        """Finish a step that is still running on the host (step_ahead)."""
+        called = self._ahead
+        if called is not None:
+            self._ahead = None
+            self.waiting = {}
+            self._end(step_rest=True, called=called)
+
+    def wait_for(self, bucket: _Bucket) -> None:
+        """A forward is about to read a parameter of ``bucket``. See Note: [Stepping ahead]."""
+        bucket.done.wait()
+        self.engine.wait(bucket.upload_event)
+        for rec in bucket.records:
+            self.waiting.pop(id(rec.param), None)
+        with self._lock:  # drop the device gradients whose copies are done
+            self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
 
     def discard(self) -> None:
         """zero_grad(): finish what is in flight (buckets already stepped are uploaded), step
-        nothing more, drop the gradients."""
-        stepped = self._complete(step_rest=False)
+        nothing more, drop the gradients. After a `step()` still running ahead: nothing."""
+        if self._ahead is not None:
+            return
+        stepped = self._end(step_rest=False, called=self._begin(step_rest=False))
         if stepped:
             logger.warning(
                 "zero_grad() without step(): %d of %d buckets had already been stepped on the "
@@ -514,17 +602,25 @@ class HostStepRuntime:
                 "new values, the others their old ones", stepped, len(self.buckets),
             )  # fmt: skip
 
-    def _complete(self, *, step_rest: bool) -> int:
+    def _begin(self, *, step_rest: bool) -> float:
         called = time.perf_counter()
         self._call_time = called
+        snapshot = [_hyper(g) for g in self.user_groups]
+        # Every bucket stepped from now on uses the values of this call (a scheduler may
+        # change them while the host still steps ahead).
+        self._snapshot = snapshot
         if step_rest:
-            for bucket in self.buckets:
+            for bucket in reversed(self.buckets):  # forward order: Note: [The order of ...]
                 with self._lock:
                     go = not bucket.dispatched
                     bucket.dispatched = True
                 if go:
                     self._dispatch(bucket)
-        self._queue.put(("finish", step_rest))
+        self._check_hyper = snapshot
+        self._queue.put(("finish", step_rest, snapshot))
+        return called
+
+    def _end(self, *, step_rest: bool, called: float) -> int:
         self._done.wait()
         self._done.clear()
         if step_rest:
@@ -533,7 +629,9 @@ class HostStepRuntime:
         self.engine.wait(self._last_upload)
         stepped = sum(b.stepped for b in self.buckets)
         errors, self._errors = self._errors, []
-        self._reset(keep_times=step_rest)
+        changed = self._changed_hyper(self._check_hyper) if step_rest else None
+        self._reset_records()
+        self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
             self.steps += 1
         if errors:
@@ -544,25 +642,71 @@ class HostStepRuntime:
                 "were stepped and uploaded; every parameter holds either its old or its new "
                 f"value, with the matching optimizer state): {exc!r}"
             ) from exc
+        if changed:
+            raise RuntimeError(
+                f"param_groups changed between the final backward and step() ({changed}) "
+                "after some buckets had been stepped on the host during backward with the old "
+                "values: change hyperparameters before backward (an LR scheduler's step() "
+                "after optimizer.step() is fine), or pass overlap=False"
+            )
         return stepped
 
-    def _reset(self, keep_times: bool) -> None:
-        if keep_times:
-            self.last_host_ms = self.host_ms
-            self.last_host_ms_after_call = self.host_ms_after_call
-        self.host_ms = self.host_ms_after_call = 0.0
+    def _changed_hyper(self, snapshot: list[dict[str, Any]]) -> str | None:
+        for bucket in self.buckets:
+            if bucket.used is None:
+                continue
+            for used, g in zip(bucket.used, bucket.groups, strict=True):
+                now = snapshot[g]
+                for key in now.keys() | used.keys():
+                    if not _same(used.get(key), now.get(key)):
+                        return f"group {g} {key}: {used.get(key)!r} -> {now.get(key)!r}"
+        return None
+
+    def _reset_records(self) -> None:
         for rec in self.records:
             rec.final = False
             if type(rec.param.grad) is MovedGrad:
                 rec.param.grad = None
+
+    def _reset_buckets(self, keep_times: bool) -> None:
+        if keep_times:
+            self.last_host_ms = self.host_ms
+            self.last_host_ms_after_call = self.host_ms_after_call
+        self.host_ms = self.host_ms_after_call = 0.0
         for bucket in self.buckets:
             bucket.reset()
         self._call_time = None
+        self._snapshot = None
+
+    # - Forward while stepping ahead
+    def enter_forward(self, module: Any, args: Any) -> None:
+        stack = self._mode_stack()
+        if self._ahead is not None and self.waiting:
+            mode = _WaitMode(self)
+            mode.__enter__()
+            stack.append(mode)
+        else:
+            stack.append(None)
+
+    def exit_forward(self, module: Any, args: Any, output: Any) -> None:
+        stack = self._mode_stack()
+        if stack:
+            mode = stack.pop()
+            if mode is not None:
+                mode.__exit__(None, None, None)
+
+    def _mode_stack(self) -> list[Any]:
+        stack = getattr(self._modes, "stack", None)
+        if stack is None:
+            stack = self._modes.stack = []
+        return stack
 
     # - Teardown
     def close(self) -> None:
         if self.closed:
             return
+        with contextlib.suppress(Exception):
+            self.settle()
         self.closed = True
         for h in self._hooks:
             h.remove()
@@ -590,3 +734,45 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank's host holds), else the tensor itself."""
     return t._local_tensor if is_dtensor(t) else t
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b
+
+
+class _WaitMode(TorchFunctionMode):
+    """Makes a torch function that reads a parameter still being stepped wait for it. See
+    Note: [Stepping ahead]."""
+
+    def __init__(self, runtime: HostStepRuntime):
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        waiting = self.runtime.waiting
+        if waiting:
+            for t in _tensors(args, kwargs):
+                bucket = waiting.get(id(t))
+                if bucket is not None:
+                    self.runtime.wait_for(bucket)
+        return func(*args, **(kwargs or {}))
+
+
+def _tensors(args: Any, kwargs: Any) -> Iterator[Any]:
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
