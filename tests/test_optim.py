@@ -524,7 +524,7 @@ def test_hyperparameters_changed_between_backward_and_step_raise():
     # The first layer's backward, the last to run, lingers: the worker steps the later
     # layers' buckets meanwhile, with lr 1e-2.
     a[0].register_full_backward_pre_hook(lambda *args: time.sleep(0.2))
-    loss_of(a, batch(0)).backward()
+    loss_of(a, batch(0).requires_grad_()).backward()
     for g in opt.param_groups:
         g["lr"] = 5e-3
     with pytest.raises(RuntimeError, match="changed between the final backward and step"):
