@@ -67,7 +67,12 @@ logger = logging.getLogger(__name__)
 # first. The worker therefore steps, among the buckets it has, the one of the earliest
 # parameters (the highest bucket index) first: when it lags behind backward, what is left when
 # `step()` is called is the later layers', which the next forward needs last; after `step()`
-# the rest goes in forward order.
+# the rest goes in forward order. It picks only among buckets whose gradient copy has
+# completed (else the oldest): the host launches backward well ahead of the device, so the
+# newest bucket's copy completes only when the device gets there, and waiting on it would idle
+# the worker for most of backward. (Measured before this rule, picking the newest regardless:
+# 3% of the host step ran during backward on two H100 machines, against 19-23% in arrival
+# order on a third; the rule itself is not measured yet.)
 #
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
@@ -445,7 +450,8 @@ class HostStepRuntime:
                     finish = item
             try:
                 if ready:  # Note: [The order of the host step]
-                    self._arrive(*ready.pop(max(ready)))
+                    copied = [i for i, (_, e) in ready.items() if _completed(e)]
+                    self._arrive(*ready.pop(max(copied) if copied else min(ready)))
                     continue
                 if finish is not None:
                     self._finish(finish[1], finish[2])
