@@ -410,3 +410,45 @@ def test_two_threads_run_two_programs(built):
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda w: w.update(shape="abc"), "shape must be a list of int"),
+        (lambda w: w.update(stride=[1]), "of one length"),
+        (lambda w: w.update(nbytes=w["nbytes"] + 4), "does not match its shape"),
+        (lambda w: w.update(nbytes=True), "does not match its shape"),
+        (lambda w: w.update(names=["other"]), "must start with"),
+        (lambda w: w.update(dtype="complex32"), "is not a dtype this reads"),
+        (lambda w: w.update(offset=-8), "offset must be a non-negative int"),
+    ],
+)
+def test_a_malformed_catalog_entry_is_refused(built, edit, message):
+    d = json.loads(built["catalog"].to_json())
+    edit(d["weights"]["layers.1.fc2.weight"])
+    with pytest.raises(ValueError, match=message):
+        toc.Catalog.from_json(json.dumps(d))
+    d = json.loads(built["catalog"].to_json())
+    d["probes"] = "all"
+    with pytest.raises(ValueError, match="probes must be a list of str"):
+        toc.Catalog.from_json(json.dumps(d))
+
+
+def test_a_catalog_from_another_program_fails_at_the_first_probe(built, tmp_path):
+    """Catalog and weights file agree, the program reads other geometry: the first serve of
+    each probe checks it."""
+    d = json.loads(built["catalog"].to_json())
+    probes, weights = d["probes"], d["weights"]
+    j = next(i for i, n in enumerate(probes) if weights[n]["shape"] != weights[probes[0]]["shape"])
+    probes[0], probes[j] = probes[j], probes[0]
+    other = tmp_path / "swapped.pt2"
+    other.write_bytes((built["dir"] / "gpt.pt2").read_bytes())
+    with zipfile.ZipFile(other, "a") as z, pytest.warns(UserWarning, match="Duplicate name"):
+        z.writestr(f"{z.namelist()[0].split('/')[0]}/extra/torchoffload_catalog.json",
+                   json.dumps(d))  # fmt: skip
+    program = toc.load_streamed_package(other, built["dir"] / "gpt.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    with pytest.raises(RuntimeError, match="do not belong together"):
+        program(built["tokens"])
+    program.remove()

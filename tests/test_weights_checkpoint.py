@@ -265,3 +265,25 @@ def test_parameter_class_and_attributes_survive_loading(tmp_path):
         assert torch.equal(model(tokens()), ref(tokens()))
     handle.remove()
     assert type(model.layers[0].fc1.weight) is Tagged
+
+
+def test_a_tied_tensor_saved_twice_must_hold_one_value(tmp_path):
+    ref = reference()
+    both = {k: v.clone() for k, v in ref.state_dict().items()}  # tok.weight and head.weight
+    path = save(both, tmp_path / "equal.safetensors")
+    model = on_meta()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+    both["head.weight"] = both["head.weight"].clone()
+    both["head.weight"][3, 5] += 1.0
+    path = save(both, tmp_path / "differ.safetensors")
+    model = on_meta()
+    with pytest.raises(CheckpointError, match="tied tensor .* different values"):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    assert model.tok.weight.is_meta  # nothing changed
+    both["head.weight"] = both["head.weight"][:, :-1].contiguous()
+    path = save(both, tmp_path / "shape.safetensors")
+    with pytest.raises(CheckpointError, match="one tied tensor"):
+        stream_weights(on_meta(), "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)

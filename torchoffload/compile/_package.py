@@ -106,7 +106,18 @@ def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], dtype
             f"torchoffload.weight probe {probe_id} ran outside a streamed program: load the "
             "package with torchoffload.compile.load_streamed_package and call what it returns"
         )
-    return server.serve(probe_id)
+    t = server.serve(probe_id)
+    if probe_id not in server.checked:  # once per probe: the program and its catalog agree
+        n = geometry[0]
+        want = (dtype, list(geometry[1 : 1 + n]), list(geometry[1 + n :]))
+        if (t.dtype, list(t.shape), list(t.stride())) != want:
+            raise RuntimeError(
+                f"torchoffload.weight probe {probe_id} reads {want[0]} {want[1]} (stride "
+                f"{want[2]}) but the catalog serves {t.dtype} {list(t.shape)} (stride "
+                f"{list(t.stride())}): the package and its catalog do not belong together"
+            )
+        server.checked.add(probe_id)
+    return t
 
 
 def _weight_fake(after, probe_id, geometry, dtype, device):
@@ -176,13 +187,16 @@ class Catalog:
             d = json.loads(text)
             if d.get("format") != FORMAT:
                 raise ValueError(f"format {d.get('format')!r}, this torchoffload reads {FORMAT}")
-            weights = {
-                name: WeightEntry(tuple(e["names"]), _DTYPES[e["dtype"]], tuple(e["shape"]),
-                                  tuple(e["stride"]), int(e["nbytes"]), e["offset"])
-                for name, e in d["weights"].items()
-            }  # fmt: skip
-            cat = cls(str(d["device_type"]), tuple(d["probes"]), weights,
-                      tuple(d["positions"]), tuple(d["last_use"]))  # fmt: skip
+            if not isinstance(d.get("weights"), dict):
+                raise ValueError("weights must be an object")
+            weights = {name: _entry(name, e) for name, e in d["weights"].items()}
+            if not isinstance(d.get("device_type"), str):
+                raise ValueError("device_type must be a string")
+            probes = _list_of(d.get("probes"), str, "probes")
+            positions = _list_of(d.get("positions"), int, "positions")
+            last_use = _list_of(d.get("last_use"), int, "last_use")
+            cat = cls(d["device_type"], tuple(probes), weights, tuple(positions),
+                      tuple(last_use))  # fmt: skip
             if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
                 raise ValueError("probes, positions and last_use differ in length")
             unknown = [n for n in cat.probes if n not in weights]
@@ -191,6 +205,39 @@ class Catalog:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{source} is not a torchoffload weight catalog ({e})") from None
         return cat
+
+
+def _list_of(value: object, kind: type, what: str) -> list[Any]:
+    if not isinstance(value, list) or not all(
+        isinstance(v, kind) and not isinstance(v, bool) for v in value
+    ):
+        raise ValueError(f"{what} must be a list of {kind.__name__}")
+    return value
+
+
+def _entry(name: object, e: object) -> WeightEntry:
+    """A catalog entry, every field checked (a hand-edited or foreign catalog must not be read
+    as geometry it does not describe)."""
+    if not isinstance(name, str) or not isinstance(e, dict):
+        raise ValueError(f"weight {name!r} must map a name to an object")
+    names = _list_of(e.get("names"), str, f"{name}.names")
+    if not names or names[0] != name:
+        raise ValueError(f"{name}.names must start with {name!r}")
+    if e.get("dtype") not in _DTYPES:
+        raise ValueError(f"{name}.dtype {e.get('dtype')!r} is not a dtype this reads")
+    dtype = _DTYPES[e["dtype"]]
+    shape = _list_of(e.get("shape"), int, f"{name}.shape")
+    stride = _list_of(e.get("stride"), int, f"{name}.stride")
+    if len(shape) != len(stride) or any(v < 0 for v in (*shape, *stride)):
+        raise ValueError(f"{name}: shape and stride must be non-negative and of one length")
+    nbytes, offset = e.get("nbytes"), e.get("offset")
+    span = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True))
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes != span * dtype.itemsize:
+        raise ValueError(f"{name}.nbytes {nbytes!r} does not match its shape, stride and dtype")
+    if offset is not None and (not isinstance(offset, int) or isinstance(offset, bool)
+                               or offset < 0):  # fmt: skip
+        raise ValueError(f"{name}.offset must be a non-negative int or null")
+    return WeightEntry(tuple(names), dtype, tuple(shape), tuple(stride), nbytes, offset)
 
 
 # -- export -------------------------------------------------------------------------------------

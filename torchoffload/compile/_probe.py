@@ -101,6 +101,7 @@ class ProbeServer:
         self.last_use = list(last_use)
         self.served: list[int] = []  # probe ids served in the current call (for tests)
         self._held: dict[int, int] = {}  # unit index -> position of its last use so far
+        self.checked: set[int] = set()  # probe ids whose served geometry was checked
 
     def run(self, program: Any, args: tuple, kwargs: dict) -> Any:
         """Call ``program(*args, **kwargs)`` with its probes served from the runtime."""

@@ -112,8 +112,29 @@ class Checkpoint:
 
     def find(self, names: list[str]) -> Entry | None:
         """The entry of the first of ``names`` (a tensor's names: tied weights have several)
-        that the checkpoint holds."""
-        return next((self.entries[n] for n in names if n in self.entries), None)
+        that the checkpoint holds. Where it holds several of them, they must be equal: a
+        checkpoint whose copies of one tied tensor differ is refused (the model cannot hold
+        both), after comparing their bytes."""
+        found = [self.entries[n] for n in names if n in self.entries]
+        if not found:
+            return None
+        first = found[0]
+        for other in found[1:]:
+            if (other.dtype, other.shape, other.nbytes) != (first.dtype, first.shape, first.nbytes):
+                raise CheckpointError(
+                    f"{self.source}: {first.name!r} and {other.name!r} are one tied tensor in "
+                    f"the model but {list(first.shape)} {first.dtype} and {list(other.shape)} "
+                    f"{other.dtype} in the checkpoint"
+                )
+            if (other.path, other.offset) != (first.path, first.offset) and not _same_bytes(
+                first, other
+            ):
+                raise CheckpointError(
+                    f"{self.source}: {first.name!r} and {other.name!r} are one tied tensor in "
+                    "the model but hold different values in the checkpoint: is it this "
+                    "model's checkpoint?"
+                )
+        return first
 
     @property
     def nbytes(self) -> int:
@@ -167,6 +188,19 @@ def write_safetensors(
             if n:
                 f.write(memoryview((ctypes.c_char * n).from_address(host.data_ptr())).cast("B"))
     return _read_header(p)
+
+
+def _same_bytes(a: Entry, b: Entry, chunk: int = 64 << 20) -> bool:
+    with open(a.path, "rb") as fa, open(b.path, "rb") as fb:
+        fa.seek(a.offset)
+        fb.seek(b.offset)
+        left = a.nbytes
+        while left:
+            n = min(chunk, left)
+            if fa.read(n) != fb.read(n):
+                return False
+            left -= n
+    return True
 
 
 def _readinto(f, dst: torch.Tensor, entry: Entry) -> None:
