@@ -573,6 +573,17 @@ def load_streamed_package(
             f"the package was compiled for {catalog.device_type!r} and cannot run on {dev}"
         )
     checkpoint = Checkpoint.open(weights)
+    _check_catalog(catalog, checkpoint)
+    runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
+                                   pin_memory, checkpoint=checkpoint)  # fmt: skip
+    program = torch._inductor.aoti_load_package(
+        os.fspath(package_path), device_index=dev.index if dev.index is not None else -1
+    )
+    return StreamedPackage(program, catalog, runtime, holder)
+
+
+def _check_catalog(catalog: Catalog, checkpoint: Checkpoint) -> None:
+    """Every weight the catalog reads is in the checkpoint, with its dtype, shape and size."""
     for entry in catalog.weights.values():
         found = checkpoint.find(list(entry.names))
         if found is None:
@@ -588,14 +599,32 @@ def load_streamed_package(
                 f"({found.nbytes} bytes) but the package reads {list(entry.shape)} "
                 f"{entry.dtype} ({entry.nbytes} bytes)"
             )
+
+
+def _runtime_for(
+    catalog: Catalog,
+    dev: torch.device,
+    budget_bytes: int,
+    prefetch_depth: int,
+    resident: tuple[str, ...],
+    pin_memory: bool,
+    *,
+    checkpoint: Checkpoint | None = None,
+    values: dict[str, torch.Tensor] | None = None,
+) -> tuple[WeightRuntime, nn.Module]:
+    """The weight engine serving a catalog's weights, read from ``checkpoint`` or copied from
+    ``values`` (name -> tensor) into the pinned store, and the module tree that names them."""
     holder = _Holder()
-    for entry in catalog.weights.values():
-        t = nn.Parameter(
-            torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="meta"),
-            requires_grad=False,
-        )
-        for name in entry.names:
-            owner, _, leaf = name.rpartition(".")
+    for name, entry in catalog.weights.items():
+        if values is not None:
+            t = nn.Parameter(values[name].detach(), requires_grad=False)
+        else:
+            t = nn.Parameter(
+                torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="meta"),
+                requires_grad=False,
+            )
+        for alias in entry.names:
+            owner, _, leaf = alias.rpartition(".")
             module = holder
             for part in owner.split(".") if owner else ():
                 if part not in module._modules:
@@ -605,9 +634,65 @@ def load_streamed_package(
     config = StreamConfig(dev, budget_bytes, prefetch_depth, pin_memory=pin_memory)
     layout = _layout.plan(holder, budget=budget_bytes, depth=prefetch_depth, resident=resident,
                           unit="leaves")  # fmt: skip
-    program = torch._inductor.aoti_load_package(
-        os.fspath(package_path), device_index=dev.index if dev.index is not None else -1
-    )
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, checkpoint)
+    return runtime, holder
+
+
+def compile_streamed(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    budget_bytes: int,
+    device: torch.device | str | int | None = None,
+    prefetch_depth: int = 2,
+    resident: str | Sequence[str] = (),
+    dynamic_shapes: Any = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    mode: str | None = None,
+    pin_memory: bool = True,
+) -> StreamedPackage:
+    """``torch.compile`` ``model`` into one graph (``fullgraph=True``) whose weights stream
+    from pinned host memory through a device arena of at most ``budget_bytes``: the program of
+    `export_streamed` (every weight use a ``torchoffload.weight`` probe, ordered so that the
+    compiler cannot read a weight after its unit is finished), compiled by Inductor, its probes
+    served by the weight engine as an AOTInductor package's are, with prefetch
+    ``prefetch_depth`` units ahead. The model is not changed; its weights are copied into the
+    host store, or read from the safetensors ``checkpoint`` (then the model may be on meta).
+    ``mode``: `torch.compile`'s. Outputs are bitwise those of the same program with every
+    unit kept on the device (a budget that holds them all)."""
+    check_int("budget_bytes", budget_bytes, minimum=1)
+    check_int("prefetch_depth", prefetch_depth, minimum=0)
+    resident = _check_resident(resident)
+    if checkpoint is not None:
+        _check_path("checkpoint", checkpoint)
+    ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                  device=device)  # fmt: skip
+    dev = _program_device(args, kwargs, device)
+    values = None
+    ckpt = None
+    if checkpoint is not None:
+        ckpt = Checkpoint.open(checkpoint)
+        _check_catalog(catalog, ckpt)
+    else:
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        values = {n: named[n] for n in catalog.weights}
+        meta = [n for n, t in values.items() if t.is_meta]
+        if meta:
+            raise ValueError(
+                f"{meta[0]!r} is on the meta device: pass checkpoint= to read the weights "
+                "from a safetensors file"
+            )
+    runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
+                                   pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
+    program = torch.compile(ep.module(), fullgraph=True, mode=mode)
     return StreamedPackage(program, catalog, runtime, holder)
+
+
+def _program_device(args: Any, kwargs: Any, device: Any) -> torch.device:
+    if device is None:
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        device = tensors[0].device
+    return compute_device(device)

@@ -1,0 +1,113 @@
+"""`compile_streamed`: torch.compile of a model into one graph (fullgraph) whose weights stream
+from pinned host memory through the weight engine, on the CPU: bitwise against the same
+program with every unit kept (a budget that holds them all), under small budgets, with dynamic
+shapes, from a checkpoint, a weight read late through a copy the compiler elides, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchoffload.compile as toc
+from torchoffload.models import GPT, GPTConfig
+from torchoffload.weights._checkpoint import write_safetensors
+
+CFG = GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=32)
+
+
+def model_and_tokens():
+    torch.manual_seed(0)
+    return GPT(CFG).eval(), torch.randint(0, CFG.vocab, (2, 16))
+
+
+@pytest.fixture(scope="module")
+def kept():
+    model, tokens = model_and_tokens()
+    # A budget that holds every weight: every unit is kept after the first call.
+    program = toc.compile_streamed(model, (tokens,), budget_bytes=1 << 30, pin_memory=False)
+    with torch.no_grad():
+        out = program(tokens)
+    return model, tokens, program, out
+
+
+def test_streamed_graph_is_bitwise_the_kept_one_under_a_small_budget(kept):
+    model, tokens, _, want = kept
+    budget = 256 << 10  # above the minimum (3 units of fc1), below the weights (431 KiB)
+    program = toc.compile_streamed(model, (tokens,), budget_bytes=budget, pin_memory=False)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(program(tokens), want)
+    stats = program.handle.stats()
+    assert stats.h2d_bytes > stats.streamed_bytes  # loaded more than once: it streamed
+    assert stats.peak_device_bytes <= budget and stats.kept_units < stats.units
+    assert sorted(set(program._server.served)) == list(range(len(program.catalog.probes)))
+    # The model itself is untouched.
+    assert all(p.device.type == "cpu" and p.numel() for p in model.parameters())
+    program.remove()
+
+
+def test_dynamic_batch_and_a_checkpoint_on_meta(kept, tmp_path):
+    model, tokens, _, _ = kept
+    sd = {k: v for k, v in model.state_dict().items() if k != "head.weight"}  # tied: saved once
+    write_safetensors(tmp_path / "m.safetensors", sd)
+    with torch.device("meta"):
+        empty = GPT(CFG).eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    program = toc.compile_streamed(
+        empty, (tokens,), budget_bytes=1 << 20, dynamic_shapes=({0: batch},), device="cpu",
+        checkpoint=tmp_path / "m.safetensors", pin_memory=False,
+    )  # fmt: skip
+    full = toc.compile_streamed(model, (tokens,), budget_bytes=1 << 30,
+                                dynamic_shapes=({0: batch},), pin_memory=False)  # fmt: skip
+    with torch.no_grad():
+        for b in (1, 3, 5):
+            x = torch.randint(0, CFG.vocab, (b, 16), generator=torch.Generator().manual_seed(b))
+            assert torch.equal(program(x), full(x)), b
+
+
+def test_bad_input(kept):
+    model, tokens, _, _ = kept
+    with pytest.raises(ValueError, match="minimum budget"):
+        toc.compile_streamed(model, (tokens,), budget_bytes=1024, pin_memory=False)
+    with torch.device("meta"):
+        empty = GPT(CFG).eval()
+    with pytest.raises(ValueError, match="pass checkpoint="):
+        toc.compile_streamed(empty, (tokens,), budget_bytes=1 << 20, pin_memory=False)
+    with pytest.raises(TypeError, match="checkpoint must be a path"):
+        toc.compile_streamed(model, (tokens,), budget_bytes=1 << 20, checkpoint=3)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        toc.compile_streamed(model, (tokens,), budget_bytes=0)
+
+
+class _ClonedTable(torch.nn.Module):
+    """``e.weight.clone()`` read at the very end: Inductor removes the clone, so the final add
+    reads the table's own memory, six probes after its only use in the graph (the AOTI
+    package's review case, compiled here by torch.compile)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = torch.nn.Embedding(64, 64)
+        self.ls = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x):
+        y = self.e.weight.clone()
+        for lin in self.ls:
+            x = lin(x)
+        return x + y
+
+
+def test_a_weight_read_late_through_an_elided_copy_stays_until_read():
+    torch.manual_seed(0)
+    model, x = _ClonedTable().eval(), torch.randn(64, 64)
+    with pytest.raises(ValueError, match="minimum budget is") as e:
+        toc.compile_streamed(model, (x,), budget_bytes=1024, prefetch_depth=0, pin_memory=False)
+    least = int(str(e.value).split("(")[-1].split(" bytes")[0])
+    outs = []
+    for budget, depth in ((least, 0), (4 * least, 0), (1 << 24, 2)):
+        program = toc.compile_streamed(model, (x,), budget_bytes=budget, prefetch_depth=depth,
+                                       pin_memory=False)  # fmt: skip
+        with torch.no_grad():
+            outs += [program(x) for _ in range(2)]
+        assert program.handle.stats().peak_device_bytes <= budget
+        program.remove()
+    assert all(torch.equal(o, outs[-1]) for o in outs)

@@ -1,0 +1,38 @@
+"""`compile_streamed` on a GPU: one compiled graph whose weights stream through the arena,
+bitwise against the same program with every unit kept, with the copy stream slowed, the arena
+within its budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchoffload.compile as toc
+from torchoffload import testing
+from torchoffload.models import GPT, GPTConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("gpu_deterministic"),
+]
+
+CFG = GPTConfig(hidden=512, layers=6, heads=8, vocab=4096, max_seq=256)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_streamed_graph_bitwise_with_slowed_copies(mode):
+    torch.manual_seed(0)
+    model = GPT(CFG).to(torch.bfloat16).eval()  # on the host: only the store is filled from it
+    x = torch.randint(0, CFG.vocab, (4, 128), generator=torch.Generator().manual_seed(1)).cuda()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kept = toc.compile_streamed(model, (x,), budget_bytes=2 * weights, device="cuda", mode=mode)
+    budget = weights // 4
+    streamed = toc.compile_streamed(model, (x,), budget_bytes=budget, device="cuda", mode=mode)
+    with torch.no_grad():
+        want = kept(x)
+        with testing.slow_copies(cycles=2_000_000):
+            for _ in range(3):
+                assert torch.equal(streamed(x), want)
+    stats = streamed.handle.stats()
+    assert stats.h2d_bytes > stats.streamed_bytes and stats.peak_device_bytes <= budget
