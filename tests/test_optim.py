@@ -423,7 +423,7 @@ def test_bad_input_is_refused_with_the_argument_named():
         to.OffloadedOptimizer([], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="meta"):
         to.OffloadedOptimizer([nn.Parameter(torch.ones(2, device="meta"))], torch.optim.SGD)
-    with pytest.raises(ValueError, match="floating"):
+    with pytest.raises(ValueError, match="float32, bfloat16 and float16"):
         to.OffloadedOptimizer([torch.ones(2, dtype=torch.int64)], torch.optim.SGD)
     with pytest.raises(ValueError, match="leaf"):
         to.OffloadedOptimizer([ps[0] * 2], torch.optim.SGD)
@@ -529,3 +529,91 @@ def test_hyperparameters_changed_between_backward_and_step_raise():
         g["lr"] = 5e-3
     with pytest.raises(RuntimeError, match="changed between the final backward and step"):
         opt.step()
+
+
+def test_an_interrupt_during_step_finishes_the_step_then_raises():
+    """Ctrl-C while step() waits for the host: the step completes (nothing half-done, the
+    worker and the caller stay in step), then KeyboardInterrupt is raised."""
+    import signal
+    import threading
+
+    a = model()
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=1e-2, bucket_bytes=2048,
+                                overlap=False)  # fmt: skip
+    loss_of(a, batch(0)).backward()
+    main = threading.main_thread().ident
+    threading.Timer(0.03, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    ref.backward(batch(0))
+    ref.step()
+    assert same_params(a, ref.twin)
+    for i in range(1, 3):
+        loss_of(a, batch(i)).backward()
+        opt.step()
+        ref.backward(batch(i))
+        ref.step()
+        assert same_params(a, ref.twin), i
+
+
+def test_misuse_between_backward_and_step_is_refused():
+    a = model()
+    a[0].weight.requires_grad_(False)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, bucket_bytes=2048)
+    loss_of(a, batch(0)).backward()
+    with pytest.raises(RuntimeError, match="between the final backward and step"):
+        opt.state_dict()
+    opt.step()
+    a[0].weight.requires_grad_(True)  # unfrozen after the optimizer was built
+    with pytest.raises(RuntimeError, match="requires_grad was False"):
+        loss_of(a, batch(1)).backward()
+        opt.step()
+
+
+def test_writes_through_data_are_read_again_on_request():
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.0)
+    loss_of(a, batch(0)).backward()
+    opt.step()
+    a[0].weight.data.mul_(0)  # bypasses the version counter
+    opt.reload_parameters()
+    loss_of(a, batch(1)).backward()
+    opt.step()
+    assert torch.count_nonzero(a[0].weight) == 0
+
+
+def test_a_tensor_lr_is_snapshotted_not_aliased():
+    a, twin = Tied(), Tied()
+    ref = Reference(twin, torch.optim.AdamW, lr=torch.tensor(1e-2))
+    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=torch.tensor(1e-2),
+                                bucket_bytes=2048, step_ahead=True, model=a)  # fmt: skip
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(3):
+        a(tied_batch(i)).float().square().mean().backward()
+        opt.step()
+        sched.step()  # fill_ on the tensor lr while the host still steps
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        ref_sched.step()
+    opt.synchronize()
+    assert same_params(a, twin)
+
+
+def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():
+    torch._dynamo.reset()
+    a, twin = Tied(), Tied()
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    compiled = torch.compile(a, backend="eager")
+    for i in range(3):
+        loss = compiled(tied_batch(i)).float().square().mean()
+        ref_loss = twin(tied_batch(i)).float().square().mean()
+        assert torch.equal(loss, ref_loss), i
+        loss.backward()
+        opt.step()
+        ref_loss.backward()
+        ref.step()
+    opt.remove()

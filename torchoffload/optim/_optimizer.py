@@ -135,6 +135,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         parameter holds its new value, on the host and (in stream order) on the device."""
         self._live().settle()
 
+    def reload_parameters(self) -> None:
+        """Read every fp32 master again from its parameter. Changes made in place are seen
+        without it (by the version counter); writes through ``param.data`` are not: call this
+        after them."""
+        self._live().reload_parameters()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
         and those already on the host. Buckets that the host stepped during backward keep
@@ -166,7 +172,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
         the fp32 master of every parameter that is not fp32, by index."""
         rt = self._live()
-        rt.settle()
+        rt.check_idle("state_dict()")
         packed_groups, index = [], 0
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -192,7 +198,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``"master_params"`` when present (they must round to the current parameters: load the
         model's state dict from the same checkpoint first), else from the parameters."""
         rt = self._live()
-        rt.settle()
+        rt.check_idle("load_state_dict()")
         saved = state_dict.get("param_groups")
         if not isinstance(saved, list) or len(saved) != len(self.param_groups):
             raise ValueError(
@@ -344,8 +350,11 @@ def _check_params(params: list[Any]) -> torch.device:
             raise TypeError(f"{what} is a {type(p).__name__}, not a tensor")
         if not p.is_leaf:
             raise ValueError(f"{what} is not a leaf tensor")
-        if not p.is_floating_point():
-            raise ValueError(f"{what} is {p.dtype}; only real floating-point ones are supported")
+        if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"{what} is {p.dtype}; float32, bfloat16 and float16 parameters are supported "
+                "(the host steps fp32 masters)"
+            )
         if p.layout != torch.strided or not (type(p) in _PLAIN or is_dtensor(p)):
             raise ValueError(
                 f"{what} is a {type(p).__name__} ({p.layout}); only dense plain tensors and "

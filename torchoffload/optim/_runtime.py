@@ -301,7 +301,9 @@ class HostStepRuntime:
         self.grad_norm: torch.Tensor | None = None
         # - Worker and hooks
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._done = threading.Event()
+        self._done = threading.Condition()
+        self._finish_seq = 0  # finishes queued
+        self._done_seq = 0  # finishes the worker completed
         self._worker = threading.Thread(target=self._work, name="torchoffload-host-step",
                                         daemon=True)  # fmt: skip
         self._worker.start()
@@ -360,7 +362,15 @@ class HostStepRuntime:
             if go:
                 bucket.dispatched = True
         if go:
+            self._dispatch_or_unmark(bucket)
+
+    def _dispatch_or_unmark(self, bucket: _Bucket) -> None:
+        try:
             self._dispatch(bucket)
+        except BaseException:
+            with self._lock:
+                bucket.dispatched = False
+            raise
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -411,6 +421,17 @@ class HostStepRuntime:
     def _check(self, rec: _Record) -> None:
         """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
         p = local(rec.param)
+        if rec.param.requires_grad != rec.trainable:
+            raise RuntimeError(
+                f"parameter {rec.entry.index}: requires_grad was {rec.trainable} when the "
+                f"optimizer was built and is {rec.param.requires_grad} now: build the "
+                "OffloadedOptimizer after freezing or unfreezing parameters"
+            )
+        if p.device != self.device:
+            raise RuntimeError(
+                f"parameter {rec.entry.index} is now on {p.device}, was on {self.device} when "
+                "the optimizer was built"
+            )
         if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
             raise RuntimeError(
                 f"parameter {rec.entry.index} is now {p.dtype} {tuple(p.shape)}, was "
@@ -458,10 +479,13 @@ class HostStepRuntime:
             except BaseException as exc:  # reported by step()
                 self._errors.append((-1, exc))
             if finish is not None:
+                seq = finish[3]
                 finish = None
                 for bucket in self.buckets:
                     bucket.done.set()
-                self._done.set()
+                with self._done:
+                    self._done_seq = seq
+                    self._done.notify_all()
 
     def _arrive(self, bucket: _Bucket, event: Any) -> None:
         start = time.perf_counter()
@@ -555,6 +579,8 @@ class HostStepRuntime:
         except BaseException as exc:
             bucket.failed = exc
             self._errors.append((bucket.index, exc))
+            for rec in bucket.records:  # not uploaded: the master follows the device again
+                rec.synced = (-1, -1)
         bucket.done.set()
         self._account(start)
 
@@ -577,6 +603,23 @@ class HostStepRuntime:
                         if r.has_grad}  # fmt: skip
         self._ahead = called
         self._reset_records()
+
+    def check_idle(self, what: str) -> None:
+        """Refuse ``what`` while this step's buckets are on their way (after the final
+        backward, before step() or zero_grad())."""
+        self.settle()
+        if any(b.dispatched for b in self.buckets):
+            raise RuntimeError(
+                f"{what} between the final backward and step(): the host is stepping this "
+                "step's buckets; call step() (or zero_grad()) first"
+            )
+
+    def reload_parameters(self) -> None:
+        """Read every master again from its parameter (after writes the version counter does
+        not see, such as through ``param.data``)."""
+        self.check_idle("reload_parameters()")
+        for rec in self.records:
+            self._refresh(rec)
 
     def settle(self) -> None:
         """Finish a step that is still running on the host (step_ahead)."""
@@ -621,14 +664,26 @@ class HostStepRuntime:
                     go = not bucket.dispatched
                     bucket.dispatched = True
                 if go:
-                    self._dispatch(bucket)
+                    self._dispatch_or_unmark(bucket)
         self._check_hyper = snapshot
-        self._queue.put(("finish", step_rest, snapshot))
+        self._finish_seq += 1
+        self._queue.put(("finish", step_rest, snapshot, self._finish_seq))
         return called
 
+    def _wait_done(self) -> BaseException | None:
+        """Wait for the worker to complete the last finish queued. An interrupt (Ctrl-C) does
+        not cut the handshake: the wait goes on, and the interrupt is returned to re-raise."""
+        seq, interrupted = self._finish_seq, None
+        while True:
+            try:
+                with self._done:
+                    self._done.wait_for(lambda: self._done_seq >= seq)
+                return interrupted
+            except BaseException as exc:
+                interrupted = interrupted or exc
+
     def _end(self, *, step_rest: bool, called: float) -> int:
-        self._done.wait()
-        self._done.clear()
+        interrupted = self._wait_done()
         if step_rest:
             self.wait_ms = (time.perf_counter() - called) * 1e3
         self._inflight.clear()  # every gradient copy was waited on by the worker
@@ -640,13 +695,16 @@ class HostStepRuntime:
         self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
             self.steps += 1
+        if interrupted is not None:
+            raise interrupted
         if errors:
             index, exc = errors[0]
             where = f"bucket {index}" if index >= 0 else "the worker"
             raise RuntimeError(
                 f"the host step failed in {where} ({stepped} of {len(self.buckets)} buckets "
                 "were stepped and uploaded; every parameter holds either its old or its new "
-                f"value, with the matching optimizer state): {exc!r}"
+                "value, and the failed bucket's masters are read again from the device; its "
+                f"optimizer state is what the optimizer class left when it raised): {exc!r}"
             ) from exc
         if changed:
             raise RuntimeError(
@@ -686,6 +744,11 @@ class HostStepRuntime:
 
     # - Forward while stepping ahead
     def enter_forward(self, module: Any, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Compiled ops do not pass through a TorchFunctionMode: finish the step first,
+            # at every call (a disabled function runs eagerly, behind a graph break).
+            _settle_eagerly(self)
+            return
         stack = self._mode_stack()
         if self._ahead is not None and self.waiting:
             mode = _WaitMode(self)
@@ -695,6 +758,8 @@ class HostStepRuntime:
             stack.append(None)
 
     def exit_forward(self, module: Any, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
         stack = self._mode_stack()
         if stack:
             mode = stack.pop()
@@ -709,10 +774,26 @@ class HostStepRuntime:
 
     # - Teardown
     def close(self) -> None:
+        """Finish what is in flight (a step ahead, buckets already sent), wait for every copy,
+        then stop. An error of the step being finished is raised after the teardown."""
         if self.closed:
             return
-        with contextlib.suppress(Exception):
+        error: BaseException | None = None
+        try:
             self.settle()
+        except BaseException as exc:
+            error = exc
+        try:
+            if any(b.dispatched for b in self.buckets):
+                self._end(step_rest=False, called=self._begin(step_rest=False))
+        except BaseException as exc:
+            error = error or exc
+        for event, _ in self._inflight:  # copies that read device gradients, pinned buffers
+            if event is not None:
+                event.synchronize()
+        self._inflight = []
+        if self._last_upload is not None:
+            self._last_upload.synchronize()
         self.closed = True
         for h in self._hooks:
             h.remove()
@@ -723,10 +804,17 @@ class HostStepRuntime:
                 del MANAGED[rec.param]
             if type(rec.param.grad) is MovedGrad:
                 rec.param.grad = None
+        if error is not None:
+            raise error
 
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k != "params"}
+    """A group's hyperparameters, tensors copied (a scheduler updates a tensor lr in place)."""
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for k, v in group.items()
+        if k != "params"
+    }
 
 
 def _completed(event: Any) -> bool:
@@ -740,6 +828,11 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank's host holds), else the tensor itself."""
     return t._local_tensor if is_dtensor(t) else t
+
+
+@torch.compiler.disable
+def _settle_eagerly(runtime: HostStepRuntime) -> None:
+    runtime.settle()
 
 
 def _same(a: Any, b: Any) -> bool:
