@@ -289,6 +289,8 @@ class HostStepRuntime:
         self._check_hyper: list[dict[str, Any]] = []
         self._ahead: float | None = None  # a step() still running on the host (its time)
         self.waiting: dict[int, _Bucket] = {}  # id(parameter) -> its bucket, while ahead
+        if config.step_ahead:  # imports torch._dynamo: only for step_ahead
+            self._settle_eagerly = torch.compiler.disable(self.settle)
         self._modes = threading.local()
         # - Counters
         self.steps = 0
@@ -747,7 +749,7 @@ class HostStepRuntime:
         if torch.compiler.is_compiling():
             # Compiled ops do not pass through a TorchFunctionMode: finish the step first,
             # at every call (a disabled function runs eagerly, behind a graph break).
-            _settle_eagerly(self)
+            self._settle_eagerly()
             return
         stack = self._mode_stack()
         if self._ahead is not None and self.waiting:
@@ -828,11 +830,6 @@ def is_dtensor(t: torch.Tensor) -> bool:
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank's host holds), else the tensor itself."""
     return t._local_tensor if is_dtensor(t) else t
-
-
-@torch.compiler.disable
-def _settle_eagerly(runtime: HostStepRuntime) -> None:
-    runtime.settle()
 
 
 def _same(a: Any, b: Any) -> bool:
