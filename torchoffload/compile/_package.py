@@ -687,8 +687,28 @@ def compile_streamed(
             )
     runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
                                    pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
-    program = torch.compile(ep.module(), fullgraph=True, mode=mode)
+    program = _without_alias_check(torch.compile(ep.module(), fullgraph=True, mode=mode))
     return StreamedPackage(program, catalog, runtime, holder)
+
+
+def _without_alias_check(compiled: Any) -> Any:
+    """Note: [Probes alias the arena]
+    Every ``torchoffload.weight`` output is a view of the one device arena, and so are the
+    earlier probes' outputs it takes as ``after``: the op's outputs alias its inputs by design,
+    and Note: [Ordering weights in a compiled program] is what makes that safe. AOTAutograd
+    checks the first call of a compiled function for custom ops whose outputs alias their
+    inputs: a deprecation warning, or an error where the ``CI`` environment variable is set
+    (torch 2.13, `torch._functorch.config.error_on_custom_op_aliasing`). The check is turned
+    off around the calls of our compiled program only."""
+    cfg = torch._functorch.config
+    if not hasattr(cfg, "check_custom_op_aliasing"):
+        return compiled
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with cfg.patch(check_custom_op_aliasing=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _program_device(args: Any, kwargs: Any, device: Any) -> torch.device:
