@@ -70,9 +70,8 @@ logger = logging.getLogger(__name__)
 # the rest goes in forward order. It picks only among buckets whose gradient copy has
 # completed (else the oldest): the host launches backward well ahead of the device, so the
 # newest bucket's copy completes only when the device gets there, and waiting on it would idle
-# the worker for most of backward. (Measured before this rule, picking the newest regardless:
-# 3% of the host step ran during backward on two H100 machines, against 19-23% in arrival
-# order on a third; the rule itself is not measured yet.)
+# the worker for most of backward (picking the newest regardless, 3% of the host step ran
+# during backward on two H100 machines; this rule is not measured yet: benchmarks/README.md).
 #
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
