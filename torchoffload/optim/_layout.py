@@ -8,7 +8,7 @@ Per parameter the host holds, in three exact-size buffers allocated once:
 - ``staging``: for a parameter that is not fp32, a buffer of its own dtype that first receives
   its gradient from the device and then, after the step, its new value for the device.
 The optimizer's own state (AdamW: two fp32 moments) is allocated by the optimizer class on the
-host and is not counted here; `host_bytes` estimates it from ``state_floats``.
+host and is not counted here; `host_state_bytes` estimates it from ``state_floats``.
 
 A bucket is a run of consecutive parameters, in reverse order (the order in which backward
 usually finishes their gradients), of about ``bucket_bytes`` parameter bytes: its gradients
@@ -88,9 +88,3 @@ def host_state_bytes(numel: int, nbytes: int, state_floats: int = 2) -> int:
     values of optimizer state per element."""
     staging = nbytes if nbytes != 4 * numel else 0
     return numel * 4 * (2 + state_floats) + staging
-
-
-def host_bytes(layout: HostLayout, state_floats: int = 2) -> int:
-    """Host bytes of the layout's buffers plus ``state_floats`` fp32 values of optimizer state
-    per parameter element (AdamW: 2)."""
-    return layout.pinned_bytes + sum(e.numel for e in layout.entries) * 4 * state_floats

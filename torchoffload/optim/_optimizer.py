@@ -235,10 +235,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         for bucket in rt.buckets:
             local_groups, local_state, slot = [], {}, 0
+            by_master = {id(r.master): r for r in bucket.records}
             for host_group in bucket.optimizer.param_groups:
                 ids = []
                 for master in host_group["params"]:
-                    rec = next(r for r in bucket.records if r.master is master)
+                    rec = by_master[id(master)]
                     key = order[rec.entry.index]
                     if key in state:
                         local_state[slot] = state[key]

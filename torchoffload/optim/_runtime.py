@@ -285,7 +285,6 @@ class HostStepRuntime:
         self._call_time: float | None = None
         self._errors: list[tuple[int, BaseException]] = []
         self._snapshot: list[dict[str, Any]] | None = None  # hyperparameters at step()
-        self._check_hyper: list[dict[str, Any]] = []
         self._ahead: float | None = None  # a step() still running on the host (its time)
         self.waiting: dict[int, _Bucket] = {}  # id(parameter) -> its bucket, while ahead
         if config.step_ahead:  # imports torch._dynamo: only for step_ahead
@@ -666,7 +665,6 @@ class HostStepRuntime:
                     bucket.dispatched = True
                 if go:
                     self._dispatch_or_unmark(bucket)
-        self._check_hyper = snapshot
         self._finish_seq += 1
         self._queue.put(("finish", step_rest, snapshot, self._finish_seq))
         return called
@@ -691,7 +689,7 @@ class HostStepRuntime:
         self.engine.wait(self._last_upload)
         stepped = sum(b.stepped for b in self.buckets)
         errors, self._errors = self._errors, []
-        changed = self._changed_hyper(self._check_hyper) if step_rest else None
+        changed = self._changed_hyper(self._snapshot) if step_rest else None
         self._reset_records()
         self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
