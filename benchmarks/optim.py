@@ -10,7 +10,9 @@ Rows, each in its own process (host and device memory start clean):
   on the host; its step is torch's foreach AdamW on the CPU, after backward).
 - ``offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters, each
   bucket stepped while backward runs). ``offload-at-step``: the same with ``overlap=False``;
-  ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward).
+  ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
+  ``offload-params``: also the parameters in the host store, streamed per decoder layer for
+  forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
 - ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), and a
   fused AdamW step over fp32 host tensors of the model's size (ms).
 
@@ -106,11 +108,17 @@ def row_resident(args):
     return train(args, model, opt, sync_between=True)
 
 
-def row_offload(args, overlap: bool, host_threads: int | None = None, ahead: bool = False):
+def row_offload(
+    args, overlap: bool, host_threads: int | None = None, ahead: bool = False, params=False
+):
     import torchoffload as to
 
     model = llama(args)
     t = time.perf_counter()
+    handle = None
+    if params:  # parameters streamed from the host store, stepped there
+        handle = to.stream_parameters(model, int(args.param_budget_gib * GiB))
+        torch.cuda.empty_cache()
     opt = to.OffloadedOptimizer(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
@@ -122,6 +130,12 @@ def row_offload(args, overlap: bool, host_threads: int | None = None, ahead: boo
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
         link_gb=(s.d2h_bytes + s.h2d_bytes) / s.steps / 1e9,
     )  # fmt: skip
+    if handle is not None:
+        ps = handle.stats()
+        out.update(
+            param_h2d_gb=ps.h2d_bytes / 1e9, param_peak_gib=ps.peak_loaded_bytes / GiB,
+            over_budget=ps.over_budget, on_demand=ps.on_demand, prefetched=ps.prefetched,
+        )  # fmt: skip
     return out
 
 
@@ -231,6 +245,7 @@ ROWS = {
     "offload": lambda a: row_offload(a, True),
     "offload-at-step": lambda a: row_offload(a, False),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
+    "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "parity": row_parity,
 }
@@ -250,6 +265,8 @@ def main() -> None:
     p.add_argument("--rows", default="calibrate,resident,offload,offload-at-step,fsdp2-cpu")
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=240)
+    p.add_argument("--param-budget-gib", type=float, default=2.0,
+                   help="offload-params: device budget of the streamed parameters")  # fmt: skip
     args = p.parse_args()
     if args.row:
         print("RESULT " + json.dumps(ROWS[args.row](args)), flush=True)
@@ -310,13 +327,24 @@ def report(args, results) -> None:
         r = results.get(name)
         if not r:
             continue
-        ratio = f"{r['step_ms'] / 1e3 / bound:.2f}" if bound and "offload" in name else "-"
+        row_bound = bound
+        if bound and "param_h2d_gb" in r:  # parameters also go up for forward and backward
+            n = cal["numel"]
+            link = (2 * n + 2 * 2 * n) / 1e9 / min(cal["d2h_gbs"], cal["h2d_gbs"])
+            row_bound = max(bound, link)
+        ratio = f"{r['step_ms'] / 1e3 / row_bound:.2f}" if bound and "offload" in name else "-"
         host_step = f"{r['host_step_ms']:.0f}" if "host_step_ms" in r else "-"
         hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
         fb, st = (f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("fwd_bwd_ms", "opt_ms"))
         print(f"| {name} | {r['tokens_s']:.0f} | {r['step_ms']:.0f} | {fb} | "
               f"{st} | {r['peak_gib']:.1f} | {r['host_gib']:.1f} | {host_step} | "
               f"{hidden} | {ratio} |")  # fmt: skip
+    for name, r in results.items():
+        if "param_h2d_gb" in r:
+            print(f"{name}: parameters streamed {r['param_h2d_gb']:.1f} GB up in all, peak "
+                  f"{r['param_peak_gib']:.2f} GiB of them on the device (budget "
+                  f"{args.param_budget_gib} GiB), {r['prefetched']} loads ahead, "
+                  f"{r['on_demand']} on demand, {r['over_budget']} over the budget")  # fmt: skip
     for name, r in results.items():
         if "losses" in r:
             print(f"{name} losses: {r['losses']}")

@@ -244,6 +244,55 @@ CASES = [
         ValueError,
         "meta",
     ),
+    # -- stream_parameters
+    (
+        "sp-model",
+        lambda: torchoffload.stream_parameters("model", 1 << 20),
+        TypeError,
+        "model",
+    ),
+    (
+        "sp-budget-type",
+        lambda: torchoffload.stream_parameters(model(), "1GiB"),
+        TypeError,
+        "budget_bytes",
+    ),  # fmt: skip
+    (
+        "sp-budget-neg",
+        lambda: torchoffload.stream_parameters(model(), -1),
+        ValueError,
+        "budget_bytes",
+    ),  # fmt: skip
+    (
+        "sp-budget-small",
+        lambda: torchoffload.stream_parameters(model(), 64),
+        ValueError,
+        "budget_bytes",
+    ),  # fmt: skip
+    (
+        "sp-depth",
+        lambda: torchoffload.stream_parameters(model(), 1 << 20, prefetch_depth=-1),
+        ValueError,
+        "prefetch_depth",
+    ),  # fmt: skip
+    (
+        "sp-unit",
+        lambda: torchoffload.stream_parameters(model(), 1 << 20, unit="rows"),
+        ValueError,
+        "unit",
+    ),  # fmt: skip
+    (
+        "sp-resident",
+        lambda: torchoffload.stream_parameters(model(), 1 << 20, resident=("zz",)),
+        ValueError,
+        "zz",
+    ),  # fmt: skip
+    (
+        "sp-pin",
+        lambda: torchoffload.stream_parameters(model(), 1 << 20, pin_memory="no"),
+        TypeError,
+        "pin_memory",
+    ),  # fmt: skip
     ("cg-fn", lambda: stream().cuda_graph("step"), TypeError, "fn"),
     ("cg-max", lambda: stream().cuda_graph(print, max_graphs=0), ValueError, "max_graphs"),
     ("cg-max-type", lambda: stream().cuda_graph(print, max_graphs=1.5), TypeError, "max_graphs"),
@@ -423,6 +472,7 @@ def test_every_public_callable_has_a_row():
         "offload_activations",
         "register_flattener",
         "stream_weights",
+        "stream_parameters",
         "unregister_flattener",
     }
     # Types users receive rather than build, exceptions, and the argument-free context manager:
@@ -440,6 +490,8 @@ def test_every_public_callable_has_a_row():
         "no_offload",
         "MovedGradError",
         "OptimizerStats",
+        "ParameterStats",
+        "ParameterStreamHandle",
     }
     public = {n for n in torchoffload.__all__ if callable(getattr(torchoffload, n))}
     assert public - covered - exempt == set()

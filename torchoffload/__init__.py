@@ -22,9 +22,12 @@ from torchoffload.optim import (
 from torchoffload.planner import Hardware, InfeasibleBudgetError, Plan, Profile, plan, trace
 from torchoffload.weights import (
     CheckpointError,
+    ParameterStats,
+    ParameterStreamHandle,
     WeightStats,
     WeightStreamHandle,
     minimum_budget,
+    stream_parameters,
     stream_weights,
 )
 
@@ -46,6 +49,8 @@ __all__ = [
     "OffloadedOptimizer",
     "OptimizerOffloadConfig",
     "OptimizerStats",
+    "ParameterStats",
+    "ParameterStreamHandle",
     "PinnedPool",
     "PoolExhaustedError",
     "PoolStats",
@@ -53,6 +58,7 @@ __all__ = [
     "no_offload",
     "offload_activations",
     "register_flattener",
+    "stream_parameters",
     "stream_weights",
     "unregister_flattener",
     "WeightStats",

@@ -9,13 +9,15 @@ from typing import Any
 
 import torch
 
+from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._runtime import (
-    MANAGED,
     HostStepRuntime,
     OptimizerOffloadConfig,
     OptimizerStats,
     is_dtensor,
     local,
+    shape_of,
+    value_of,
 )
 
 
@@ -85,6 +87,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 "step_ahead needs model=: the module whose forward reads the parameters "
                 "(its forward waits for the parameters still being stepped)"
+            )
+        if config.step_ahead and any(p in HOSTED for p in flat):
+            raise ValueError(
+                "step_ahead: not supported for parameters streamed by stream_parameters (their "
+                "next forward loads them from the host store the step is writing)"
             )
         if config.step_ahead and any(is_dtensor(p) for p in flat):
             raise ValueError("step_ahead: not supported for DTensor parameters (FSDP2, TP)")
@@ -219,14 +226,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m = masters.get(order[i])
             if m is None:
                 continue
-            p = local(rec.param)
-            if tuple(m.shape) != tuple(p.shape):
+            p = value_of(rec.param)
+            if tuple(m.shape) != shape_of(rec.param):
                 raise ValueError(
                     f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
-                    f"{tuple(p.shape)}"
+                    f"{shape_of(rec.param)}"
                 )
             rounded = m.to(device=p.device, dtype=p.dtype)
-            if not torch.equal(rounded, p.detach()):
+            if not torch.equal(rounded, p):
                 raise ValueError(
                     f"master_params[{order[i]}] does not round to parameter {i}'s current "
                     "value: load the model's state dict from the same checkpoint first"
@@ -254,8 +261,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             m = masters.get(order[i])
             if m is not None:
                 rec.master.copy_(m)
-                p = local(rec.param)
-                rec.synced = (p._version, p.data_ptr())
+                if rec.hosted is not None:
+                    rec.synced = (rec.hosted.version, -2)
+                else:
+                    p = local(rec.param)
+                    rec.synced = (p._version, p.data_ptr())
             else:
                 rt._refresh(rec)
 

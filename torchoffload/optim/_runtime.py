@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakIdKeyDictionary
 
+from torchoffload._hosted import HOSTED, MANAGED, Hosted
 from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import copy_engine
 from torchoffload._validate import check_bool, check_int, check_number
@@ -83,9 +83,6 @@ logger = logging.getLogger(__name__)
 # inside the forward is covered, wherever the module that owns it is. Reads outside that
 # forward are not: any call of the optimizer (the next backward's hooks included) first
 # finishes the step.
-
-# Every parameter that a live offloaded optimizer manages: a second one on it is refused.
-MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -194,7 +191,7 @@ class _Record:
     """One parameter: its place, its host views, its state in the current step."""
 
     __slots__ = ("entry", "param", "trainable", "master", "grad", "staging", "synced",
-                 "has_grad", "final", "dtensor")  # fmt: skip
+                 "has_grad", "final", "dtensor", "hosted")  # fmt: skip
 
     def __init__(self, entry: Entry, param: torch.Tensor, master, grad, staging):
         self.entry = entry
@@ -207,6 +204,9 @@ class _Record:
         self.synced: tuple[int, int] = (-1, -1)  # (version, data_ptr) the master matches
         self.has_grad = False
         self.final = False
+        # Streamed by stream_parameters: its values are in the host store (Note: [Hosted
+        # parameters]); the optimizer reads and writes them there.
+        self.hosted: Hosted | None = HOSTED.get(param)
 
 
 class _Bucket:
@@ -253,7 +253,7 @@ class HostStepRuntime:
         self.device = device
         self.user_groups = groups  # the public optimizer's param_groups (live dicts)
         self.layout: HostLayout = plan_layout(
-            [(tuple(local(p).shape), p.dtype) for p in params], config.bucket_bytes
+            [(shape_of(p), p.dtype) for p in params], config.bucket_bytes
         )
         self.engine = copy_engine(device, use_streams=config.use_streams)
         # - Host buffers (allocated once, exact size)
@@ -316,6 +316,8 @@ class HostStepRuntime:
         ]
         for rec in self.records:
             MANAGED[rec.param] = self
+            if rec.hosted is not None:
+                rec.hosted.users += 1
         self.closed = False
 
     # - Construction
@@ -396,7 +398,7 @@ class HostStepRuntime:
                 continue
             if type(g) is MovedGrad:
                 raise RuntimeError(f"parameter {rec.entry.index}: {_MOVED}")
-            if g.layout != torch.strided or (g.dtype, g.shape) != (p.dtype, p.shape):
+            if g.layout != torch.strided or (g.dtype, tuple(g.shape)) != (p.dtype, rec.entry.shape):
                 raise RuntimeError(
                     f"parameter {rec.entry.index}: gradient {g.dtype} {tuple(g.shape)} "
                     f"({g.layout}) does not match the parameter; an OffloadedOptimizer needs "
@@ -410,7 +412,7 @@ class HostStepRuntime:
             event, _ = self.engine.offload_many(pairs)
         for rec in bucket.records:
             if rec.has_grad and not rec.dtensor:  # a DTensor's is dispatched by step()
-                rec.param.grad = MovedGrad(rec.param)
+                rec.param.grad = MovedGrad(rec.param)  # a streamed one: as empty as it
         with self._lock:
             self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
             if keep:
@@ -427,6 +429,15 @@ class HostStepRuntime:
                 f"optimizer was built and is {rec.param.requires_grad} now: build the "
                 "OffloadedOptimizer after freezing or unfreezing parameters"
             )
+        if rec.hosted is not None:
+            if HOSTED.get(rec.param) is not rec.hosted:
+                raise RuntimeError(
+                    f"parameter {rec.entry.index} is no longer streamed by the "
+                    "stream_parameters handle it was streamed by when the optimizer was built"
+                )
+            if rec.synced[0] != rec.hosted.version:
+                self._refresh(rec)
+            return
         if p.device != self.device:
             raise RuntimeError(
                 f"parameter {rec.entry.index} is now on {p.device}, was on {self.device} when "
@@ -444,6 +455,10 @@ class HostStepRuntime:
             self._refresh(rec)
 
     def _refresh(self, rec: _Record) -> None:
+        if rec.hosted is not None:
+            rec.master.copy_(rec.hosted.host)
+            rec.synced = (rec.hosted.version, -2)
+            return
         with torch.no_grad():
             p = local(rec.param)
             rec.master.copy_(p.detach())
@@ -562,7 +577,11 @@ class HostStepRuntime:
             with torch.no_grad():
                 for rec in bucket.records:
                     rec.master.grad = None
-                    if rec.has_grad:
+                    if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
+                        rec.hosted.before_write()
+                        rec.hosted.host.copy_(rec.master)
+                        rec.synced = (rec.hosted.version, -2)
+                    elif rec.has_grad:
                         if rec.staging is not None:
                             rec.staging.copy_(rec.master)
                         pairs.append((local(rec.param).detach(), rec.master
@@ -573,7 +592,7 @@ class HostStepRuntime:
                 self._last_upload = bucket.upload_event
                 self.h2d_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
                 for rec in bucket.records:
-                    if rec.has_grad:
+                    if rec.has_grad and rec.hosted is None:
                         p = local(rec.param)
                         rec.synced = (p._version, p.data_ptr())
         except BaseException as exc:
@@ -801,6 +820,8 @@ class HostStepRuntime:
         for rec in self.records:
             if MANAGED.get(rec.param) is self:
                 del MANAGED[rec.param]
+            if rec.hosted is not None:
+                rec.hosted.users -= 1
             if type(rec.param.grad) is MovedGrad:
                 rec.param.grad = None
         if error is not None:
@@ -818,6 +839,18 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 def _completed(event: Any) -> bool:
     return event is None or event.query()
+
+
+def shape_of(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape (a DTensor's local shard; a streamed one's host store view)."""
+    hosted = HOSTED.get(p)
+    return tuple(hosted.host.shape if hosted is not None else local(p).shape)
+
+
+def value_of(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's current values (a streamed one's in the host store)."""
+    hosted = HOSTED.get(p)
+    return hosted.host if hosted is not None else local(p).detach()
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

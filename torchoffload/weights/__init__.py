@@ -20,6 +20,10 @@ Modules, bottom up: `_layout` (the pure cut and byte layout), `_arena` (device r
 events), `_schedule` (the recorded order), `_checkpoint` (safetensors catalogs read into the
 host store), `_runtime` (the engine, driven by eager hooks, the exported-program runner and
 compiled programs), `_graph` (calls replayed as CUDA graphs), `_handle` (the public face).
+
+For training, `stream_parameters` (`_training`) keeps the same cut and host store but a device
+storage per host piece that backward's saved views share: parameters are loaded for each
+unit's forward and again, in reverse, for its backward.
 """
 
 from torchoffload.weights._checkpoint import CheckpointError
@@ -30,6 +34,11 @@ from torchoffload.weights._handle import (
     minimum_budget,
     stream_weights,
 )
+from torchoffload.weights._training import (
+    ParameterStats,
+    ParameterStreamHandle,
+    stream_parameters,
+)
 
 __all__ = [
     "CheckpointError",
@@ -38,5 +47,8 @@ __all__ = [
     "WeightStats",
     "WeightStreamHandle",
     "minimum_budget",
+    "ParameterStats",
+    "ParameterStreamHandle",
+    "stream_parameters",
     "stream_weights",
 ]

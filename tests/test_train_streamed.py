@@ -1,0 +1,329 @@
+"""stream_parameters on the CPU: training with parameters in the host store is bitwise the same
+training with them resident (with the offloaded optimizer, a frozen base, checkpointing,
+activation offloading, tied weights), within the budget, with clear errors for misuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as ckpt
+from torch import nn
+
+import torchoffload as to
+from torchoffload.models import GPT, GPTConfig
+
+CFG = GPTConfig(hidden=32, layers=4, heads=4, vocab=64, max_seq=16)
+
+
+def gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def tokens(i):
+    return torch.randint(0, CFG.vocab, (2, 12), generator=torch.Generator().manual_seed(i))
+
+
+def block_bytes(m):
+    return sum(p.numel() * p.element_size() for p in m.layers[0].parameters())
+
+
+def loss_of(m, x, checkpointed=False):
+    if not checkpointed:
+        return m.loss(x)
+    pos = torch.arange(x.shape[1] - 1)
+    h = m.tok(x[:, :-1]) + m.pos(pos)
+    for layer in m.layers:
+        h = ckpt.checkpoint(layer, h, use_reentrant=False)
+    logits = m.head(m.ln_f(h))
+    return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def train(m, opt, steps=3, checkpointed=False, activations=False, accumulate=1):
+    losses = []
+    for s in range(steps):
+        for a in range(accumulate):
+            x = tokens(10 * s + a)
+            final = a == accumulate - 1
+            ctx = opt.accumulating() if not final else _null()
+            with ctx:
+                if activations:
+                    with to.offload_activations(min_bytes=0):
+                        loss = loss_of(m, x, checkpointed)
+                else:
+                    loss = loss_of(m, x, checkpointed)
+                loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def host_values(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "variant", ["plain", "checkpointed", "activations", "accumulate", "prefetch0"]
+)
+def test_streamed_training_is_bitwise_resident_training(variant):
+    ref = gpt()
+    m = copy.deepcopy(ref)
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    ref_opt = to.OffloadedOptimizer(ref.parameters(), torch.optim.AdamW, **kw)
+    budget = 3 * block_bytes(m) + m.tok.weight.numel() * 4
+    handle = to.stream_parameters(
+        m, budget, prefetch_depth=0 if variant == "prefetch0" else 1, unit="blocks"
+    )
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, **kw)
+    run = dict(
+        checkpointed=variant == "checkpointed",
+        activations=variant == "activations",
+        accumulate=2 if variant == "accumulate" else 1,
+    )
+    mine = train(m, opt, **run)
+    theirs = train(ref, ref_opt, **run)
+    assert [float(v) for v in mine] == [float(v) for v in theirs]
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    got, want = host_values(m), host_values(ref)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # Between steps the streamed parameters hold no device bytes.
+    assert all(p.numel() == 0 for p in m.layers.parameters())
+    stats = handle.stats()
+    assert stats.backward_passes == 3 * run["accumulate"]
+    assert stats.peak_loaded_bytes <= budget and stats.over_budget == 0
+    if variant != "prefetch0":
+        assert stats.prefetched > 0
+    # remove() is refused while the optimizer steps the host store, then restores the values.
+    with pytest.raises(RuntimeError, match="OffloadedOptimizer steps these parameters"):
+        handle.remove()
+    opt.remove()
+    ref_opt.remove()
+    handle.remove()
+    for (k, p), (_, q) in zip(m.named_parameters(), ref.named_parameters(), strict=True):
+        assert torch.equal(p, q), k
+    assert m.head.weight is m.tok.weight
+
+
+def test_units_hold_device_bytes_only_around_their_forward_and_backward():
+    m = gpt()
+    seen = []
+
+    def probe(i):
+        def hook(mod, args):
+            loaded = [j for j, b in enumerate(m.layers) if b.fc1.weight.numel() > 0]
+            seen.append((i, torch._C._current_graph_task_id() != -1, loaded))
+
+        return hook
+
+    for i, b in enumerate(m.layers):
+        b.register_forward_pre_hook(probe(i))
+    handle = to.stream_parameters(m, 10 * block_bytes(m), prefetch_depth=0)
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    for s in range(2):
+        m.loss(tokens(s)).backward()
+        opt.step()
+        opt.zero_grad()
+    # The probes run before the engine's own pre-hook: the unit itself is not loaded yet, and
+    # with no prefetch no other block is either.
+    assert [s for s in seen if s[2]] == []
+    assert handle.stats().loads > 0
+    opt.remove()
+    handle.remove()
+
+
+def test_saved_views_read_the_bytes_loaded_again_for_backward():
+    """F.linear saves weight.t(), a view of the weight's storage: backward must read the
+    weight loaded again into the same storage object, not whatever the dropped bytes became."""
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 8)
+    to.stream_parameters(m, 4096, unit=list(m), prefetch_depth=0)
+    assert all(p.numel() == 0 for p in m.parameters())
+    m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_frozen_streamed_base_trains_resident_adapters_with_any_optimizer():
+    def build():
+        torch.manual_seed(1)
+        base = GPT(CFG)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        adapter = nn.Linear(CFG.vocab, CFG.vocab)
+        return base, adapter
+
+    def step_all(base, adapter, opt):
+        out = []
+        for s in range(3):
+            x = tokens(s)
+            logits = adapter(base(x[:, :-1]))
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    base, adapter = build()
+    ref = step_all(base, adapter, torch.optim.AdamW(adapter.parameters(), lr=1e-2))
+    base, adapter = build()
+    handle = to.stream_parameters(base, 2 * block_bytes(base) + base.tok.weight.numel() * 4)
+    got = step_all(base, adapter, torch.optim.AdamW(adapter.parameters(), lr=1e-2))
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert handle.stats().backward_passes == 0  # the base is not in the backward graph
+    handle.remove()
+
+
+def test_no_grad_forward_streams_like_inference():
+    m = gpt()
+    ref = copy.deepcopy(m)
+    handle = to.stream_parameters(m, 2 * block_bytes(m) + m.tok.weight.numel() * 4)
+    with torch.no_grad():
+        for s in range(3):
+            assert torch.equal(m(tokens(s)), ref(tokens(s)))
+    assert handle.stats().prefetched > 0
+    handle.remove()
+
+
+def test_state_dict_returns_host_values_and_load_state_dict_is_refused():
+    m = gpt()
+    want = copy.deepcopy(m.state_dict())
+    handle = to.stream_parameters(m, 10 << 20)
+    sd = m.state_dict()
+    assert sd.keys() == want.keys()
+    assert all(torch.equal(sd[k], want[k]) for k in want)
+    with pytest.raises(RuntimeError, match="load_state_dict on a model under stream_parameters"):
+        m.load_state_dict(want)
+    handle.remove()
+    m.load_state_dict(want)
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    m = gpt()
+    with pytest.raises(ValueError, match="minimum budget"):
+        to.stream_parameters(m, 1000)
+    assert all(p.numel() > 0 for p in m.parameters())
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="build the optimizer after streaming"):
+        to.stream_parameters(m, 10 << 20)
+    opt.remove()
+    handle = to.stream_parameters(m, 10 << 20)
+    with pytest.raises(ValueError, match="already streamed"):
+        to.stream_parameters(m, 10 << 20)
+    with pytest.raises(ValueError, match="step_ahead"):
+        to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1, step_ahead=True, model=m)
+    with pytest.raises(TypeError, match="nn.Module"):
+        to.stream_parameters(object(), 10 << 20)
+    handle.remove()
+    meta = torch.device("meta")
+    with meta:
+        mm = GPT(CFG)
+    with pytest.raises(ValueError, match="meta device"):
+        to.stream_parameters(mm, 10 << 20)
+
+
+def test_unfreezing_after_setup_is_refused():
+    m = gpt()
+    m.layers[1].fc1.weight.requires_grad_(False)
+    handle = to.stream_parameters(m, 10 << 20)
+    m.layers[1].fc1.weight.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="requires_grad"):
+        m.loss(tokens(0))
+    handle.remove()
+
+
+def test_a_backward_that_raised_leaves_nothing_loaded_after_the_next_forward():
+    m = gpt()
+    handle = to.stream_parameters(m, 10 << 20)
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("boom")
+
+    x = tokens(0)
+    logits = m(x[:, :-1])
+    with pytest.raises(RuntimeError, match="boom"):
+        Boom.apply(logits).sum().backward()
+    loss = m.loss(x)
+    loss.backward()
+    assert all(p.numel() == 0 for p in m.layers.parameters())
+    rt = handle._runtime
+    assert rt.loaded_bytes == 0
+    handle.remove()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hugging_face_llama_with_gradient_checkpointing_is_bitwise(reentrant):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+
+    def build():
+        torch.manual_seed(0)
+        m = transformers.LlamaForCausalLM(cfg)
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        m.config.use_cache = False
+        return m.train()
+
+    def run(m, opt):
+        out = []
+        for s in range(3):
+            x = tokens(s)
+            loss = m(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    ref = build()
+    want = run(ref, to.OffloadedOptimizer(ref.parameters(), torch.optim.AdamW, lr=1e-2))
+    m = build()
+    layer = sum(p.numel() * 4 for p in m.model.layers[0].parameters())
+    handle = to.stream_parameters(m, 2 * layer + m.lm_head.weight.numel() * 4)
+    got = run(m, to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (got, want)
+    sd, ref_sd = m.state_dict(), ref.state_dict()
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
+    assert handle.stats().backward_passes == 3
+    assert all(p.numel() == 0 for p in m.model.layers.parameters())
+
+
+def test_a_write_to_the_host_store_makes_a_loaded_copy_stale():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    handle = to.stream_parameters(m, 4096, unit=list(m), prefetch_depth=0)
+    rt = handle._runtime
+    with rt._lock:
+        rt._hold(rt.units[0])  # loaded, as a prefetch leaves it
+    loads = rt.loads
+    hosted = to._hosted.HOSTED[m[0].weight]
+    hosted.before_write()  # what the optimizer's worker calls before writing
+    hosted.host.fill_(1.0)
+    with torch.no_grad():
+        out = m[0](torch.ones(1, 8))
+    assert rt.loads == loads + 1  # the weight's piece again, not the bias's
+    assert torch.equal(out, 8.0 + handle.host_value(m[0].bias).view(1, 8))
+    handle.remove()

@@ -1,0 +1,717 @@
+"""Parameter streaming for training: `stream_parameters`.
+
+Parameters live in a pinned host store; a unit's parameters are copied to the device before its
+forward, dropped after it, copied again before its backward and dropped once its backward is
+done. The cut into units and the host layout are the weight engine's (`_layout.candidates`);
+the settings are its `StreamConfig`. What differs from inference is where the device bytes
+live (Note: [Training parameters keep their storage]) and when they may be dropped (Note:
+[When a unit's backward is done]).
+
+Note: [Training parameters keep their storage]
+Autograd saves what backward needs when forward runs, and for a weight that is often a view of
+it (``F.linear`` saves ``weight.t()``), which holds the weight's storage object, not the
+parameter. Rebinding the parameter to other memory before backward (as inference does with its
+arena) would leave that view on the old bytes. So each host piece (a source storage, stored
+once however many parameters view it) has one device storage object for the whole session:
+loading resizes it to its bytes (allocated by the caching allocator on the compute stream) and
+copies into it; dropping resizes it to 0 bytes. Every view autograd saved shares that storage
+object and reads the bytes loaded again before backward. The parameters themselves are set to
+their full geometry while loaded and to 0 elements otherwise (so stray reads fail with a shape
+error), with their version counters preserved (the bytes are the same values).
+
+Note: [Streams of a training load]
+A load allocates on the compute stream, records an event there, and copies on the copy stream
+after it (protocol rule 3); every use makes the compute stream wait on the copy's "ready"
+event. A drop first makes the compute stream wait on that event too (a prefetch never used
+must not be overwritten by a later allocation on the compute stream while its copy runs), then
+frees: the caching allocator reuses the bytes only for work queued later on the compute
+stream, after every kernel that read them.
+
+Note: [When a unit's backward is done]
+A unit is loaded again when the gradient of any of its outputs is computed (a multi-grad hook
+registered in forward), which autograd runs before any node of the unit. It is dropped when
+both (a) every trainable parameter of the unit (streamed or not) has had its gradient
+accumulated: every node that reads the unit's weights to compute a parameter's gradient has
+run; and (b) if its inputs required gradients, their gradients are computed (an identity
+autograd function on the inputs, applied in forward): every node that reads the weights to
+compute an input's gradient has run. Whatever is still loaded when the backward pass ends
+(a callback queued on the pass) is dropped then; so is what a backward that raised left behind,
+at the next forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from torchoffload._hosted import HOSTED, MANAGED, Hosted
+from torchoffload._pool import pinned_buffer
+from torchoffload._transfer import compute_device, copy_engine
+from torchoffload._validate import check_int
+from torchoffload.weights import _layout
+from torchoffload.weights._runtime import STREAMED, StreamConfig
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(frozen=True)
+class ParameterStats:
+    """Counters of a `ParameterStreamHandle` since setup. Bytes are exact."""
+
+    units: int
+    streamed_bytes: int  # bytes of the host store (each storage once)
+    budget_bytes: int
+    loads: int  # pieces copied to the device
+    prefetched: int  # of which ahead of their use
+    on_demand: int  # of which at their use (a prefetch missed or not possible)
+    h2d_bytes: int
+    peak_loaded_bytes: int  # high-water mark of parameter bytes on the device
+    over_budget: int  # loads on demand that took the loaded bytes above the budget
+    backward_passes: int
+
+
+class _Piece:
+    __slots__ = ("key", "nbytes", "storage", "host", "leaves", "holders", "ready", "last_copy",
+                 "stale")  # fmt: skip
+
+    def __init__(self, key: Any, nbytes: int, storage: torch.UntypedStorage, host: torch.Tensor):
+        self.key = key
+        self.nbytes = nbytes
+        self.storage = storage  # Note: [Training parameters keep their storage]
+        self.host = host  # uint8 view of the host store
+        self.leaves: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = []
+        self.holders: set[int] = set()  # units using it or prefetched into it
+        self.ready: Any = None  # event after its last copy (None: not loaded, or on the CPU)
+        self.last_copy: Any = None  # the same event, kept after a drop (Hosted.before_write)
+        self.stale = False  # the host bytes changed since the load
+
+    @property
+    def loaded(self) -> bool:
+        return self.storage.nbytes() > 0
+
+
+class _Unit:
+    __slots__ = ("index", "name", "module", "pieces", "nbytes", "trainable", "pending",
+                 "inputs_pending", "backward", "grad_flags")  # fmt: skip
+
+    def __init__(self, index: int, name: str, module: nn.Module, pieces: list[_Piece]):
+        self.index = index
+        self.name = name
+        self.module = module
+        self.pieces = pieces
+        self.nbytes = sum(p.nbytes for p in pieces)
+        # Every parameter of the unit that needs a gradient (Note: [When a unit's backward is
+        # done]), and the requires_grad flags of all of them as setup found them.
+        params = list(dict.fromkeys(module.parameters()))
+        self.trainable = [p for p in params if p.requires_grad]
+        self.grad_flags = [(p, p.requires_grad) for p in params]
+        self.pending = 0
+        self.inputs_pending = False
+        self.backward = False  # loaded for the current backward pass
+
+
+class ParameterRuntime:
+    """One model's streamed training parameters, driven by the module hooks of
+    `stream_parameters`."""
+
+    def __init__(self, layout: _layout.Layout, config: StreamConfig):
+        self.config = config
+        self.device = config.device
+        self.layout = layout
+        self.engine = copy_engine(config.device, use_streams=config.use_streams)
+        self._lock = threading.RLock()
+        pin = config.pin_memory and config.device.type != "cpu" and torch.cuda.is_available()
+        self.host = pinned_buffer(layout.host_bytes, pin=pin)
+        # - Host store and one device storage per piece
+        self.pieces: dict[Any, _Piece] = {}
+        by_key: dict[Any, list[_layout.Leaf]] = {}
+        for leaf in layout.leaves:
+            by_key.setdefault(leaf.key, []).append(leaf)
+        for key, (lo, hi, off) in layout.pieces.items():
+            src = by_key[key][0].source
+            raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
+            host = self.host[off : off + hi - lo]
+            host.copy_(raw[lo:hi])
+            storage = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
+            piece = _Piece(key, hi - lo, storage, host)
+            for leaf in by_key[key]:
+                piece.leaves.append((leaf.source, (leaf.start - lo) // leaf.source.element_size(),
+                                     leaf.size, leaf.stride))  # fmt: skip
+            self.pieces[key] = piece
+        # - The parameters now hold the (empty) device storages; the originals are released
+        for piece in self.pieces.values():
+            _bind(piece, full=False)
+        self.hosted: list[tuple[torch.Tensor, Hosted]] = []
+        for key, piece in self.pieces.items():
+            lo, _, off = layout.pieces[key]
+            for leaf in by_key[key]:
+                v = torch.empty(0, dtype=leaf.dtype)
+                v.set_(self.host.untyped_storage(), (off + leaf.start - lo) // v.element_size(),
+                       leaf.size, leaf.stride)  # fmt: skip
+                hosted = Hosted(v, _before_write(self, piece))
+                HOSTED[leaf.source] = hosted
+                self.hosted.append((leaf.source, hosted))
+            for t, _, _, _ in piece.leaves:
+                STREAMED[t] = self
+        self.units = [
+            _Unit(i, u.name, u.module, list({self.pieces[leaf.key]: None for leaf, _ in u.binds}))
+            for i, u in enumerate(layout.units)
+        ]
+        self._units_of: dict[int, list[_Unit]] = {}
+        for unit in self.units:
+            for p in unit.trainable:
+                self._units_of.setdefault(id(p), []).append(unit)
+        # - Schedule (the forward order of units, recorded) and pass state
+        self.order: list[int] | None = None
+        self._position: dict[int, int] = {}
+        self._recording: list[int] = []
+        self._backward_pass: int | None = None
+        self.loaded_bytes = 0
+        self.removed = False
+        # - Counters
+        self.loads = self.prefetched = self.on_demand = self.over_budget = 0
+        self.h2d_bytes = self.peak_loaded_bytes = self.backward_passes = 0
+
+    # -- loading and dropping (Note: [Streams of a training load]) ----------------------------
+
+    def _load(self, piece: _Piece, ahead: bool) -> None:
+        if piece.loaded and not piece.stale:
+            return
+        if not piece.loaded:
+            piece.storage.resize_(piece.nbytes)  # on the compute stream
+            self.loaded_bytes += piece.nbytes
+            if not ahead and self.loaded_bytes > self.config.budget_bytes:
+                self.over_budget += 1
+            self.peak_loaded_bytes = max(self.peak_loaded_bytes, self.loaded_bytes)
+        piece.stale = False
+        dst = torch.empty(0, dtype=torch.uint8, device=self.device).set_(piece.storage)
+        piece.ready = piece.last_copy = self.engine.load(
+            [(dst, piece.host)], after=[self.engine.record()]
+        )
+        self.loads += 1
+        self.h2d_bytes += piece.nbytes
+        if ahead:
+            self.prefetched += 1
+        else:
+            self.on_demand += 1
+        _bind(piece, full=True)
+
+    def _drop(self, piece: _Piece) -> None:
+        if not piece.loaded:
+            return
+        self.engine.wait(piece.ready)
+        piece.ready = None
+        _bind(piece, full=False)
+        piece.storage.resize_(0)
+        self.loaded_bytes -= piece.nbytes
+
+    def _hold(self, unit: _Unit) -> None:
+        """Load ``unit`` (or find it loaded) and make the compute stream wait for it."""
+        for piece in unit.pieces:
+            self._load(piece, ahead=False)
+            piece.holders.add(unit.index)
+        for piece in unit.pieces:
+            self.engine.wait(piece.ready)
+
+    def _release(self, unit: _Unit) -> None:
+        unit.backward = False
+        for piece in unit.pieces:
+            piece.holders.discard(unit.index)
+            if not piece.holders:
+                self._drop(piece)
+
+    def _prefetch(self, index: int, step: int) -> None:
+        order = self.order
+        if order is None or index not in self._position or not self.config.prefetch_depth:
+            return
+        pos = self._position[index]
+        for k in range(1, self.config.prefetch_depth + 1):
+            j = pos + step * k
+            if not 0 <= j < len(order):
+                return
+            unit = self.units[order[j]]
+            need = sum(p.nbytes for p in unit.pieces if not p.loaded)
+            if self.loaded_bytes + need > self.config.budget_bytes:
+                return
+            for piece in unit.pieces:
+                self._load(piece, ahead=True)
+                piece.holders.add(unit.index)
+
+    def before_write(self, piece: _Piece) -> None:
+        """Hosted.before_write: the host bytes of ``piece`` are about to change."""
+        with self._lock:
+            piece.stale = piece.loaded  # a device copy made before the write is old
+            event = piece.last_copy
+        if event is not None:
+            event.synchronize()  # on the optimizer's worker, not the training thread
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def pre_forward(self, index: int, args: tuple, kwargs: dict) -> Any:
+        unit = self.units[index]
+        with self._lock:
+            self._check_live()
+            if _in_backward():  # a checkpointed unit computed again: it stays for its backward
+                self._hold(unit)
+                unit.backward = True
+                return None
+            self._check_flags(unit)
+            if self._backward_pass is not None:  # a backward ended without its callback
+                self._end_backward()
+            self._record(index)
+            self._hold(unit)
+            self._prefetch(index, +1)
+        unit.inputs_pending = False
+        if not torch.is_grad_enabled():
+            return None
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        where = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not where:
+            return None
+        outs = _AfterBackward.apply(self, index, *(flat[k] for k in where))
+        for k, out in zip(where, outs, strict=True):
+            flat[k] = out
+        unit.inputs_pending = True
+        return pytree.tree_unflatten(flat, spec)
+
+    def post_forward(self, index: int, output: Any) -> None:
+        unit = self.units[index]
+        if _in_backward():
+            return  # recomputation: dropped after the unit's backward
+        if torch.is_grad_enabled():
+            outs = [
+                t
+                for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if outs:
+                ref = weakref.ref(self)
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda _grads, i=index: _call(ref, "pre_backward", i), mode="any"
+                )
+        with self._lock:
+            if not self.removed:
+                self._release(unit)
+
+    def _record(self, index: int) -> None:
+        rec = self._recording
+        if index in rec:  # a unit seen again: a new forward without a backward in between
+            self._adopt()
+            rec = self._recording = []
+        rec.append(index)
+
+    def _adopt(self) -> None:
+        if self._recording and self.order != self._recording:
+            self.order = list(self._recording)
+            self._position = {u: k for k, u in enumerate(self.order)}
+
+    def _check_flags(self, unit: _Unit) -> None:
+        for p, flag in unit.grad_flags:
+            if p.requires_grad != flag:
+                raise RuntimeError(
+                    f"a parameter of {unit.name!r} had requires_grad={flag} when "
+                    f"stream_parameters set up and has {p.requires_grad} now: remove() the "
+                    "handle, freeze or unfreeze, then stream again (the unit's weights are "
+                    "dropped after backward by counting its trainable parameters' gradients)"
+                )
+
+    # -- backward (Note: [When a unit's backward is done]) ----------------------------------
+
+    def pre_backward(self, index: int) -> None:
+        with self._lock:
+            if self.removed:
+                return
+            pass_id = torch._C._current_graph_task_id()
+            if self._backward_pass is None:
+                self._backward_pass = pass_id
+                self.backward_passes += 1
+                self._adopt()
+                self._recording = []
+                for unit in self.units:
+                    unit.pending = len(unit.trainable)
+                ref = weakref.ref(self)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: _call(ref, "end_backward_callback")
+                )
+            unit = self.units[index]
+            unit.backward = True
+            self._hold(unit)
+            self._prefetch(index, -1)
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        with self._lock:
+            if self.removed or self._backward_pass is None:
+                return
+            for unit in self._units_of.get(id(param), ()):
+                unit.pending -= 1
+                self._maybe_release(unit)
+
+    def inputs_done(self, index: int) -> None:
+        with self._lock:
+            unit = self.units[index]
+            unit.inputs_pending = False
+            if not self.removed and self._backward_pass is not None:
+                self._maybe_release(unit)
+
+    def _maybe_release(self, unit: _Unit) -> None:
+        if unit.backward and unit.pending <= 0 and not unit.inputs_pending:
+            self._release(unit)
+
+    def end_backward_callback(self) -> None:
+        with self._lock:
+            if not self.removed:
+                self._end_backward()
+
+    def _end_backward(self) -> None:
+        self._backward_pass = None
+        for unit in self.units:
+            unit.backward = False
+            unit.inputs_pending = False
+        for piece in self.pieces.values():
+            piece.holders.clear()
+            self._drop(piece)
+
+    # -- the real values ----------------------------------------------------------------------
+
+    def host_value(self, t: torch.Tensor) -> torch.Tensor:
+        return HOSTED[t].host
+
+    def restore(self) -> None:
+        """Put every parameter back on the device with its current values; free the host
+        store. Idempotent."""
+        with self._lock:
+            if self.removed:
+                return
+            if any(h.users for _, h in self.hosted):
+                raise RuntimeError(
+                    "an OffloadedOptimizer steps these parameters in the host store: remove() "
+                    "it (or delete it) first"
+                )
+            if self._backward_pass is not None:
+                self._end_backward()
+            for piece in self.pieces.values():
+                piece.holders.clear()
+                self._load(piece, ahead=False)
+                self.engine.wait(piece.ready)
+            for t, _ in self.hosted:
+                HOSTED.pop(t, None)
+                STREAMED.pop(t, None)
+            self.removed = True
+            self.pieces = {}
+            self.host = None  # type: ignore[assignment]
+
+    def _check_live(self) -> None:
+        if self.removed:
+            raise RuntimeError("this ParameterStreamHandle was removed")
+
+
+def _bind(piece: _Piece, full: bool) -> None:
+    """Point the piece's parameters at its device storage: their full geometry, or 0 elements.
+
+    Note: [Binding through .data] ``param.data = view`` shares the view's storage object and
+    keeps the parameter's version counter and its gradient accumulator (same dtype and
+    device). ``set_`` would make a new accumulator at every load, so a parameter used in two
+    units (tied weights) or by a unit called twice would have its gradient accumulated, and
+    its post-accumulate-grad hooks run, once per load: an optimizer would step a partial
+    gradient."""
+    for t, offset, size, stride in piece.leaves:
+        v = torch.empty(0, dtype=t.dtype, device=piece.storage.device)
+        if full:
+            v.set_(piece.storage, offset, size, stride)
+        else:
+            v.set_(piece.storage, 0, (0,), (1,))
+        t.data = v
+
+
+def _before_write(runtime: ParameterRuntime, piece: _Piece) -> Any:
+    ref = weakref.ref(runtime)
+
+    def before_write() -> None:
+        rt = ref()
+        if rt is not None:
+            rt.before_write(piece)
+
+    return before_write
+
+
+def _call(ref: weakref.ref, name: str, *args: Any) -> None:
+    rt = ref()
+    if rt is not None:
+        getattr(rt, name)(*args)
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward tells the runtime that their gradients are
+    computed (Note: [When a unit's backward is done])."""
+
+    @staticmethod
+    def forward(ctx, runtime, index, *inputs):  # type: ignore[override]
+        ctx.runtime = weakref.ref(runtime)
+        ctx.index = index
+        return inputs  # returned as they are: autograd makes them outputs of this node
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        _call(ctx.runtime, "inputs_done", ctx.index)
+        return (None, None, *grads)
+
+
+# -- the public face ---------------------------------------------------------------------------
+
+
+class ParameterStreamHandle:
+    """What `stream_parameters` returns: stats, the units, `remove()`. Also a context manager
+    (leaving the ``with`` block calls `remove()`)."""
+
+    def __init__(self, runtime: ParameterRuntime, hooks: Sequence[RemovableHandle]):
+        if not isinstance(runtime, ParameterRuntime):
+            raise TypeError("use torchoffload.stream_parameters(model, ...) to create a handle")
+        self._runtime = runtime
+        self._hooks = list(hooks)
+
+    @property
+    def units(self) -> list[str]:
+        return [u.name for u in self._runtime.units]
+
+    @property
+    def removed(self) -> bool:
+        return self._runtime.removed
+
+    def host_value(self, param: torch.Tensor) -> torch.Tensor:
+        """The host store's view of a streamed parameter (its current values; read-only by
+        contract: write through ``model.load_state_dict`` after `remove()`)."""
+        if param not in HOSTED or STREAMED.get(param) is not self._runtime:
+            raise ValueError("not a parameter streamed by this handle")
+        return self._runtime.host_value(param)
+
+    def stats(self) -> ParameterStats:
+        rt = self._runtime
+        with rt._lock:
+            return ParameterStats(
+                units=len(rt.units),
+                streamed_bytes=rt.layout.host_bytes,
+                budget_bytes=rt.config.budget_bytes,
+                loads=rt.loads,
+                prefetched=rt.prefetched,
+                on_demand=rt.on_demand,
+                h2d_bytes=rt.h2d_bytes,
+                peak_loaded_bytes=rt.peak_loaded_bytes,
+                over_budget=rt.over_budget,
+                backward_passes=rt.backward_passes,
+            )
+
+    def remove(self) -> None:
+        """Put every parameter back on the device with its current values (the host store's)
+        and remove the hooks. Idempotent."""
+        self._runtime.restore()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def __enter__(self) -> ParameterStreamHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        rt = self._runtime
+        return (
+            f"ParameterStreamHandle({len(rt.units)} units, "
+            f"{rt.layout.host_bytes / 2**20:.1f} MiB on the host, budget "
+            f"{rt.config.budget_bytes / 2**20:.1f} MiB{', removed' if rt.removed else ''})"
+        )
+
+
+def stream_parameters(
+    model: nn.Module,
+    budget_bytes: int,
+    *,
+    device: torch.device | str | None = None,
+    prefetch_depth: int = 1,
+    unit: str | Sequence[nn.Module] | None = "blocks",
+    resident: Sequence[str] = (),
+    pin_memory: bool = True,
+    use_streams: bool = True,
+) -> ParameterStreamHandle:
+    """Train ``model`` with its parameters in pinned host memory, each unit's parameters copied
+    to ``device`` for its forward and again for its backward, at most ``budget_bytes`` of them
+    there at once (prefetch stays within it; a load that cannot wait is counted in
+    ``stats().over_budget``).
+
+    ```python
+    handle = torchoffload.stream_parameters(model, budget_bytes=4 << 30)
+    opt = torchoffload.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5)
+    loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
+    ```
+
+    Trainable streamed parameters are stepped by an `OffloadedOptimizer` built after this
+    call, which steps them in the host store (Note: [Hosted parameters]); another optimizer
+    would write to empty device tensors and fails. Frozen streamed parameters (a base model
+    under adapters) work with any optimizer of the other parameters.
+
+    ``unit``: ``"blocks"`` (the model's repeated blocks, the default), ``"leaves"`` or a list
+    of modules; parameters outside every unit, buffers and those matching ``resident``
+    (patterns over dotted names) stay on the device. ``prefetch_depth``: units loaded ahead, in
+    the recorded forward order and in reverse in backward. Parameters may be on the CPU or on
+    ``device``; their device and host copies are replaced by the host store.
+    `model.state_dict()` returns the host values; `model.load_state_dict` is refused while
+    streaming (load before, or after `remove()`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(resident, str):
+        resident = (resident,)
+    resident = tuple(resident)
+    dev = compute_device(device)
+    check_int("budget_bytes", budget_bytes, minimum=1)
+    config = StreamConfig(
+        device=dev,
+        budget_bytes=budget_bytes,
+        prefetch_depth=prefetch_depth,
+        use_streams=use_streams,
+        pin_memory=pin_memory,
+    )
+    for name, t in model.named_parameters(remove_duplicate=False):
+        if t in HOSTED or t in STREAMED:
+            raise ValueError(f"{name!r} is already streamed: remove() that handle first")
+    buffers = tuple(n for n, _ in model.named_buffers(remove_duplicate=False))
+    layout = _pick(model, resident + buffers, unit)
+    for slot in layout.streamed:
+        t = slot.tensor
+        if not isinstance(t, nn.Parameter) or len(slot.leaves) != 1 or type(t) is not nn.Parameter:
+            raise ValueError(
+                f"stream_parameters streams plain nn.Parameters; {slot.name!r} is a "
+                f"{type(t).__qualname__}: keep it with resident=({slot.name!r},)"
+            )
+        if t.is_meta:
+            raise ValueError(f"{slot.name!r} is on the meta device: materialize the model first")
+        if t.device.type not in ("cpu", dev.type) or (
+            t.device.type == dev.type and t.device != dev
+        ):
+            raise ValueError(f"{slot.name!r} is on {t.device}; expected the CPU or {dev}")
+        if t in HOSTED or t in STREAMED:
+            raise ValueError(f"{slot.name!r} is already streamed: remove() that handle first")
+        if not t.is_leaf:
+            raise ValueError(f"{slot.name!r} is not a leaf tensor")
+        if t in MANAGED:
+            raise ValueError(
+                f"{slot.name!r} is stepped by an OffloadedOptimizer built before "
+                "stream_parameters: build the optimizer after streaming (it then steps the host "
+                "store)"
+            )
+    sizes = [_unit_bytes(layout, u) for u in layout.units]
+    largest = max(sizes)
+    if budget_bytes < largest:
+        biggest = layout.units[sizes.index(largest)]
+        raise ValueError(
+            f"budget_bytes={budget_bytes} is below the largest unit, {biggest.name!r} "
+            f"({largest} bytes, {largest / 2**20:.1f} MiB): the minimum budget. Its backward "
+            "may hold two units at once; prefetching needs more"
+        )
+    for t in (s.tensor for s in layout.resident):
+        if t.device != dev and not t.is_meta:
+            with torch.no_grad():
+                t.data = t.data.to(dev)
+    runtime = ParameterRuntime(layout, config)
+    hooks: list[RemovableHandle] = []
+    ref = weakref.ref(runtime)
+    for i, unit_state in enumerate(runtime.units):
+        m = unit_state.module
+        hooks.append(m.register_forward_pre_hook(_PreForward(ref, i), with_kwargs=True))
+        hooks.append(m.register_forward_hook(_PostForward(ref, i)))
+    params = {id(p): p for u in runtime.units for p in u.trainable}
+    for p in params.values():
+        hooks.append(p.register_post_accumulate_grad_hook(_Accumulated(ref)))
+    hooks.append(model.register_state_dict_post_hook(_StateDict(ref, layout)))
+    hooks.append(model.register_load_state_dict_pre_hook(_refuse_load(ref, layout)))
+    return ParameterStreamHandle(runtime, hooks)
+
+
+def _unit_bytes(layout: _layout.Layout, unit: _layout.UnitLayout) -> int:
+    """Device bytes of a unit: the whole host piece of every storage it uses."""
+    keys = {leaf.key for leaf, _ in unit.binds}
+    return sum(layout.pieces[k][1] - layout.pieces[k][0] for k in keys)
+
+
+def _pick(model: nn.Module, resident: tuple[str, ...], unit: Any) -> _layout.Layout:
+    try:
+        options = _layout.candidates(model, resident, unit)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("stream_weights", "stream_parameters")) from None
+    return options[0]
+
+
+class _PreForward:
+    def __init__(self, ref: weakref.ref, i: int):
+        self.ref, self.i = ref, i
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        rt = self.ref()
+        return None if rt is None else rt.pre_forward(self.i, args, kwargs)
+
+
+class _PostForward:
+    def __init__(self, ref: weakref.ref, i: int):
+        self.ref, self.i = ref, i
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        rt = self.ref()
+        if rt is not None:
+            rt.post_forward(self.i, output)
+
+
+class _Accumulated:
+    def __init__(self, ref: weakref.ref):
+        self.ref = ref
+
+    def __call__(self, param: torch.Tensor) -> None:
+        rt = self.ref()
+        if rt is not None:
+            rt.accumulated(param)
+
+
+class _StateDict:
+    def __init__(self, ref: weakref.ref, layout: _layout.Layout):
+        self.ref = ref
+        self.names = [(s.tensor, [q for _, _, q in s.where]) for s in layout.streamed]
+
+    def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any):
+        rt = self.ref()
+        if rt is None or rt.removed:
+            return
+        copies: dict[int, torch.Tensor] = {}
+        for t, names in self.names:
+            for q in names:
+                key = prefix + q
+                if key in state_dict:
+                    if id(t) not in copies:
+                        copies[id(t)] = rt.host_value(t).clone()
+                    state_dict[key] = copies[id(t)]
+
+
+def _refuse_load(ref: weakref.ref, layout: _layout.Layout) -> Any:
+    names = {q for s in layout.streamed for _, _, q in s.where}
+
+    def hook(module, state_dict, prefix, *args: Any) -> None:
+        rt = ref()
+        if rt is None or rt.removed:
+            return
+        if any(prefix + q in state_dict for q in names):
+            raise RuntimeError(
+                "load_state_dict on a model under stream_parameters: its streamed parameters "
+                "live in the host store and an OffloadedOptimizer's fp32 masters follow them; "
+                "load before stream_parameters, or remove() the optimizer and the handle first"
+            )
+
+    return hook
