@@ -320,6 +320,11 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
         "--host-budget", type=parse_bytes, default=None,
         help="host memory the plan may use (default: this host's physical memory)",
     )  # fmt: skip
+    p.add_argument(
+        "--parameters", choices=["auto", "device", "host"], default="auto",
+        help="where parameters live: auto (on the host only when nothing else fits), device, "
+        "or host (streamed per layer, with the optimizer state on the host)",
+    )  # fmt: skip
     p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
     p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
     p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
@@ -368,7 +373,8 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
                                  prefetch_layers=args.prefetch_layers,
                                  defer_layers=args.defer_layers,
                                  optimizer_state=args.optimizer_state,
-                                 host_budget_bytes=args.host_budget)  # fmt: skip
+                                 host_budget_bytes=args.host_budget,
+                                 parameters=args.parameters)  # fmt: skip
     except InfeasibleBudgetError as e:
         print(f"torchoffload plan: {e}", file=sys.stderr)
         return 1

@@ -37,6 +37,16 @@ in flight. The host steps the buckets while backward runs (fused fp32 AdamW at
 ``host_memory_gbps``); gradients go down and parameters up over the link. The step then takes
 forward + max(backward, host step, link) plus one bucket's upload: what `step()` does today,
 which does not overlap the host step with the next forward.
+
+Note: [Parameters on the host]
+With the parameters streamed from the host too (`stream_parameters`, which needs the optimizer
+on the host), the device holds, instead of every parameter, a working set: the parameters
+outside the layers (the embedding and a tied head are held through backward) plus 2 +
+``prefetch`` layers' parameters (the layer computing, the one whose backward may still hold
+them, and the prefetch); that is also the budget the plan gives `stream_parameters`. Every
+parameter goes up once for forward and once for backward: each pass takes at least its
+parameters' bytes over the link, on the H2D direction, beside the gradients going down. The
+host writes the new values into its store, so the step has no upload tail.
 """
 
 from __future__ import annotations
@@ -100,9 +110,12 @@ class CostModel:
         defer: int,
         prefetch: int,
         host_optimizer: bool = False,
+        host_params: bool = False,
     ):
         self.p, self.hw, self.defer, self.prefetch = profile, hw, defer, prefetch
         self.host_optimizer = host_optimizer
+        self.host_params = host_params
+        self.param_working_bytes = param_working_bytes(profile)
         n = len(profile.layers)
         self.n = n
         marks = profile.step_marks
@@ -116,6 +129,10 @@ class CostModel:
             timeline = profile.timeline[: self.bwd_end + 1]
             steady = [v + profile.optimizer_bytes + extra for v in timeline]
             self.opt_peak = max(profile.timeline[self.bwd_end :]) + extra if profile.timeline else 0
+        if host_params:  # Note: [Parameters on the host]
+            away = max(profile.param_bytes - self.param_working_bytes, 0)
+            steady = [v - away for v in steady]
+            self.opt_peak -= away
         self.steady = steady
         last = len(steady)
         # per layer and decision: (from, to, bytes) the decision removes between two markers
@@ -190,6 +207,9 @@ class CostModel:
         self.t_tail = min(nbytes, BUCKET_BYTES) / self.bw
         if host_optimizer:
             self.t_opt = 0.0
+        self.t_params = profile.param_bytes / self.bw if host_params else 0.0
+        if host_params:
+            self.t_tail = 0.0
 
     def exposed_optimizer(self, backward: float) -> float:
         """The optimizer's time not hidden by a backward of ``backward`` seconds."""
@@ -259,7 +279,8 @@ class CostModel:
             host += self.host_b[i] + hook[i] + (self.host_r[i] if rec[i] else 0.0)
             work = self.gpu_b[i] + (self.gpu_r[i] if rec[i] else 0.0)
             end_of[i] = max(max(end_of[i + 1], ready) + work, host)
-        backward = end_of[0] - forward
+        backward = max(end_of[0] - forward, self.t_params)
+        forward = max(forward, self.t_params)
         return forward, backward, self.exposed_optimizer(backward)
 
     def stream(
@@ -303,7 +324,7 @@ class CostModel:
             window = behind if k <= fwd_end else ahead  # at most what is away
             timeline.append(v + run + min(window, -run))
         peak = max([self.opt_peak, *timeline])
-        f, b = max(fwd, copies), max(bwd, copies)
+        f, b = max(fwd, copies, self.t_params), max(bwd, copies, self.t_params)
         o = self.exposed_optimizer(b)
         return Prediction(peak, f + b + o, f, b, o, moved), timeline
 
@@ -329,6 +350,15 @@ def _without_gradients(profile: Profile, extra: int) -> list[int]:
         # a gradient finished at event k left after it; keep two buckets as in flight
         out.append(v + extra - max(gone - 2 * BUCKET_BYTES, 0))
     return out
+
+
+def param_working_bytes(profile: Profile, prefetch: int = 1) -> int:
+    """Device bytes of streamed parameters (Note: [Parameters on the host]): those outside the
+    layers plus 2 + ``prefetch`` of the largest layer's."""
+    in_layers = sum(x.param_bytes for x in profile.layers)
+    largest = max((x.param_bytes for x in profile.layers), default=0)
+    outside = max(profile.param_bytes - in_layers, 0)
+    return min(profile.param_bytes, outside + (2 + prefetch) * largest)
 
 
 def host_optimizer_bytes(profile: Profile) -> int:

@@ -26,6 +26,7 @@ from torchoffload.planner._cost import (
     Decision,
     Prediction,
     host_optimizer_bytes,
+    param_working_bytes,
 )
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._search import InfeasibleBudgetError, choose_decisions, least_peak
@@ -74,8 +75,12 @@ class Plan:
     optimizer_state: OptimizerState = OptimizerState.DEVICE
     host_bytes: int = 0  # host memory the plan needs (optimizer copies, offloaded activations)
     host_budget_bytes: int | None = None
+    parameters: str = "device"  # "host": streamed from pinned host memory (stream_parameters)
+    parameter_budget_bytes: int = 0  # the device budget of the streamed parameters
 
     def __post_init__(self) -> None:
+        if self.parameters not in ("device", "host"):
+            raise ValueError(f"parameters must be 'device' or 'host', got {self.parameters!r}")
         try:
             decisions = tuple(Decision(d) for d in self.decisions)
         except ValueError:
@@ -142,6 +147,16 @@ class Plan:
         handle.recompute(sorted(self.recompute_layers))
         return handle
 
+    def stream_parameters(self, model: nn.Module, **kwargs: Any) -> Any:
+        """Stream ``model``'s parameters as the plan places them (`stream_parameters` with the
+        plan's parameter budget); None when the plan keeps them on the device. Call it before
+        `optimizer`."""
+        if self.parameters != "host":
+            return None
+        from torchoffload.weights import stream_parameters
+
+        return stream_parameters(model, self.parameter_budget_bytes, **kwargs)
+
     def optimizer(
         self, params: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
     ) -> torch.optim.Optimizer:
@@ -174,7 +189,17 @@ class Plan:
                 f"{layer.bwd_flops / 1e9:>10.1f}  {decision}"
             )
         b, q = self.baseline, self.predicted
-        if self.optimizer_state == OptimizerState.HOST:
+        if self.parameters == "host":
+            where = (
+                f"where state lives: parameters in pinned host memory, streamed per layer for "
+                f"forward and again for backward (stream_parameters, device budget "
+                f"{self.parameter_budget_bytes / gib:.2f} {unit} of {p.param_bytes / gib:.2f}); "
+                f"gradients and optimizer state on the host (OffloadedOptimizer: gradients leave "
+                f"the device as backward finishes them; fp32 masters, gradients and state "
+                f"{host_optimizer_bytes(p) / 2**30:.2f} GiB of host memory, the parameters' host "
+                f"store {p.param_bytes / 2**30:.2f} GiB)"
+            )
+        elif self.optimizer_state == OptimizerState.HOST:
             where = (
                 f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
                 f"gradients and optimizer state on the host (OffloadedOptimizer: gradients leave "
@@ -300,35 +325,64 @@ def plan_from_profile(
     defer_layers: int = 1,
     optimizer_state: str = "auto",
     host_budget_bytes: int | None = None,
+    parameters: str = "auto",
 ) -> Plan:
     """Choose decisions for a traced (or synthetic) profile: per layer, keep, offload or
-    recompute; and where the optimizer state lives (``optimizer_state``: "device", "host" or
-    "auto", the faster that fits). ``host_budget_bytes``: host memory the plan may use (the
-    optimizer's host copies and the offloaded activations; default: this host's physical
-    memory). Raises `InfeasibleBudgetError`, naming the least peak and what it is made of,
-    when nothing fits."""
+    recompute; where the optimizer state lives (``optimizer_state``: "device", "host" or
+    "auto", the faster that fits); and where the parameters live (``parameters``: "device",
+    "host", streamed with `stream_parameters`, which needs the optimizer state on the host,
+    or "auto": on the host only when nothing fits otherwise). ``host_budget_bytes``: host
+    memory the plan may use (the optimizer's host copies, the parameters' host store and the
+    offloaded activations; default: this host's physical memory). Raises
+    `InfeasibleBudgetError`, naming the least peak and what it is made of, when nothing fits."""
     hw = hardware or Hardware()
     where = OptimizerState.parse(optimizer_state)
+    _check_parameters(parameters, where)
     if host_budget_bytes is None:
         host_budget_bytes = physical_memory()
     else:
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
+    # (optimizer state on the host, parameters on the host)
     placements = {
-        OptimizerState.AUTO: (False, True), OptimizerState.DEVICE: (False,),
-        OptimizerState.HOST: (True,),
+        OptimizerState.AUTO: [(False, False), (True, False)],
+        OptimizerState.DEVICE: [(False, False)],
+        OptimizerState.HOST: [(True, False)],
     }[where]  # fmt: skip
     if not profile.trainable_numel or not profile.optimizer_bytes:
-        placements = (False,)  # no optimizer state counted: nothing to place
+        placements = [(False, False)]  # no optimizer state counted: nothing to place
+    # Trainable streamed parameters are stepped in the host store by an OffloadedOptimizer:
+    # they go to the host with the optimizer state (or when none is trainable).
+    stepped = bool(profile.trainable_numel and profile.optimizer_bytes)
+    streamable = stepped or not profile.trainable_numel
+    if parameters == "host":
+        if not streamable:
+            raise ValueError(
+                "parameters='host': the profile's parameters are trainable without optimizer "
+                "state to place (optimizer 'none'); streamed trainable parameters are stepped "
+                "by an OffloadedOptimizer"
+            )
+        placements = [(stepped, True)]
+    elif parameters == "auto" and where != OptimizerState.DEVICE and streamable:
+        placements.append((stepped, True))
     tried = []
-    for host in placements:
-        model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host)
+    for host, params in placements:
+        model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host,
+                          host_params=params)  # fmt: skip
         decisions, pred, baseline, floor = _choose(profile, model, budget_bytes)
-        host_need = (host_optimizer_bytes(profile) if host else 0) + pred.offloaded_bytes
-        tried.append((host, decisions, pred, baseline, floor, host_need))
+        host_need = (
+            (host_optimizer_bytes(profile) if host else 0)
+            + (profile.param_bytes if params else 0)
+            + pred.offloaded_bytes
+        )
+        tried.append(((host, params), decisions, pred, baseline, floor, host_need))
     fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
     if not fits:
         raise InfeasibleBudgetError(_refusal(profile, hw, budget_bytes, host_budget_bytes, tried))
-    host, decisions, pred, baseline, _, host_need = min(fits, key=lambda t: (t[2].step_s, t[0]))
+    if parameters == "auto":  # streaming parameters only when nothing else fits
+        fits = [t for t in fits if not t[0][1]] or fits
+    (host, params), decisions, pred, baseline, _, host_need = min(
+        fits, key=lambda t: (t[2].step_s, t[0])
+    )
     for i, d in enumerate(decisions):
         _log.debug("layer %d: %s", i, d)
     return Plan(
@@ -343,15 +397,39 @@ def plan_from_profile(
         optimizer_state=OptimizerState.HOST if host else OptimizerState.DEVICE,
         host_bytes=host_need,
         host_budget_bytes=host_budget_bytes,
+        parameters="host" if params else "device",
+        parameter_budget_bytes=param_working_bytes(profile) if params else 0,
     )
+
+
+def _check_parameters(parameters: object, where: OptimizerState) -> None:
+    if parameters not in ("auto", "device", "host"):
+        raise ValueError(f"parameters must be 'auto', 'device' or 'host', got {parameters!r}")
+    if parameters == "host" and where == OptimizerState.DEVICE:
+        raise ValueError(
+            "parameters='host' needs optimizer_state 'host' or 'auto': streamed trainable "
+            "parameters are stepped in the host store by an OffloadedOptimizer"
+        )
 
 
 def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
     g = _human
     p = profile
     parts = []
-    for host, decisions, _, _, floor, host_need in tried:
-        if host:
+    for (host, params), decisions, _, _, floor, host_need in tried:
+        if params:
+            what = (
+                f"with the parameters streamed from the host (and the optimizer state there) "
+                f"it needs at least {g(floor)} on the device, and {g(host_need)} of host "
+                f"memory: the parameters' store {g(p.param_bytes)}"
+                + (
+                    f" and {g(host_optimizer_bytes(p))} for the fp32 master weights, gradients "
+                    "and state"
+                    if host
+                    else ""
+                )
+            )
+        elif host:
             what = (
                 f"with the optimizer state on the host (gradients leave the device as backward "
                 f"finishes them) it needs at least {g(floor)} on the device, where the "
@@ -370,10 +448,15 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
         parts.append(what)
     budget = "no device budget" if budget_bytes is None else f"budget {g(budget_bytes)}"
     tail = ""
-    if budget_bytes is not None and p.param_bytes + hw.workspace_bytes > budget_bytes:
+    streamed = any(params for (_, params), *_ in tried)
+    if (
+        not streamed
+        and budget_bytes is not None
+        and p.param_bytes + hw.workspace_bytes > budget_bytes
+    ):
         tail = (
-            " The parameters alone do not fit: that needs parameters streamed from the host "
-            "for training, which torchoffload does not do yet."
+            " The parameters alone do not fit: allow them on the host "
+            "(parameters='auto' or 'host', --parameters on the command line)."
         )
     return (
         f"{budget} (host budget {g(host_budget_bytes)}) is too small even with every layer "
@@ -398,11 +481,13 @@ def plan(
     progress: Callable[[str], None] | None = None,
     optimizer_state: str = "auto",
     host_budget_bytes: int | None = None,
+    parameters: str = "auto",
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
     within ``budget_bytes`` at the least predicted step time, and where the optimizer state
-    lives (``optimizer_state``, ``host_budget_bytes``: see `plan_from_profile`).
+    lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``: see
+    `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
     the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
@@ -410,7 +495,7 @@ def plan(
     """
     if budget_bytes is not None:
         check_int("budget_bytes", budget_bytes, minimum=1)
-    OptimizerState.parse(optimizer_state)  # checked before tracing
+    _check_parameters(parameters, OptimizerState.parse(optimizer_state))  # before tracing
     if host_budget_bytes is not None:
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
     for name, value in (("prefetch_layers", prefetch_layers), ("defer_layers", defer_layers)):
@@ -431,7 +516,7 @@ def plan(
     return plan_from_profile(
         profile, budget_bytes, hardware=hw, prefetch_layers=prefetch_layers,
         defer_layers=defer_layers, optimizer_state=optimizer_state,
-        host_budget_bytes=host_budget_bytes,
+        host_budget_bytes=host_budget_bytes, parameters=parameters,
     )  # fmt: skip
 
 

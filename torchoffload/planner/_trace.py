@@ -62,6 +62,7 @@ class LayerProfile:
     fwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     bwd_ops: tuple[tuple[int, int, int], ...] = field(default=(), repr=False)
     recompute_ops: int = 0
+    param_bytes: int = 0  # its parameters (each once), what streaming them moves per pass
 
 
 @dataclass(frozen=True)
@@ -360,6 +361,9 @@ class _StepRecorder:
                     fwd_ops=tuple(tracer.ops[(i, False)]),
                     bwd_ops=tuple(tracer.ops[(i, True)]),
                     recompute_ops=self.last_save.get(i, 0),
+                    param_bytes=sum(
+                        q.numel() * q.element_size() for q in dict.fromkeys(m.parameters())
+                    ),
                 )
             )
         return profiles
