@@ -6,6 +6,7 @@ training thread in steady state."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -86,6 +87,9 @@ def test_bitwise_resident_training_with_slowed_copies(checkpointed):
 
 
 def test_device_memory_and_no_host_sync_in_steady_state():
+    gc.collect()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()  # what earlier tests of this process left
     m = gpt()
     params = sum(p.numel() * p.element_size() for p in m.parameters())
     tied = m.tok.weight.numel() * m.tok.weight.element_size()
@@ -93,8 +97,7 @@ def test_device_memory_and_no_host_sync_in_steady_state():
     handle = to.stream_parameters(m, budget)
     opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-3, bucket_bytes=1 << 20)
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    assert base < params // 2  # the streamed parameters left the device
+    assert torch.cuda.memory_allocated() - before == 0  # the streamed parameters left
     batches = [tokens(step) for step in range(4)]
     for step in range(4):
         if step == 1:
