@@ -8,7 +8,10 @@ The model is Hugging Face's ``LlamaForCausalLM`` built from a config with random
 download), in bf16 with gradient checkpointing. Two runs from the same weights:
 - ``device``: ``torch.optim.AdamW`` on the device (its state in the parameters' dtype);
 - ``host``: ``torchoffload.OffloadedOptimizer(params, torch.optim.AdamW)``: fp32 master
-  weights and AdamW state in host memory, each bucket stepped while backward runs.
+  weights and AdamW state in host memory, each bucket stepped while backward runs;
+- ``params``: also the bf16 parameters in host memory, streamed per decoder layer for forward
+  and backward (``torchoffload.stream_parameters``, ``--param-budget-mib``), stepped in place
+  on the host.
 Each prints the step time, tokens/s, peak device memory and host memory. With bf16 parameters
 the two are different arithmetic (fp32 masters on the host), so their losses differ; with
 ``--dtype fp32`` on the CPU they are bitwise equal, which the script checks.
@@ -57,8 +60,11 @@ def host_gib() -> float:
 
 def run(args, device, mode):
     model = build(args, device)
+    handle = None
+    if mode == "params":
+        handle = torchoffload.stream_parameters(model, args.param_budget_mib << 20)
     params = list(model.parameters())
-    if mode == "host":
+    if mode in ("host", "params"):
         opt = torchoffload.OffloadedOptimizer(params, torch.optim.AdamW, lr=args.lr)
     else:
         opt = torch.optim.AdamW(params, lr=args.lr)
@@ -82,14 +88,20 @@ def run(args, device, mode):
         times.append(time.perf_counter() - start)
     step = sorted(times[1:] or times)[len(times[1:] or times) // 2]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    line = (f"{mode:6s} step {step * 1e3:8.1f} ms  {args.batch * args.seq / step:9.0f} tokens/s  "
+    line = (f"{mode:7s} step {step * 1e3:8.1f} ms  {args.batch * args.seq / step:9.0f} tokens/s  "
             f"peak device {peak:6.2f} GiB  host {host_gib():6.2f} GiB")  # fmt: skip
-    if mode == "host":
+    if handle is not None:
+        ps = handle.stats()
+        line += (f"  parameters: at most {ps.peak_loaded_bytes / 2**20:.1f} MiB on the device, "
+                 f"{ps.h2d_bytes / len(batches) / 2**20:.1f} MiB up per step")  # fmt: skip
+    if mode in ("host", "params"):
         s = opt.stats()
         link = (s.d2h_bytes + s.h2d_bytes) / s.steps / 2**30
         line += (f"  host step {s.host_step_ms:.0f} ms ({s.overlap:.0%} hidden behind backward, "
                  f"{link:.2f} GiB over the link per step)")  # fmt: skip
         opt.remove()
+    if handle is not None:
+        handle.remove()
     print(line, flush=True)
     return losses
 
@@ -108,6 +120,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--param-budget-mib", type=int, default=256,
+                   help="params mode: device budget of the streamed parameters")  # fmt: skip
     args = p.parse_args()
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     device = torch.device(args.device)
@@ -115,10 +129,12 @@ def main() -> None:
           f"{args.seq} on {device}, torch {torch.__version__}")  # fmt: skip
     on_device = run(args, device, "device")
     on_host = run(args, device, "host")
+    streamed = run(args, device, "params")
     print("losses (device):", [round(x, 4) for x in on_device])
     print("losses (host):  ", [round(x, 4) for x in on_host])
+    print("losses (params):", [round(x, 4) for x in streamed])
     if args.dtype == torch.float32 and device.type == "cpu":
-        print(f"bitwise equal losses: {on_device == on_host}")
+        print(f"bitwise equal losses: {on_device == on_host == streamed}")
 
 
 if __name__ == "__main__":

@@ -91,7 +91,6 @@ def test_device_memory_and_no_host_sync_in_steady_state():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()  # what earlier tests of this process left
     m = gpt()
-    params = sum(p.numel() * p.element_size() for p in m.parameters())
     tied = m.tok.weight.numel() * m.tok.weight.element_size()
     budget = tied + 2 * block_bytes(m)
     handle = to.stream_parameters(m, budget)
