@@ -20,7 +20,15 @@ pytestmark = [
 CFG = GPTConfig(hidden=512, layers=6, heads=8, vocab=4096, max_seq=256)
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_modes_that_replay_cuda_graphs_are_refused_before_any_work():
+    model = GPT(CFG).to(torch.bfloat16).eval()
+    x = torch.zeros(1, 8, dtype=torch.long, device="cuda")
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ValueError, match="modes that replay CUDA graphs"):
+            toc.compile_streamed(model, (x,), budget_bytes=1 << 30, device="cuda", mode=mode)
+
+
+@pytest.mark.parametrize("mode", [None])
 def test_streamed_graph_bitwise_with_slowed_copies(mode):
     torch.manual_seed(0)
     model = GPT(CFG).to(torch.bfloat16).eval()  # on the host: only the store is filled from it

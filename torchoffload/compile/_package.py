@@ -660,13 +660,25 @@ def compile_streamed(
     served by the weight engine as an AOTInductor package's are, with prefetch
     ``prefetch_depth`` units ahead. The model is not changed; its weights are copied into the
     host store, or read from the safetensors ``checkpoint`` (then the model may be on meta).
-    ``mode``: `torch.compile`'s. Outputs are bitwise those of the same program with every
-    unit kept on the device (a budget that holds them all)."""
+    ``mode``: `torch.compile`'s, except the modes that replay CUDA graphs on a GPU
+    ("reduce-overhead", "max-autotune"): Inductor's CUDA-graph trees expect every tensor the
+    graph makes to come from their memory pool, and a probe's output is a view of the arena
+    (on an H100 with torch 2.11 its pool check raises). Replay a streamed decode step with
+    ``stream_weights(...).cuda_graph(fn)`` instead. Outputs are bitwise those of the same
+    program with every unit kept on the device (a budget that holds them all)."""
     check_int("budget_bytes", budget_bytes, minimum=1)
     check_int("prefetch_depth", prefetch_depth, minimum=0)
     resident = _check_resident(resident)
     if checkpoint is not None:
         _check_path("checkpoint", checkpoint)
+    if mode in _CUDA_GRAPH_MODES and _program_device(args, kwargs, device).type == "cuda":
+        raise ValueError(
+            f"compile_streamed(mode={mode!r}): modes that replay CUDA graphs are not supported "
+            "on a GPU (Inductor's CUDA-graph trees expect every tensor the graph makes in their "
+            "own memory pool; a weight probe's output is a view of the arena). Use mode=None or "
+            "'max-autotune-no-cudagraphs', or stream_weights(...).cuda_graph(fn) for a replayed "
+            "decode step"
+        )
     ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                   device=device)  # fmt: skip
     dev = _program_device(args, kwargs, device)
@@ -689,6 +701,9 @@ def compile_streamed(
                                    pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
     program = _without_alias_check(torch.compile(ep.module(), fullgraph=True, mode=mode))
     return StreamedPackage(program, catalog, runtime, holder)
+
+
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
 def _without_alias_check(compiled: Any) -> Any:
