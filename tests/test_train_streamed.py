@@ -327,3 +327,40 @@ def test_a_write_to_the_host_store_makes_a_loaded_copy_stale():
     assert rt.loads == loads + 1  # the weight's piece again, not the bias's
     assert torch.equal(out, 8.0 + handle.host_value(m[0].bias).view(1, 8))
     handle.remove()
+
+
+def test_every_unit_checkpointed_reentrant_is_bitwise_and_leaves_nothing_loaded():
+    """With reentrant checkpointing around every unit no forward hook registers a backward
+    hook (the forward runs without gradients): the units are loaded by their recomputation,
+    and dropped when their gradients are accumulated or the pass ends."""
+
+    def build():
+        torch.manual_seed(3)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+    def run(m, opt):
+        losses = []
+        for s in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(s)).requires_grad_()
+            h = x
+            for block in m:
+                h = ckpt.checkpoint(block, h, use_reentrant=True)
+            loss = h.square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    ref = build()
+    want = run(ref, to.OffloadedOptimizer(ref.parameters(), torch.optim.AdamW, lr=1e-2))
+    m = build()
+    unit = sum(p.numel() * 4 for p in m[0].parameters())
+    handle = to.stream_parameters(m, 2 * unit, unit=list(m))
+    got = run(m, to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(handle.host_value(p), q.detach())
+    stats = handle.stats()
+    assert stats.backward_passes == 3 and handle._runtime.loaded_bytes == 0
+    assert stats.peak_loaded_bytes <= 2 * unit

@@ -262,6 +262,7 @@ class ParameterRuntime:
         with self._lock:
             self._check_live()
             if _in_backward():  # a checkpointed unit computed again: it stays for its backward
+                self._begin_backward()  # (reentrant checkpointing: maybe no hook fired yet)
                 self._hold(unit)
                 unit.backward = True
                 return None
@@ -331,22 +332,27 @@ class ParameterRuntime:
         with self._lock:
             if self.removed:
                 return
-            pass_id = torch._C._current_graph_task_id()
-            if self._backward_pass is None:
-                self._backward_pass = pass_id
-                self.backward_passes += 1
-                self._adopt()
-                self._recording = []
-                for unit in self.units:
-                    unit.pending = len(unit.trainable)
-                ref = weakref.ref(self)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: _call(ref, "end_backward_callback")
-                )
+            self._begin_backward()
             unit = self.units[index]
             unit.backward = True
             self._hold(unit)
             self._prefetch(index, -1)
+
+    def _begin_backward(self) -> None:
+        """The first hook of a backward pass: count the gradients each unit waits for, and
+        queue the callback that drops what is left at the end of the pass."""
+        if self._backward_pass is not None:
+            return
+        self._backward_pass = torch._C._current_graph_task_id()
+        self.backward_passes += 1
+        self._adopt()
+        self._recording = []
+        for unit in self.units:
+            unit.pending = len(unit.trainable)
+        ref = weakref.ref(self)
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: _call(ref, "end_backward_callback")
+        )
 
     def accumulated(self, param: torch.Tensor) -> None:
         with self._lock:
