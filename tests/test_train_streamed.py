@@ -364,3 +364,43 @@ def test_every_unit_checkpointed_reentrant_is_bitwise_and_leaves_nothing_loaded(
     stats = handle.stats()
     assert stats.backward_passes == 3 and handle._runtime.loaded_bytes == 0
     assert stats.peak_loaded_bytes <= 2 * unit
+
+
+def test_two_forwards_then_one_backward_of_a_frozen_streamed_base():
+    """A frozen unit used by two graphs is dropped only after both graphs' backward through it
+    (each forward counts until its own backward has run or its graph is freed)."""
+
+    def build():
+        torch.manual_seed(1)
+        base = GPT(CFG)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        return base, nn.Linear(CFG.vocab, CFG.vocab)
+
+    def step(base, adapter, emb_grad):
+        a, b = tokens(0), tokens(1)
+        # inputs that need gradients: every block applies the identity on them
+        ea = base.tok(a[:, :-1]).requires_grad_(emb_grad)
+        eb = base.tok(b[:, :-1]).requires_grad_(emb_grad)
+
+        def logits(e):
+            h = e + base.pos(torch.arange(e.shape[1]))
+            for layer in base.layers:
+                h = layer(h)
+            return adapter(base.head(base.ln_f(h)))
+
+        la, lb = logits(ea), logits(eb)
+        dropped = logits(eb.detach().requires_grad_())  # a graph freed without backward
+        del dropped
+        (la.square().mean() + lb.square().mean()).backward()
+        return [adapter.weight.grad.clone(), ea.grad.clone(), eb.grad.clone()]
+
+    base, adapter = build()
+    want = step(base, adapter, True)
+    base, adapter = build()
+    handle = to.stream_parameters(base, 10 << 20)
+    got = step(base, adapter, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    rt = handle._runtime
+    assert rt.loaded_bytes == 0 and all(u.inputs_pending == 0 for u in rt.units)
+    handle.remove()

@@ -34,7 +34,8 @@ both (a) every trainable parameter of the unit (streamed or not) has had its gra
 accumulated: every node that reads the unit's weights to compute a parameter's gradient has
 run; and (b) if its inputs required gradients, their gradients are computed (an identity
 autograd function on the inputs, applied in forward): every node that reads the weights to
-compute an input's gradient has run. Whatever is still loaded when the backward pass ends
+compute an input's gradient has run (counted per graph: several forwards before one backward
+each wait for their own). Whatever is still loaded when the backward pass ends
 (a callback queued on the pass) is dropped then; so is what a backward that raised left behind,
 at the next forward.
 """
@@ -116,7 +117,9 @@ class _Unit:
         self.trainable = [p for p in params if p.requires_grad]
         self.grad_flags = [(p, p.requires_grad) for p in params]
         self.pending = 0
-        self.inputs_pending = False
+        # graphs built through the unit whose inputs' gradients are not computed yet (each
+        # forward that applied _AfterBackward, until its backward runs or its graph is freed)
+        self.inputs_pending = 0
         self.backward = False  # loaded for the current backward pass
 
 
@@ -272,7 +275,6 @@ class ParameterRuntime:
             self._record(index)
             self._hold(unit)
             self._prefetch(index, +1)
-        unit.inputs_pending = False
         if not torch.is_grad_enabled():
             return None
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -282,7 +284,6 @@ class ParameterRuntime:
         outs = _AfterBackward.apply(self, index, *(flat[k] for k in where))
         for k, out in zip(where, outs, strict=True):
             flat[k] = out
-        unit.inputs_pending = True
         return pytree.tree_unflatten(flat, spec)
 
     def post_forward(self, index: int, output: Any) -> None:
@@ -362,15 +363,19 @@ class ParameterRuntime:
                 unit.pending -= 1
                 self._maybe_release(unit)
 
+    def inputs_pending(self, index: int, delta: int) -> None:
+        with self._lock:
+            self.units[index].inputs_pending += delta
+
     def inputs_done(self, index: int) -> None:
         with self._lock:
             unit = self.units[index]
-            unit.inputs_pending = False
+            unit.inputs_pending -= 1
             if not self.removed and self._backward_pass is not None:
                 self._maybe_release(unit)
 
     def _maybe_release(self, unit: _Unit) -> None:
-        if unit.backward and unit.pending <= 0 and not unit.inputs_pending:
+        if unit.backward and unit.pending <= 0 and unit.inputs_pending <= 0:
             self._release(unit)
 
     def end_backward_callback(self) -> None:
@@ -382,7 +387,6 @@ class ParameterRuntime:
         self._backward_pass = None
         for unit in self.units:
             unit.backward = False
-            unit.inputs_pending = False
         for piece in self.pieces.values():
             piece.holders.clear()
             self._drop(piece)
@@ -462,14 +466,25 @@ class _AfterBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, runtime, index, *inputs):  # type: ignore[override]
-        ctx.runtime = weakref.ref(runtime)
+        ctx.runtime = ref = weakref.ref(runtime)
         ctx.index = index
+        ctx.ran = ran = [False]
+        runtime.inputs_pending(index, +1)
+        # A graph freed without this backward (a forward whose loss was dropped) stops being
+        # waited for: several forwards before one backward each count until theirs runs.
+        weakref.finalize(ctx, _abandoned, ref, index, ran)
         return inputs  # returned as they are: autograd makes them outputs of this node
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
+        ctx.ran[0] = True
         _call(ctx.runtime, "inputs_done", ctx.index)
         return (None, None, *grads)
+
+
+def _abandoned(ref: weakref.ref, index: int, ran: list[bool]) -> None:
+    if not ran[0]:
+        _call(ref, "inputs_pending", index, -1)
 
 
 # -- the public face ---------------------------------------------------------------------------
