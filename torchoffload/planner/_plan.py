@@ -362,10 +362,11 @@ def plan_from_profile(
                 "by an OffloadedOptimizer"
             )
         placements = [(stepped, True)]
-    elif parameters == "auto" and where != OptimizerState.DEVICE and streamable:
-        placements.append((stepped, True))
+    # "auto": parameters go to the host only when nothing else fits (tried last, if needed)
+    auto = parameters == "auto" and where != OptimizerState.DEVICE and streamable
     tried = []
-    for host, params in placements:
+
+    def attempt(host: bool, params: bool) -> None:
         model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host,
                           host_params=params)  # fmt: skip
         decisions, pred, baseline, floor = _choose(profile, model, budget_bytes)
@@ -375,11 +376,15 @@ def plan_from_profile(
             + pred.offloaded_bytes
         )
         tried.append(((host, params), decisions, pred, baseline, floor, host_need))
+
+    for host, params in placements:
+        attempt(host, params)
     fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
+    if not fits and auto:
+        attempt(stepped, True)
+        fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
     if not fits:
         raise InfeasibleBudgetError(_refusal(profile, hw, budget_bytes, host_budget_bytes, tried))
-    if parameters == "auto":  # streaming parameters only when nothing else fits
-        fits = [t for t in fits if not t[0][1]] or fits
     (host, params), decisions, pred, baseline, _, host_need = min(
         fits, key=lambda t: (t[2].step_s, t[0])
     )
