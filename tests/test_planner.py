@@ -188,7 +188,7 @@ def test_host_measurement_runs_on_cpu():
     so CI checks that it yields a valid Hardware."""
     from torchoffload.planner._hardware import measure_host as _measure_host
 
-    measured = _measure_host(torch.device("cpu"))
+    measured = _measure_host(torch.device("cpu"), reps=4, rounds=1)  # validity, not numbers
     assert set(measured) == {"host_us_fwd", "host_us_bwd", "host_us_layer", "host_us_saved",
                              "host_us_checkpoint_fwd", "host_us_checkpoint_bwd"}  # fmt: skip
     assert measured["host_us_fwd"] > 0 and measured["host_us_bwd"] > 0

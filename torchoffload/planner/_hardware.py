@@ -168,10 +168,11 @@ class _TinyStack(nn.Module):
         return x
 
 
-def measure_host(dev: torch.device) -> dict[str, float]:
+def measure_host(dev: torch.device, *, reps: int = 30, rounds: int = 3) -> dict[str, float]:
     """CPU time of a step of tiny blocks, whose kernels take less time than their launch: per
     forward and backward op, what the layer-aware engine adds per layer and per offloaded
-    storage, and what checkpointing adds per saved storage."""
+    storage, and what checkpointing adds per saved storage (the median of ``rounds`` rounds
+    of ``reps`` steps each)."""
     import statistics
     import time
 
@@ -190,7 +191,7 @@ def measure_host(dev: torch.device) -> dict[str, float]:
     n_fwd = sum(len(layer.fwd_ops) for layer in profile.layers) + len(profile.outside_fwd_ops)
     n_bwd = sum(len(layer.bwd_ops) for layer in profile.layers) + len(profile.outside_bwd_ops)
 
-    warm, reps, rounds = 5, 30, 3
+    warm = 5
     nlayers = len(model.layers)
     pool = PinnedPool(64 << 20, slab_bytes=16 << 20, pin_memory=dev.type == "cuda")
     hooks_only = ActivationOffloadConfig(skip_last_layers=nlayers, time_waits=False)
