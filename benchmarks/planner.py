@@ -68,6 +68,8 @@ from torchoffload.planner._cost import CostModel as _Model  # noqa: E402
 
 GIB = 1 << 30
 FRACTIONS = (0.75, 0.5, 0.25)
+# one letter per layer decision, as the tables print them
+CODE = {"keep": "k", "offload": "o", "recompute": "r", "recompute+offload": "R", "stream": "s"}
 
 
 def loss_of(out: torch.Tensor) -> torch.Tensor:
@@ -179,8 +181,6 @@ def run_shape(shape, hw, pool, args, device, dtype):
             if key not in {c[0] for c in configs}:
                 cfg = ActivationOffloadConfig(max_offload_bytes=nbytes)
                 configs.append((key, lambda cfg=cfg: with_handle(cfg), None, {}))
-    code = {"keep": "k", "offload": "o", "recompute": "r", "recompute+offload": "R",
-            "stream": "s"}  # fmt: skip
     for f in FRACTIONS:
         budget = int(f * peak0)
         try:
@@ -188,7 +188,7 @@ def run_shape(shape, hw, pool, args, device, dtype):
         except InfeasibleBudgetError as e:
             infeasible.append({"shape": name, "config": f"plan[{f:.2f}]", "infeasible": str(e)})
             continue
-        extra = {"budget": budget, "decisions": "".join(code[d] for d in plan.decisions)}
+        extra = {"budget": budget, "decisions": "".join(CODE[d] for d in plan.decisions)}
         configs.append((f"plan[{f:.2f}]", lambda plan=plan: with_handle(plan=plan),
                         plan.predicted, extra))  # fmt: skip
     # Round-robin: the host's speed drifts over a run by as much as a fifth (measured, H200), so

@@ -29,6 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from planner import CODE  # noqa: E402
 
 from torchoffload import OffloadedOptimizer, apply_activation_offloading  # noqa: E402
 from torchoffload.models import BlockStack  # noqa: E402
@@ -106,8 +109,6 @@ def main() -> None:
     rows = [("none", None, base.predicted.peak_bytes, peak0, ms, "device/device", "-")]
     del model, opt
     gc.collect()
-    code = {"keep": "k", "offload": "o", "recompute": "r", "recompute+offload": "R",
-            "stream": "s"}  # fmt: skip
     for f in FRACTIONS:
         budget = int(f * peak0)
         try:
@@ -129,7 +130,7 @@ def main() -> None:
             if params is not None:
                 params.remove()
         where = f"{plan.optimizer_state.value}/{plan.parameters}"
-        decisions = "".join(code[str(d)] for d in plan.decisions)
+        decisions = "".join(CODE[str(d)] for d in plan.decisions)
         rows.append((f"plan[{f:.2f}]", budget, plan.predicted.peak_bytes, peak, ms, where,
                      decisions))  # fmt: skip
         del model, opt, act, params

@@ -158,14 +158,17 @@ def test_saved_views_read_the_bytes_loaded_again_for_backward():
         assert torch.equal(p.grad, q.grad)
 
 
+def frozen_base_and_adapter():
+    """A frozen GPT and a trainable adapter on its logits, from the same seed each time."""
+    torch.manual_seed(1)
+    base = GPT(CFG)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    return base, nn.Linear(CFG.vocab, CFG.vocab)
+
+
 def test_frozen_streamed_base_trains_resident_adapters_with_any_optimizer():
-    def build():
-        torch.manual_seed(1)
-        base = GPT(CFG)
-        for p in base.parameters():
-            p.requires_grad_(False)
-        adapter = nn.Linear(CFG.vocab, CFG.vocab)
-        return base, adapter
+    build = frozen_base_and_adapter
 
     def step_all(base, adapter, opt):
         out = []
@@ -370,12 +373,7 @@ def test_two_forwards_then_one_backward_of_a_frozen_streamed_base():
     """A frozen unit used by two graphs is dropped only after both graphs' backward through it
     (each forward counts until its own backward has run or its graph is freed)."""
 
-    def build():
-        torch.manual_seed(1)
-        base = GPT(CFG)
-        for p in base.parameters():
-            p.requires_grad_(False)
-        return base, nn.Linear(CFG.vocab, CFG.vocab)
+    build = frozen_base_and_adapter
 
     def step(base, adapter, emb_grad):
         a, b = tokens(0), tokens(1)

@@ -102,7 +102,7 @@ class _Piece:
 
 
 class _Unit:
-    __slots__ = ("index", "name", "module", "pieces", "nbytes", "trainable", "pending",
+    __slots__ = ("index", "name", "module", "pieces", "trainable", "pending",
                  "inputs_pending", "backward", "grad_flags")  # fmt: skip
 
     def __init__(self, index: int, name: str, module: nn.Module, pieces: list[_Piece]):
@@ -110,7 +110,6 @@ class _Unit:
         self.name = name
         self.module = module
         self.pieces = pieces
-        self.nbytes = sum(p.nbytes for p in pieces)
         # Every parameter of the unit that needs a gradient (Note: [When a unit's backward is
         # done]), and the requires_grad flags of all of them as setup found them.
         params = list(dict.fromkeys(module.parameters()))
