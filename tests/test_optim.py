@@ -539,17 +539,33 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
     """Ctrl-C while step() waits for the host: the step completes (nothing half-done, the
     worker and the caller stay in step), then KeyboardInterrupt is raised."""
     import signal
+    import sys
     import threading
+    import time
+
+    main = threading.main_thread().ident
+    sent = []
+
+    class InterruptingAdamW(SlowAdamW):
+        """The first bucket's step (on the worker) sends Ctrl-C once the caller waits in
+        step(): a timer could fire before step() or after it returned on a loaded machine."""
+
+        def step(self, closure=None):
+            if not sent:
+                while sys._current_frames()[main].f_code.co_name not in ("wait", "wait_for"):
+                    time.sleep(0.001)
+                signal.pthread_kill(main, signal.SIGINT)
+                sent.append(True)
+            return super().step(closure)
 
     a = model()
     ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
-    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=1e-2, bucket_bytes=2048,
+    opt = to.OffloadedOptimizer(a.parameters(), InterruptingAdamW, lr=1e-2, bucket_bytes=2048,
                                 overlap=False)  # fmt: skip
     loss_of(a, batch(0)).backward()
-    main = threading.main_thread().ident
-    threading.Timer(0.03, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
     with pytest.raises(KeyboardInterrupt):
         opt.step()
+    assert sent
     ref.backward(batch(0))
     ref.step()
     assert same_params(a, ref.twin)
