@@ -9,16 +9,24 @@ Rows, each in its own process (host and device memory start clean):
 - ``fsdp2-cpu``: FSDP2 ``CPUOffloadPolicy`` on one rank (parameters, gradients and AdamW state
   on the host; its step is torch's foreach AdamW on the CPU, after backward).
 - ``offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters, each
-  bucket stepped while backward runs). ``offload-at-step``: the same with ``overlap=False``;
+  bucket stepped while backward runs; gradients and new values cross the link in fp32,
+  converted on the device). ``offload-host-converts``: the same with ``convert_on="host"``
+  (bf16 over the link, converted by the host). ``offload-at-step``: with ``overlap=False``;
   ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
   ``offload-params``: also the parameters in the host store, streamed per decoder layer for
   forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
-- ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), and a
-  fused AdamW step over fp32 host tensors of the model's size (ms).
+- ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), a
+  fused AdamW step over fp32 host tensors of the model's size (ms), and copies that convert
+  (bf16 on the device, fp32 on the host) through the copy engine: GB/s of fp32 each way and
+  host time per chunk.
 
-Bound of an offloaded step: ``max(t_fwd+bwd (resident), host step, link bytes / link GB/s)``,
-where the host step is the calibrated fused AdamW step plus the bf16<->fp32 conversions at the
-measured triad bandwidth, and the link moves bf16 gradients down and bf16 parameters up.
+Bound of an offloaded step, per row: ``max(t_fwd+bwd (resident), host step, link)``. The host
+step is the calibrated fused AdamW step, plus the bf16<->fp32 conversions (12 bytes a
+parameter) at the measured triad bandwidth for ``offload-host-converts``, plus the rounding of
+new values into the parameter store (6 bytes a parameter) for ``offload-params``. The link
+time is the larger of the bytes down over the D2H bandwidth and the bytes up over the H2D one:
+fp32 gradients and values when the device converts, bf16 when the host does, and for
+``offload-params`` bf16 parameters up twice (forward and backward) instead of new values.
 ``--row parity`` instead trains a small fp32 GPT 50 steps with AdamW resident on the GPU and
 offloaded, and prints how far their losses and parameters drift apart.
 """
@@ -109,7 +117,12 @@ def row_resident(args):
 
 
 def row_offload(
-    args, overlap: bool, host_threads: int | None = None, ahead: bool = False, params=False
+    args,
+    overlap: bool,
+    host_threads: int | None = None,
+    ahead: bool = False,
+    params=False,
+    convert_on: str = "device",
 ):
     import torchoffload as to
 
@@ -122,13 +135,14 @@ def row_offload(
     opt = to.OffloadedOptimizer(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
+        convert_on=convert_on,
     )  # fmt: skip
     setup = time.perf_counter() - t
     out = train(args, model, opt, sync_between=False)
     s = opt.stats()
     out.update(
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
-        link_gb=(s.d2h_bytes + s.h2d_bytes) / s.steps / 1e9,
+        link_gb=(s.d2h_bytes + s.h2d_bytes) / s.steps / 1e9, convert_on=convert_on,
     )  # fmt: skip
     if handle is not None:
         ps = handle.stats()
@@ -191,8 +205,37 @@ def row_calibrate(args):
         for o in opts:
             o.step()
         times.append(time.perf_counter() - t)
+    del ps, opts
+    conv = convert_speed()
     return dict(d2h_gbs=d2h, h2d_gbs=h2d, triad_gbs=triad, numel=numel,
-                adamw_ms=sorted(times)[1] * 1e3)  # fmt: skip
+                adamw_ms=sorted(times)[1] * 1e3, **conv)  # fmt: skip
+
+
+def convert_speed(numel: int = 256 << 20):
+    """Copies that convert, through the copy engine as the optimizer queues them: bf16 on the
+    device <-> fp32 in pinned host memory. GB/s of fp32 each way, and host time per chunk."""
+    from torchoffload._transfer import CAST_CHUNK, copy_engine
+
+    engine = copy_engine(torch.device("cuda"))
+    dev = torch.zeros(numel, dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(numel, dtype=torch.float32, pin_memory=True)
+    out = {}
+    for name, go in (
+        ("d2h", lambda: engine.offload_many([(host, dev)])),
+        ("h2d", lambda: engine.load([(dev, host)], after=[])),
+    ):
+        go()
+        torch.cuda.synchronize()
+        reps, queued = 4, 0.0
+        t = time.perf_counter()
+        for _ in range(reps):
+            q = time.perf_counter()
+            go()
+            queued += time.perf_counter() - q
+        torch.cuda.synchronize()
+        out[f"conv_{name}_gbs"] = 4 * numel * reps / (time.perf_counter() - t) / 1e9
+        out[f"conv_{name}_us_per_chunk"] = queued / reps / (numel / CAST_CHUNK) * 1e6
+    return out
 
 
 def row_parity(args):
@@ -243,12 +286,32 @@ ROWS = {
     "resident": row_resident,
     "fsdp2-cpu": row_fsdp2,
     "offload": lambda a: row_offload(a, True),
+    "offload-host-converts": lambda a: row_offload(a, True, convert_on="host"),
     "offload-at-step": lambda a: row_offload(a, False),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "parity": row_parity,
 }
+
+
+def bound_of(r, cal, fb):
+    """``(fwd+bwd, host, link)`` seconds of an offloaded row (the bound is their max), or None
+    without a calibration. See the module docstring."""
+    if not cal or "convert_on" not in r:
+        return None
+    n = cal["numel"]
+    host = cal["adamw_ms"] / 1e3
+    if r["convert_on"] == "host":
+        host += 12 * n / 1e9 / cal["triad_gbs"]  # bf16 -> fp32 grads, fp32 -> bf16 values
+        down = up = 2 * n
+    else:
+        down = up = 4 * n
+    if "param_h2d_gb" in r:  # parameters go up for forward and backward; values stay home
+        up = 2 * 2 * n
+        host += 6 * n / 1e9 / cal["triad_gbs"]
+    link = max(down / 1e9 / cal["d2h_gbs"], up / 1e9 / cal["h2d_gbs"])
+    return fb, host, link
 
 
 def main() -> None:
@@ -307,38 +370,33 @@ def report(args, results) -> None:
               f"{par['max_param_diff']:.3e}; fused AdamW alone, CUDA vs CPU, 3 steps on equal "
               f"tensors: equal {par['kernel_equal']}, max diff "
               f"{par['kernel_diff']:.3e}")  # fmt: skip
-    bound = None
+    fb = (results.get("resident", {}).get("fwd_bwd_ms") or 0) / 1e3
     if cal:
-        n = cal["numel"]
-        link = 2 * n * 2 / 1e9 / min(cal["d2h_gbs"], cal["h2d_gbs"])  # bf16 grads down, params up
-        convert = 12 * n / 1e9 / cal["triad_gbs"]  # bf16 -> fp32 grads, fp32 -> bf16 params
-        host = cal["adamw_ms"] / 1e3 + convert
-        fb = (results.get("resident", {}).get("fwd_bwd_ms") or 0) / 1e3
-        bound = max(fb, host, link)
         print(f"calibration: D2H {cal['d2h_gbs']:.1f} GB/s, H2D {cal['h2d_gbs']:.1f} GB/s, host "
-              f"triad {cal['triad_gbs']:.1f} GB/s, fused AdamW over {n / 1e9:.2f} B fp32 "
-              f"params {cal['adamw_ms']:.0f} ms; bound = max(fwd+bwd {fb * 1e3:.0f}, host "
-              f"{host * 1e3:.0f}, link {link * 1e3:.0f}) = {bound * 1e3:.0f} ms")  # fmt: skip
+              f"triad {cal['triad_gbs']:.1f} GB/s, fused AdamW over {cal['numel'] / 1e9:.2f} B "
+              f"fp32 params {cal['adamw_ms']:.0f} ms; converting copies (bf16 device, fp32 "
+              f"host) D2H {cal['conv_d2h_gbs']:.1f} GB/s, H2D {cal['conv_h2d_gbs']:.1f} GB/s "
+              f"of fp32, host {cal['conv_d2h_us_per_chunk']:.1f}/"
+              f"{cal['conv_h2d_us_per_chunk']:.1f} us per chunk; fwd+bwd resident "
+              f"{fb * 1e3:.0f} ms")  # fmt: skip
     print("| row | tokens/s | step ms | fwd+bwd ms | opt.step ms | peak GiB | host GiB "
-          "| host step ms | hidden | x bound |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| host step ms | hidden | bound ms (fwd+bwd, host, link) | x bound |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = [r for r in results if r not in ("calibrate", "parity")]
     for name in rows:
         r = results.get(name)
         if not r:
             continue
-        row_bound = bound
-        if bound and "param_h2d_gb" in r:  # parameters also go up for forward and backward
-            n = cal["numel"]
-            link = (2 * n + 2 * 2 * n) / 1e9 / min(cal["d2h_gbs"], cal["h2d_gbs"])
-            row_bound = max(bound, link)
-        ratio = f"{r['step_ms'] / 1e3 / row_bound:.2f}" if bound and "offload" in name else "-"
+        bound, parts, ratio = bound_of(r, cal, fb), "-", "-"
+        if bound:
+            parts = f"{max(bound) * 1e3:.0f} ({', '.join(f'{x * 1e3:.0f}' for x in bound)})"
+            ratio = f"{r['step_ms'] / 1e3 / max(bound):.2f}"
         host_step = f"{r['host_step_ms']:.0f}" if "host_step_ms" in r else "-"
         hidden = f"{r['hidden']:.0%}" if "hidden" in r else "-"
-        fb, st = (f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("fwd_bwd_ms", "opt_ms"))
-        print(f"| {name} | {r['tokens_s']:.0f} | {r['step_ms']:.0f} | {fb} | "
+        fbr, st = (f"{r[k]:.0f}" if r[k] is not None else "-" for k in ("fwd_bwd_ms", "opt_ms"))
+        print(f"| {name} | {r['tokens_s']:.0f} | {r['step_ms']:.0f} | {fbr} | "
               f"{st} | {r['peak_gib']:.1f} | {r['host_gib']:.1f} | {host_step} | "
-              f"{hidden} | {ratio} |")  # fmt: skip
+              f"{hidden} | {parts} | {ratio} |")  # fmt: skip
     for name, r in results.items():
         if "param_h2d_gb" in r:
             print(f"{name}: parameters streamed {r['param_h2d_gb']:.1f} GB up in all, peak "

@@ -81,14 +81,19 @@ OPTIMIZERS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,convert_on",
+    [(torch.float32, "device"), (torch.bfloat16, "device"), (torch.bfloat16, "host")],
+    ids=["fp32", "bf16", "bf16-host-converts"],
+)
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
-def test_step_is_bitwise_the_optimizer_class_on_fp32_host_copies(dtype, name, overlap):
+def test_step_is_bitwise_the_optimizer_class_on_fp32_host_copies(dtype, convert_on, name, overlap):
     cls, kw = OPTIMIZERS[name]
     a = model(dtype)
     ref = Reference(copy.deepcopy(a), cls, **kw)
-    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=2048, overlap=overlap, **kw)
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=2048, overlap=overlap,
+                                convert_on=convert_on, **kw)  # fmt: skip
     assert len(opt._runtime.buckets) > 2
     for i in range(4):
         loss_of(a, batch(i, dtype)).backward()
@@ -104,10 +109,40 @@ def test_step_is_bitwise_the_optimizer_class_on_fp32_host_copies(dtype, name, ov
     else:
         assert all(torch.equal(masters[i], m) for i, m in enumerate(ref.masters))
     stats = opt.stats()
-    nbytes = sum(p.numel() * p.element_size() for p in a.parameters())
-    assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * nbytes
+    numel = sum(p.numel() for p in a.parameters())
+    # over the link: fp32 when the copies convert, else the parameters' dtype
+    crossing = 4 if convert_on == "device" else dtype.itemsize
+    assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * numel * crossing
+    staging = numel * dtype.itemsize if convert_on == "host" and dtype != torch.float32 else 0
+    assert stats.pinned_bytes >= 8 * numel + staging  # master and gradient, staging
+    assert stats.pinned_bytes < 8 * numel + staging + 64 * 2 * len(list(a.parameters()))
     assert 0.0 <= stats.overlap <= 1.0 and stats.host_step_ms > 0
     opt.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_copies_that_convert_in_chunks_are_bitwise_the_host_conversion(dtype, monkeypatch):
+    """A chunk of 100 elements cuts every tensor (16 x 32 = 512: five full chunks and a partial
+    one) on the way down and up; the bits are those of a host conversion."""
+    import torchoffload._transfer as transfer
+
+    monkeypatch.setattr(transfer, "CAST_CHUNK", 100)
+    a, b = model(dtype), model(dtype)
+    opts = [
+        to.OffloadedOptimizer(
+            m.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048, convert_on=where
+        )
+        for m, where in ((a, "device"), (b, "host"))
+    ]
+    for i in range(3):
+        for m, opt in zip((a, b), opts, strict=True):
+            loss_of(m, batch(i, dtype)).backward()
+            opt.step()
+        assert same_params(a, b), i
+    for x, y in zip(*(o._runtime.records for o in opts), strict=True):
+        assert torch.equal(x.master, y.master) and torch.equal(x.grad, y.grad)
+    with pytest.raises(ValueError, match="convert_on must be 'device' or 'host'"):
+        to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, convert_on="gpu")
 
 
 def test_gradient_accumulation_keeps_gradients_on_the_device_until_the_last_backward():

@@ -54,9 +54,18 @@ class Reference:
                 p.copy_(m)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype,convert_on",
+    [(torch.float32, "device"), (torch.bfloat16, "device"), (torch.bfloat16, "host")],
+    ids=["fp32", "bf16", "bf16-host-converts"],
+)
 @pytest.mark.parametrize("mode", ["overlap", "clip", "accumulate", "ahead"])
-def test_bitwise_with_slowed_copies(dtype, mode):
+def test_bitwise_with_slowed_copies(dtype, convert_on, mode, monkeypatch):
+    import torchoffload._transfer as transfer
+
+    # Copies that convert go in chunks of 50k elements (the embedding, 1024 x 256, in six), so
+    # the scratch reused on each copy stream is exercised with the copies slowed.
+    monkeypatch.setattr(transfer, "CAST_CHUNK", 50_000)
     a = gpt(dtype)
     kw = dict(lr=1e-3, weight_decay=0.1, fused=True)
     clip = 0.05 if mode == "clip" else None
@@ -64,7 +73,7 @@ def test_bitwise_with_slowed_copies(dtype, mode):
     ahead = dict(step_ahead=True, model=a) if mode == "ahead" else {}
     opt = to.OffloadedOptimizer(
         a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20, max_grad_norm=clip, **kw,
-        **ahead,
+        convert_on=convert_on, **ahead,
     )  # fmt: skip
     with testing.slow_copies(cycles=5_000_000):
         for step in range(4):
@@ -112,4 +121,5 @@ def test_no_host_sync_on_the_callers_thread_and_no_device_gradients_kept():
     # Only the parameters stay on the device: no gradients, no optimizer state.
     assert torch.cuda.memory_allocated() - base < params + (8 << 20)
     stats = opt.stats()
-    assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * params
+    # gradients down and new values up in fp32 (the copies convert): twice the bf16 bytes
+    assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * 2 * params

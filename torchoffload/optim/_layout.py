@@ -1,12 +1,14 @@
 """Where an offloaded optimizer keeps each parameter's host copies, and how parameters are cut
 into buckets: pure functions of the parameters' shapes and dtypes.
 
-Per parameter the host holds, in three exact-size buffers allocated once:
-- ``master``: the fp32 values the optimizer steps (for an fp32 parameter, its only host copy,
-  also the source of the upload);
-- ``grad``: the fp32 gradient the optimizer reads;
-- ``staging``: for a parameter that is not fp32, a buffer of its own dtype that first receives
-  its gradient from the device and then, after the step, its new value for the device.
+Per parameter the host holds, in exact-size buffers allocated once:
+- ``master``: the fp32 values the optimizer steps (also the source of the upload, which the
+  copy converts on the device: Note: [Copies that convert] in _transfer.py);
+- ``grad``: the fp32 gradient the optimizer reads (the target of the download, converted on
+  the device);
+- ``staging``: only with conversions on the host (``staging=True``), for a parameter that is
+  not fp32, a buffer of its own dtype that first receives its gradient from the device and
+  then, after the step, its new value for the device.
 The optimizer's own state (AdamW: two fp32 moments) is allocated by the optimizer class on the
 host and is not counted here; `host_state_bytes` estimates it from ``state_floats``.
 
@@ -27,7 +29,7 @@ _ALIGN = 64  # bytes: every host tensor starts on a cache line
 @dataclass(frozen=True)
 class Entry:
     """One parameter's place: ``index`` in the optimizer's parameter order, its ``bucket``,
-    and byte offsets into the master, grad and staging buffers (staging -1 for fp32)."""
+    and byte offsets into the master, grad and staging buffers (staging -1: none)."""
 
     index: int
     bucket: int
@@ -56,8 +58,11 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def plan_layout(shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes: int) -> HostLayout:
-    """The host layout of parameters given as ``(shape, dtype)`` in the optimizer's order."""
+def plan_layout(
+    shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes: int, staging: bool = False
+) -> HostLayout:
+    """The host layout of parameters given as ``(shape, dtype)`` in the optimizer's order;
+    ``staging``: a staging buffer for each parameter that is not fp32 (host conversions)."""
     sizes = [(torch.Size(s).numel(), dtype) for s, dtype in shapes]
     buckets: list[list[int]] = []
     filled = 0
@@ -70,21 +75,23 @@ def plan_layout(shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes:
         filled += nbytes
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     entries = []
-    master = grad = staging = 0
+    master = grad = staged = 0
     for i, ((shape, dtype), (numel, _)) in enumerate(zip(shapes, sizes, strict=True)):
         stage = -1
-        if dtype != torch.float32:
-            stage = staging
-            staging = _round_up(staging + numel * dtype.itemsize, _ALIGN)
+        if staging and dtype != torch.float32:
+            stage = staged
+            staged = _round_up(staged + numel * dtype.itemsize, _ALIGN)
         entries.append(Entry(i, bucket_of[i], tuple(shape), dtype, numel, master, grad, stage))
         master = _round_up(master + numel * 4, _ALIGN)
         grad = _round_up(grad + numel * 4, _ALIGN)
-    return HostLayout(tuple(entries), tuple(tuple(b) for b in buckets), master, grad, staging)
+    return HostLayout(tuple(entries), tuple(tuple(b) for b in buckets), master, grad, staged)
 
 
-def host_state_bytes(numel: int, nbytes: int, state_floats: int = 2) -> int:
+def host_state_bytes(
+    numel: int, nbytes: int, state_floats: int = 2, convert_on: str = "device"
+) -> int:
     """Host bytes for ``numel`` parameter elements of ``nbytes`` bytes (without a layout's
-    alignment): fp32 master and gradient, staging unless fp32, and ``state_floats`` fp32
-    values of optimizer state per element."""
-    staging = nbytes if nbytes != 4 * numel else 0
+    alignment): fp32 master and gradient, staging with ``convert_on="host"`` unless fp32, and
+    ``state_floats`` fp32 values of optimizer state per element."""
+    staging = nbytes if convert_on == "host" and nbytes != 4 * numel else 0
     return numel * 4 * (2 + state_floats) + staging

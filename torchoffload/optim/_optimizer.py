@@ -192,7 +192,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 s = bucket.optimizer.state.get(rec.master)
                 if s:
                     state[rec.entry.index] = s
-                if rec.staging is not None:
+                if rec.entry.dtype != torch.float32:
                     masters[rec.entry.index] = rec.master
         return {
             "state": dict(sorted(state.items())),

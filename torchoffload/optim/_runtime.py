@@ -58,12 +58,26 @@ logger = logging.getLogger(__name__)
 # next forward reads the new values; no host sync.
 #
 # Note: [Host buffers are reused across steps without a sync]
-# A bucket's staging buffer receives its gradient (D2H), then its new value (written by the
-# worker after the step), which the upload reads. The next step's gradient copy into the same
-# buffer is queued after `step()` made the compute stream wait on the upload, and the copy
-# stream waits on the compute stream, so it cannot overtake the upload. The worker touches a
-# bucket's host buffers only after it has waited on that bucket's gradient copy event.
+# A bucket's host buffers receive its gradient (D2H, into the fp32 gradient or, with host
+# conversions, the staging buffer), then its new value (the master, or the staging buffer the
+# worker converts it into), which the upload reads. The next step's gradient copy is queued
+# after `step()` made the compute stream wait on the upload, and the copy stream waits on the
+# compute stream, so it cannot overtake the upload. The worker touches a bucket's host buffers
+# only after it has waited on that bucket's gradient copy event.
 
+# Note: [Where the conversions run]
+# A bf16 parameter is stepped as an fp32 master: its gradient goes bf16 -> fp32 and its new
+# value fp32 -> bf16. On the host those conversions are 12 bytes of memory traffic per element
+# beside the 28 of a fused AdamW step, and the host step is what binds (benchmarks/README.md,
+# Llama-3.2-3B shape on an H100: fused AdamW 687 ms, the conversions about 400 ms more). The
+# link has room (the bf16 bytes both ways took 234 ms), so by default the copies convert on
+# the device (Note: [Copies that convert] in _transfer.py): twice the link bytes, no host
+# conversion, no staging buffer (2 bytes of host memory less per element). Both give the same
+# bits: a widening conversion is exact, and rounding to bf16 is round-to-nearest-even on both.
+# Measured in one run on an H100 machine (run G): 1222 ms a step converting on the device
+# against 1558 on the host, host memory 49.4 GiB against 55.3. ``convert_on="host"`` keeps the
+# host placement, for a link slower than the host.
+#
 # Note: [Host threads]
 # The host step runs on its own thread, whose OpenMP team has `host_threads` threads (set with
 # `torch.set_num_threads` on that thread: it changes that thread's setting and the default of
@@ -115,6 +129,13 @@ class OptimizerOffloadConfig:
     - ``use_streams``: copy on side streams; ``False`` queues the copies on the compute stream.
     - ``host_threads``: intra-op threads of the host step (set on the worker thread; see
       Note: [Host threads]). ``None``: the process's setting.
+    - ``convert_on``: where a parameter that is not fp32 is converted to and from the fp32 the
+      optimizer steps (Note: [Where the conversions run]). ``"device"``: its gradient crosses
+      the link in fp32 and its new value comes back in fp32, each converted on the device by
+      the copy; the host does no conversion and holds no staging buffer. ``"host"``: the
+      parameter's own dtype crosses the link (half the bytes for bf16) and the host converts
+      (12 bytes of host memory traffic per bf16 element). Choose ``"host"`` when the link,
+      not the host, binds.
     - ``step_ahead``: `step()` returns once every bucket is queued, and the host step goes on
       while the next forward runs: inside ``model``'s forward (given to `OffloadedOptimizer`),
       the first op that reads a parameter still being stepped waits for it (Note: [Stepping
@@ -130,8 +151,11 @@ class OptimizerOffloadConfig:
     use_streams: bool = True
     host_threads: int | None = None
     step_ahead: bool = False
+    convert_on: str = "device"
 
     def __post_init__(self) -> None:
+        if self.convert_on not in ("device", "host"):
+            raise ValueError(f"convert_on must be 'device' or 'host', got {self.convert_on!r}")
         if self.host_threads is not None:
             check_int("host_threads", self.host_threads, minimum=1)
         check_int("bucket_bytes", self.bucket_bytes, minimum=1)
@@ -147,10 +171,11 @@ class OptimizerOffloadConfig:
 class OptimizerStats:
     """What an `OffloadedOptimizer` did. Times are of the last `step()`; bytes are totals.
 
-    ``host_step_ms``: worker time converting gradients, clipping and stepping (the host
-    work). ``host_step_ms_after_call``: the part of it that ran after `step()` was called,
-    i.e. was not hidden behind backward. ``step_wait_ms``: how long `step()` blocked its
-    caller. ``overlap``: the fraction of ``host_step_ms`` hidden behind backward."""
+    ``host_step_ms``: worker time converting gradients (with ``convert_on="host"``), clipping
+    and stepping (the host work). ``host_step_ms_after_call``: the part of it that ran after
+    `step()` was called, i.e. was not hidden behind backward. ``step_wait_ms``: how long
+    `step()` blocked its caller. ``overlap``: the fraction of ``host_step_ms`` hidden behind
+    backward."""
 
     steps: int
     buckets: int
@@ -210,7 +235,9 @@ class _Record:
         self.trainable = param.requires_grad
         self.master = master  # fp32 host values the optimizer steps
         self.grad = grad  # fp32 host gradient
-        self.staging = staging  # host buffer of the parameter's dtype, or None for fp32
+        # host buffer of the parameter's dtype (conversions on the host), or None: the copies
+        # convert (Note: [Where the conversions run])
+        self.staging = staging
         self.synced: tuple[int, int] = (-1, -1)  # (version, data_ptr) the master matches
         self.has_grad = False
         self.final = False
@@ -263,7 +290,9 @@ class HostStepRuntime:
         self.device = device
         self.user_groups = groups  # the public optimizer's param_groups (live dicts)
         self.layout: HostLayout = plan_layout(
-            [(shape_of(p), p.dtype) for p in params], config.bucket_bytes
+            [(shape_of(p), p.dtype) for p in params],
+            config.bucket_bytes,
+            staging=config.convert_on == "host",
         )
         self.engine = copy_engine(device, use_streams=config.use_streams)
         # - Host buffers (allocated once, exact size)
@@ -420,7 +449,7 @@ class HostStepRuntime:
             keep.append(g)
         bucket.final_event = self.engine.record()
         event = None
-        moved = sum(g.numel() * g.element_size() for g in keep)
+        moved = sum(dst.numel() * dst.element_size() for dst, _ in pairs)  # over the link
         if pairs:
             event, _ = self.engine.offload_many(pairs)
             if self.engine.use_streams:  # Note: [Gradients leave in stream order]
@@ -608,7 +637,7 @@ class HostStepRuntime:
             if pairs:
                 bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
                 self._last_upload = bucket.upload_event
-                self.h2d_bytes += sum(dst.numel() * dst.element_size() for dst, _ in pairs)
+                self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
                 for rec in bucket.records:
                     if rec.has_grad and rec.hosted is None:
                         p = local(rec.param)

@@ -32,11 +32,13 @@ Note: [Optimizer state on the host]
 With the optimizer state on the host (`OffloadedOptimizer`), the device holds no optimizer
 state, and each gradient leaves as backward finishes it: the trace's live bytes lose the
 gradients accumulated so far (`Profile.grad_events`) except the last two buckets, which may be
-in flight. The host steps the buckets while backward runs (fused fp32 AdamW at
-``host_adam_params_per_s``, plus the bf16<->fp32 conversions, 12 bytes per parameter, at
-``host_memory_gbps``); gradients go down and parameters up over the link. The step then takes
-forward + max(backward, host step, link) plus one bucket's upload: what `step()` does today,
-which does not overlap the host step with the next forward.
+in flight, and gain the conversion scratch of both copy streams (`CAST_CHUNK` fp32 elements
+each, or the largest parameter's: Note: [Copies that convert]). The host steps the buckets
+while backward runs (fused fp32 AdamW at ``host_adam_params_per_s``); gradients go down and
+parameters up over the link in fp32, converted on the device (the optimizer's default, Note:
+[Where the conversions run]).
+The step then takes forward + max(backward, host step, link) plus one bucket's upload: what
+`step()` does today, which does not overlap the host step with the next forward.
 
 Note: [Parameters on the host]
 With the parameters streamed from the host too (`stream_parameters`, which needs the optimizer
@@ -56,6 +58,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchoffload._transfer import CAST_CHUNK
 from torchoffload.optim import host_state_bytes
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._trace import Profile
@@ -123,7 +126,7 @@ class CostModel:
         # Steady state: the optimizer state of earlier steps is live during forward and backward.
         extra = hw.workspace_bytes
         if host_optimizer:  # See Note: [Optimizer state on the host]
-            steady = _without_gradients(profile, extra)
+            steady = _without_gradients(profile, extra + _cast_scratch(profile))
             self.opt_peak = steady[-1] if steady else 0
         else:
             timeline = profile.timeline[: self.bwd_end + 1]
@@ -200,16 +203,19 @@ class CostModel:
         self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
         self.bw = hw.link_gbps * 1e9
         # The host optimizer's work beside backward, and its upload tail.
-        numel, nbytes = profile.trainable_numel, profile.trainable_bytes
-        convert = 12 * numel if nbytes != 4 * numel else 0
-        self.t_host = numel / hw.host_adam_params_per_s + convert / (hw.host_memory_gbps * 1e9)
-        self.t_link = nbytes / self.bw
-        self.t_tail = min(nbytes, BUCKET_BYTES) / self.bw
+        # Gradients and new values cross in fp32 (Note: [Where the conversions run]).
+        numel = profile.trainable_numel
+        self.t_host = numel / hw.host_adam_params_per_s
+        self.t_link = 4 * numel / self.bw
+        self.t_tail = min(4 * numel, 2 * BUCKET_BYTES) / self.bw
         if host_optimizer:
             self.t_opt = 0.0
         self.t_params = profile.param_bytes / self.bw if host_params else 0.0
         if host_params:
             self.t_tail = 0.0
+            # the new values are rounded into the host store: fp32 read, the dtype written
+            written = profile.trainable_bytes if profile.trainable_bytes != 4 * numel else 0
+            self.t_host += (4 * numel + written) / (hw.host_memory_gbps * 1e9) if written else 0
 
     def exposed_optimizer(self, backward: float) -> float:
         """The optimizer's time not hidden by a backward of ``backward`` seconds."""
@@ -350,6 +356,14 @@ def _without_gradients(profile: Profile, extra: int) -> list[int]:
         # a gradient finished at event k left after it; keep two buckets as in flight
         out.append(v + extra - max(gone - 2 * BUCKET_BYTES, 0))
     return out
+
+
+def _cast_scratch(profile: Profile) -> int:
+    """Device scratch of the copies that convert gradients and new values (one chunk per copy
+    stream), when the trainable parameters are not fp32."""
+    if profile.trainable_bytes == 4 * profile.trainable_numel:
+        return 0
+    return 2 * 4 * min(CAST_CHUNK, profile.largest_trainable_numel)
 
 
 def param_working_bytes(profile: Profile, prefetch: int = 1) -> int:

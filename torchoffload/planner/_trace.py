@@ -96,6 +96,7 @@ class Profile:
     grad_events: tuple[tuple[int, int], ...] = field(default=(), repr=False)
     trainable_numel: int = 0  # elements of the parameters that require grad
     trainable_bytes: int = 0
+    largest_trainable_numel: int = 0  # elements of the largest of them
 
     @property
     def static_bytes(self) -> int:
@@ -485,6 +486,7 @@ def trace(
         grad_events=tuple(grad_events),
         trainable_numel=sum(p.numel() for p in params),
         trainable_bytes=sum(p.numel() * p.element_size() for p in params),
+        largest_trainable_numel=max((p.numel() for p in params), default=0),
         outside_bwd_ops=tuple(tracer.ops[(None, True)]),
     )
     _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)
