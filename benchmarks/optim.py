@@ -11,7 +11,9 @@ Rows, each in its own process (host and device memory start clean):
 - ``offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters, each
   bucket stepped while backward runs; gradients and new values cross the link in fp32,
   converted on the device). ``offload-host-converts``: the same with ``convert_on="host"``
-  (bf16 over the link, converted by the host). ``offload-at-step``: with ``overlap=False``;
+  (bf16 over the link, converted by the host). ``offload-bucket32``/``-bucket128``/
+  ``-bucket512``: buckets of 32/128/512 MiB of parameters instead of the
+  default (about 50 buckets). ``offload-at-step``: with ``overlap=False``;
   ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
   ``offload-params``: also the parameters in the host store, streamed per decoder layer for
   forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
@@ -75,7 +77,7 @@ def host_rss() -> float:
     return float("nan")
 
 
-def train(args, model, opt, *, sync_between: bool):
+def train(args, model, opt, *, sync_between: bool, on_step=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
     times, fb, st, losses = [], [], [], []
@@ -83,6 +85,8 @@ def train(args, model, opt, *, sync_between: bool):
         torch.cuda.synchronize()
         if step == 1:
             torch.cuda.reset_peak_memory_stats()
+            if on_step is not None:
+                on_step()
         t0 = time.perf_counter()
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -123,6 +127,7 @@ def row_offload(
     ahead: bool = False,
     params=False,
     convert_on: str = "device",
+    bucket_mib: int | None = None,
 ):
     import torchoffload as to
 
@@ -135,10 +140,30 @@ def row_offload(
     opt = to.OffloadedOptimizer(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
-        convert_on=convert_on,
+        convert_on=convert_on, bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
     )  # fmt: skip
     setup = time.perf_counter() - t
-    out = train(args, model, opt, sync_between=False)
+    # Where the worker's time goes (this benchmark's instrumentation, not the library's): the
+    # optimizer class's step per bucket, and queueing each bucket's upload.
+    spent = {"class_step": 0.0, "upload_queue": 0.0}
+    rt = opt._runtime
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t
+
+        return wrapper
+
+    for bucket in rt.buckets:
+        bucket.optimizer.step = timed(bucket.optimizer.step, "class_step")
+    rt.engine.load = timed(rt.engine.load, "upload_queue")
+    out = train(args, model, opt, sync_between=False, on_step=lambda: spent.update(
+        class_step=0.0, upload_queue=0.0))  # fmt: skip
+    out.update({f"{k}_ms": v / args.steps * 1e3 for k, v in spent.items()})
     s = opt.stats()
     out.update(
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
@@ -309,6 +334,9 @@ ROWS = {
     "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "offload-15-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 1)),
+    "offload-bucket32": lambda a: row_offload(a, True, bucket_mib=32),
+    "offload-bucket128": lambda a: row_offload(a, True, bucket_mib=128),
+    "offload-bucket512": lambda a: row_offload(a, True, bucket_mib=512),
     "parity": row_parity,
 }
 
@@ -416,6 +444,11 @@ def report(args, results) -> None:
         print(f"| {name} | {r['tokens_s']:.0f} | {r['step_ms']:.0f} | {fbr} | "
               f"{st} | {r['peak_gib']:.1f} | {r['host_gib']:.1f} | {host_step} | "
               f"{hidden} | {parts} | {ratio} |")  # fmt: skip
+    for name, r in results.items():
+        if "class_step_ms" in r:
+            print(f"{name}: worker per step (mean of the timed steps): optimizer class step "
+                  f"{r['class_step_ms']:.0f} ms, queueing uploads {r['upload_queue_ms']:.0f} ms, "
+                  f"host step (stats, last step) {r['host_step_ms']:.0f} ms")  # fmt: skip
     for name, r in results.items():
         if "param_h2d_gb" in r:
             print(f"{name}: parameters streamed {r['param_h2d_gb']:.1f} GB up in all, peak "

@@ -12,7 +12,12 @@ Modules, bottom up: `_layout` (the pure host layout and buckets), `_runtime` (co
 the worker), `_optimizer` (the public face, a `torch.optim.Optimizer`).
 """
 
-from torchoffload.optim._layout import HostLayout, host_state_bytes, plan_layout
+from torchoffload.optim._layout import (
+    HostLayout,
+    default_bucket_bytes,
+    host_state_bytes,
+    plan_layout,
+)
 from torchoffload.optim._optimizer import OffloadedOptimizer
 from torchoffload.optim._runtime import (
     MovedGrad,
@@ -28,6 +33,7 @@ __all__ = [
     "OffloadedOptimizer",
     "OptimizerOffloadConfig",
     "OptimizerStats",
+    "default_bucket_bytes",
     "host_state_bytes",
     "plan_layout",
 ]

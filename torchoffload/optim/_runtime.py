@@ -24,7 +24,7 @@ from torchoffload._hosted import HOSTED, MANAGED, Hosted
 from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import copy_engine
 from torchoffload._validate import check_bool, check_int, check_number
-from torchoffload.optim._layout import Entry, HostLayout, plan_layout
+from torchoffload.optim._layout import Entry, HostLayout, default_bucket_bytes, plan_layout
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class OptimizerOffloadConfig:
 
     - ``bucket_bytes``: parameter bytes per bucket, the unit whose gradients leave the device
       together and whose step is one call of the optimizer class (smaller: more overlap, more
-      host overhead per step).
+      host overhead per step). ``None``: `default_bucket_bytes` of the parameters' bytes
+      (about 50 buckets, 32 to 256 MiB each).
     - ``max_grad_norm``: clip the gradients to this global norm before the step (like
       ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32). The step then starts
       only once every gradient has arrived; the copies still overlap backward. ``None``: no
@@ -143,7 +144,7 @@ class OptimizerOffloadConfig:
       `synchronize()` or any other call of the optimizer, which all finish the step.
     """
 
-    bucket_bytes: int = 32 << 20
+    bucket_bytes: int | None = None
     max_grad_norm: float | None = None
     norm_type: float = 2.0
     overlap: bool = True
@@ -158,7 +159,8 @@ class OptimizerOffloadConfig:
             raise ValueError(f"convert_on must be 'device' or 'host', got {self.convert_on!r}")
         if self.host_threads is not None:
             check_int("host_threads", self.host_threads, minimum=1)
-        check_int("bucket_bytes", self.bucket_bytes, minimum=1)
+        if self.bucket_bytes is not None:
+            check_int("bucket_bytes", self.bucket_bytes, minimum=1)
         if self.max_grad_norm is not None:
             check_number("max_grad_norm", self.max_grad_norm)
         if self.norm_type != float("inf"):
@@ -289,10 +291,14 @@ class HostStepRuntime:
         self.config = config
         self.device = device
         self.user_groups = groups  # the public optimizer's param_groups (live dicts)
+        shapes = [(shape_of(p), p.dtype) for p in params]
+        bucket_bytes = config.bucket_bytes
+        if bucket_bytes is None:
+            total = sum(torch.Size(s).numel() * dtype.itemsize for s, dtype in shapes)
+            bucket_bytes = default_bucket_bytes(total)
+        self.bucket_bytes = bucket_bytes
         self.layout: HostLayout = plan_layout(
-            [(shape_of(p), p.dtype) for p in params],
-            config.bucket_bytes,
-            staging=config.convert_on == "host",
+            shapes, bucket_bytes, staging=config.convert_on == "host"
         )
         self.engine = copy_engine(device, use_streams=config.use_streams)
         # - Host buffers (allocated once, exact size)

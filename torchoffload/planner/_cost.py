@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchoffload._transfer import CAST_CHUNK
-from torchoffload.optim import host_state_bytes
+from torchoffload.optim import default_bucket_bytes, host_state_bytes
 from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._trace import Profile
 
@@ -207,7 +207,7 @@ class CostModel:
         numel = profile.trainable_numel
         self.t_host = numel / hw.host_adam_params_per_s
         self.t_link = 4 * numel / self.bw
-        self.t_tail = min(4 * numel, 2 * BUCKET_BYTES) / self.bw
+        self.t_tail = min(4 * numel, 2 * bucket_bytes(profile)) / self.bw
         if host_optimizer:
             self.t_opt = 0.0
         self.t_params = profile.param_bytes / self.bw if host_params else 0.0
@@ -340,13 +340,17 @@ class CostModel:
         return Prediction(self.peak(decisions), f + b + o, f, b, o, moved)
 
 
-BUCKET_BYTES = 32 << 20  # OptimizerOffloadConfig's default
+def bucket_bytes(profile: Profile) -> int:
+    """The bucket size of an `OffloadedOptimizer` built with its defaults over the profile's
+    trainable parameters."""
+    return default_bucket_bytes(profile.trainable_bytes)
 
 
 def _without_gradients(profile: Profile, extra: int) -> list[int]:
     """The steady live bytes through backward when gradients leave the device as backward
     finishes them (two buckets may still be on it) and no optimizer state is on it."""
     end = profile.step_marks["backward_end"]
+    bucket = bucket_bytes(profile)
     done = [0] * (end + 2)
     for at, nbytes in profile.grad_events:
         done[min(at, end) + 1] += nbytes
@@ -354,7 +358,7 @@ def _without_gradients(profile: Profile, extra: int) -> list[int]:
     for k, v in enumerate(profile.timeline[: end + 1]):
         gone += done[k]
         # a gradient finished at event k left after it; keep two buckets as in flight
-        out.append(v + extra - max(gone - 2 * BUCKET_BYTES, 0))
+        out.append(v + extra - max(gone - 2 * bucket, 0))
     return out
 
 
