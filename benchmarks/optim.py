@@ -15,6 +15,8 @@ Rows, each in its own process (host and device memory start clean):
   ``-bucket512``: buckets of 32/128/512 MiB of parameters instead of the
   default (about 50 buckets). ``offload-at-step``: with ``overlap=False``;
   ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
+  ``offload-half``/``offload-ahead-half``: ``offload_fraction=0.5`` (half the parameter bytes
+  stepped on the host, the first half on the GPU with fp32 masters and state there).
   ``offload-params``: also the parameters in the host store, streamed per decoder layer for
   forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
 - ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), a
@@ -128,6 +130,7 @@ def row_offload(
     params=False,
     convert_on: str = "device",
     bucket_mib: int | None = None,
+    fraction: float = 1.0,
 ):
     import torchoffload as to
 
@@ -141,6 +144,7 @@ def row_offload(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
         convert_on=convert_on, bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
+        offload_fraction=fraction,
     )  # fmt: skip
     setup = time.perf_counter() - t
     # Where the worker's time goes (this benchmark's instrumentation, not the library's): the
@@ -168,6 +172,7 @@ def row_offload(
     out.update(
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
         link_gb=(s.d2h_bytes + s.h2d_bytes) / s.steps / 1e9, convert_on=convert_on,
+        fraction=fraction,
     )  # fmt: skip
     if handle is not None:
         ps = handle.stats()
@@ -334,6 +339,8 @@ ROWS = {
     "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "offload-15-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 1)),
+    "offload-half": lambda a: row_offload(a, True, fraction=0.5),
+    "offload-ahead-half": lambda a: row_offload(a, True, ahead=True, fraction=0.5),
     "offload-bucket32": lambda a: row_offload(a, True, bucket_mib=32),
     "offload-bucket128": lambda a: row_offload(a, True, bucket_mib=128),
     "offload-bucket512": lambda a: row_offload(a, True, bucket_mib=512),
@@ -346,8 +353,9 @@ def bound_of(r, cal, fb):
     without a calibration. See the module docstring."""
     if not cal or "convert_on" not in r:
         return None
-    n = cal["numel"]
-    host = cal["adamw_ms"] / 1e3
+    f = r.get("fraction", 1.0)  # the device steps the rest, and keeps its bytes off the link
+    n = cal["numel"] * f
+    host = cal["adamw_ms"] / 1e3 * f
     if r["convert_on"] == "host":
         host += 12 * n / 1e9 / cal["triad_gbs"]  # bf16 -> fp32 grads, fp32 -> bf16 values
         down = up = 2 * n

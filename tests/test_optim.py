@@ -672,3 +672,108 @@ def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():
         ref_loss.backward()
         ref.step()
     opt.remove()
+
+
+# -- offload_fraction: part of the state stays on the device ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ahead", [False, True], ids=["at-step", "ahead"])
+def test_offload_fraction_keeps_the_first_parameters_on_the_device_bitwise(dtype, ahead):
+    """Half the trainable bytes on the host (the last parameters, whose gradients come first),
+    the rest stepped on the device (the CPU here) at step(): with param groups, an LR
+    scheduler and gradient accumulation, bitwise the class on fp32 copies; the device part's
+    gradients are not moved."""
+    a = model(dtype)
+
+    def groups(ps):
+        return [{"params": ps[:2], "lr": 0.05}, {"params": ps[2:], "weight_decay": 0.0}]
+
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, groups=groups)
+    ps = list(a.parameters())
+    kw = dict(step_ahead=True, model=a) if ahead else {}
+    opt = to.OffloadedOptimizer(groups(ps), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                offload_fraction=0.5, **kw)  # fmt: skip
+    kept = {id(p) for p in opt._device.params}
+    host = [p for p in ps if id(p) not in kept]
+    pos = {id(p): i for i, p in enumerate(ps)}
+    assert kept and host and pos[id(host[0])] > max(pos[k] for k in kept)
+    nbytes = sum(p.numel() for p in ps)
+    assert 0.5 * nbytes <= sum(p.numel() for p in host) < nbytes
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(4):
+        with opt.accumulating():
+            loss_of(a, batch(10 + i, dtype)).backward()
+        loss_of(a, batch(i, dtype)).backward()
+        assert all(type(p.grad) is torch.Tensor for p in opt._device.params)
+        assert all(type(p.grad) is to.optim.MovedGrad for p in host)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        ref.backward(batch(10 + i, dtype))
+        ref.backward(batch(i, dtype))
+        ref.step()
+        ref_sched.step()
+        opt.synchronize()
+        assert same_params(a, ref.twin), i
+    assert same_state(opt, ref)
+    stats = opt.stats()
+    assert stats.device_params == len(kept)
+    n = sum(p.numel() for p in opt._device.params)
+    masters = 0 if dtype == torch.float32 else 4 * n
+    expected = masters + 8 * n  # AdamW's two fp32 moments, plus a scalar step per parameter
+    assert expected <= stats.device_state_bytes <= expected + 8 * len(kept)
+    assert "kept on the device" in repr(opt)
+    opt.remove()
+
+
+def test_offload_fraction_state_dict_moves_between_placements():
+    """A state dict saved with part of the state on the device loads into an optimizer with
+    all of it on the host, and that one's into a third with another split, continuing
+    bitwise."""
+    a = model(torch.bfloat16)
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                offload_fraction=0.3)  # fmt: skip
+    for i in range(2):
+        loss_of(a, batch(i, torch.bfloat16)).backward()
+        opt.step()
+        ref.backward(batch(i, torch.bfloat16))
+        ref.step()
+    for step, fraction in ((5, 1.0), (6, 0.6)):
+        saved = opt.state_dict()
+        assert len(saved["master_params"]) == len(list(a.parameters()))
+        opt.remove()
+        b = model(torch.bfloat16, seed=3)
+        b.load_state_dict(a.state_dict())
+        opt = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2,
+                                    offload_fraction=fraction)  # fmt: skip
+        opt.load_state_dict(saved)
+        loss_of(b, batch(step, torch.bfloat16)).backward()
+        opt.step()
+        ref.backward(batch(step, torch.bfloat16))
+        ref.step()
+        assert same_params(b, ref.twin), fraction
+        assert same_state(opt, ref)
+        a = b
+    opt.remove()
+
+
+def test_offload_fraction_refusals():
+    a = model()
+    for bad in (0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="offload_fraction"):
+            to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, offload_fraction=bad)
+    with pytest.raises(ValueError, match="offload_fraction < 1: not supported yet with max_gr"):
+        to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, offload_fraction=0.5,
+                              max_grad_norm=1.0)  # fmt: skip
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, offload_fraction=0.5)
+    with pytest.raises(ValueError, match="already managed"):  # a device-part parameter too
+        to.OffloadedOptimizer([a[0].weight], torch.optim.AdamW)
+    a[0].weight.requires_grad_(False)
+    loss_of(a, batch(0)).backward()
+    with pytest.raises(RuntimeError, match="requires_grad was True"):
+        opt.step()
+    opt.remove()
+    to.OffloadedOptimizer([a[0].bias], torch.optim.AdamW).remove()  # released by remove()

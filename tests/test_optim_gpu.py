@@ -123,3 +123,42 @@ def test_no_host_sync_on_the_callers_thread_and_no_device_gradients_kept():
     stats = opt.stats()
     # gradients down and new values up in fp32 (the copies convert): twice the bf16 bytes
     assert stats.steps == 4 and stats.d2h_bytes == stats.h2d_bytes == 4 * 2 * params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_offload_fraction_bitwise_with_slowed_copies(dtype):
+    """Half the state on the host, half on the GPU: the host part is bitwise the class on fp32
+    host copies, the device part the class on fp32 device copies (fused AdamW on each)."""
+    a = gpt(dtype)
+    twin = copy.deepcopy(a)
+    kw = dict(lr=1e-3, weight_decay=0.1, fused=True)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20,
+                                offload_fraction=0.5, **kw)  # fmt: skip
+    kept = {id(p) for p in opt._device.params}
+    pairs = list(zip(a.parameters(), twin.parameters(), strict=True))
+    on_dev = [id(p) in kept for p, _ in pairs]
+    assert any(on_dev) and not all(on_dev)
+    masters = [q.detach().float().clone() if d else q.detach().float().cpu()
+               for (_, q), d in zip(pairs, on_dev, strict=True)]  # fmt: skip
+    refs = [torch.optim.AdamW([m for m, d in zip(masters, on_dev, strict=True) if d == side], **kw)
+            for side in (True, False)]  # fmt: skip
+    with testing.slow_copies(cycles=5_000_000):
+        for step in range(4):
+            x = tokens(step)
+            loss, ref_loss = a.loss(x), twin.loss(x)
+            assert torch.equal(loss, ref_loss), step
+            loss.backward()
+            ref_loss.backward()
+            opt.step()
+            for m, (_, q) in zip(masters, pairs, strict=True):
+                m.grad = q.grad.float().to(m.device)
+            for ref in refs:
+                ref.step()
+            twin.zero_grad()
+            with torch.no_grad():
+                for m, (_, q) in zip(masters, pairs, strict=True):
+                    q.copy_(m)
+            for p, q in pairs:
+                assert torch.equal(p, q), step
+    assert opt.stats().device_state_bytes > 0
+    opt.remove()

@@ -9,7 +9,8 @@ opt.zero_grad()
 ```
 
 Modules, bottom up: `_layout` (the pure host layout and buckets), `_runtime` (copies, hooks,
-the worker), `_optimizer` (the public face, a `torch.optim.Optimizer`).
+the worker), `_device` (the part stepped on the device with ``offload_fraction`` < 1),
+`_optimizer` (the public face, a `torch.optim.Optimizer`).
 """
 
 from torchoffload.optim._layout import (

@@ -10,10 +10,12 @@ from typing import Any
 import torch
 
 from torchoffload._hosted import HOSTED, MANAGED
+from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._runtime import (
     HostStepRuntime,
     OptimizerOffloadConfig,
     OptimizerStats,
+    _hyper,
     is_dtensor,
     local,
     shape_of,
@@ -101,6 +103,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "yet; their gradients stay on the device until step(), so clip them with "
                 "torch.nn.utils.clip_grad_norm_ before calling step()"
             )
+        if config.offload_fraction < 1.0:
+            why = None
+            if any(is_dtensor(p) for p in flat):
+                why = "DTensor parameters (FSDP2, tensor parallel)"
+            elif any(p in HOSTED for p in flat):
+                why = "parameters streamed by stream_parameters"
+            elif config.max_grad_norm is not None:
+                why = "max_grad_norm (the norm would span host and device gradients)"
+            if why is not None:
+                raise ValueError(f"offload_fraction < 1: not supported yet with {why}")
         # The class's defaults, and its own check of the keyword arguments.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
         self._building = True
@@ -108,9 +120,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.config = config
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
+        on_host = _split(flat, config.offload_fraction)
+        # Indices, in the optimizer's parameter order, of the host part's parameters and of
+        # the device part's (Note: [Which parameters stay on the device]).
+        self._host_index = [i for i, h in enumerate(on_host) if h]
+        self._device = None
+        if not all(on_host):
+            kept = [i for i, h in enumerate(on_host) if not h]
+            self._device = DeviceStep(
+                [flat[i] for i in kept], kept, [group_of[i] for i in kept], self.param_groups,
+                optimizer_class, kwargs,
+            )  # fmt: skip
         self._runtime = HostStepRuntime(
-            flat, group_of, self.param_groups, optimizer_class, kwargs, config, device
-        )
+            [flat[i] for i in self._host_index], [group_of[i] for i in self._host_index],
+            self.param_groups, optimizer_class, kwargs, config, device,
+        )  # fmt: skip
+        if self._device is not None:
+            self._runtime.kept_on_device = self._device.params
+            for p in self._device.params:
+                MANAGED[p] = self._runtime
         self._finalizer = weakref.finalize(self, self._runtime.close)
         self._forward_hooks = []
         if config.step_ahead:
@@ -135,7 +163,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "the device, unscaled, during backward and may have been stepped already): "
                 "train in bf16 without loss scaling"
             )
-        self._live().step()
+        rt = self._live()
+        if self._device is not None:
+            # Queued on the compute stream first, so the device steps its part while the host
+            # finishes its own.
+            self._device.step([_hyper(g) for g in self.param_groups])
+        rt.step()
 
     def synchronize(self) -> None:
         """Finish a step still running on the host (``step_ahead``): afterwards every
@@ -147,6 +180,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         without it (by the version counter); writes through ``param.data`` are not: call this
         after them."""
         self._live().reload_parameters()
+        if self._device is not None:
+            for k in range(len(self._device.params)):
+                self._device.reload(k)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
@@ -180,6 +216,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         the fp32 master of every parameter that is not fp32, by index."""
         rt = self._live()
         rt.check_idle("state_dict()")
+        gidx = self._host_index
         packed_groups, index = [], 0
         for group in self.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -191,9 +228,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for rec in bucket.records:
                 s = bucket.optimizer.state.get(rec.master)
                 if s:
-                    state[rec.entry.index] = s
+                    state[gidx[rec.entry.index]] = s
                 if rec.entry.dtype != torch.float32:
-                    masters[rec.entry.index] = rec.master
+                    masters[gidx[rec.entry.index]] = rec.master
+        dev = self._device
+        if dev is not None:
+            for k, master in enumerate(dev.masters):
+                s = dev.optimizer.state.get(master)
+                if s:
+                    state[dev.index[k]] = s
+                if master is not dev.params[k]:
+                    masters[dev.index[k]] = master
         return {
             "state": dict(sorted(state.items())),
             "param_groups": packed_groups,
@@ -222,15 +267,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         order = [i for group in saved for i in group["params"]]  # saved id of each parameter
         state = state_dict.get("state", {})
         masters = state_dict.get("master_params", {})
-        for i, rec in enumerate(rt.records):
+        gidx, dev = self._host_index, self._device
+        every = [(gidx[k], rec.param) for k, rec in enumerate(rt.records)]
+        if dev is not None:
+            every += list(zip(dev.index, dev.params, strict=True))
+        for i, param in every:
             m = masters.get(order[i])
             if m is None:
                 continue
-            p = value_of(rec.param)
-            if tuple(m.shape) != shape_of(rec.param):
+            p = value_of(param)
+            if tuple(m.shape) != shape_of(param):
                 raise ValueError(
                     f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
-                    f"{shape_of(rec.param)}"
+                    f"{shape_of(param)}"
                 )
             rounded = m.to(device=p.device, dtype=p.dtype)
             if not torch.equal(rounded, p):
@@ -247,7 +296,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 ids = []
                 for master in host_group["params"]:
                     rec = by_master[id(master)]
-                    key = order[rec.entry.index]
+                    key = order[gidx[rec.entry.index]]
                     if key in state:
                         local_state[slot] = state[key]
                     ids.append(slot)
@@ -257,8 +306,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for host_group, g in zip(local_groups, bucket.groups, strict=True):
                 host_group.update({k: v for k, v in self.param_groups[g].items() if k != "params"})
             bucket.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
-        for i, rec in enumerate(rt.records):
-            m = masters.get(order[i])
+        if dev is not None:
+            _load_device(dev, order, state, masters, self.param_groups)
+        for k, rec in enumerate(rt.records):
+            m = masters.get(order[gidx[k]])
             if m is not None:
                 rec.master.copy_(m)
                 if rec.hosted is not None:
@@ -281,6 +332,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if isinstance(t, torch.Tensor)
         )
         host = rt.last_host_ms
+        dev = self._device
         return OptimizerStats(
             steps=rt.steps,
             buckets=len(rt.buckets),
@@ -293,6 +345,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             step_wait_ms=rt.wait_ms,
             overlap=(1 - rt.last_host_ms_after_call / host) if host > 0 else 0.0,
             grad_norm=None if rt.grad_norm is None else float(rt.grad_norm),
+            device_params=0 if dev is None else sum(dev.trainable),
+            device_state_bytes=0 if dev is None else dev.state_bytes(),
         )
 
     @property
@@ -318,8 +372,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         rt = self._runtime
         name = type(rt.buckets[0].optimizer).__name__ if rt.buckets else "?"
+        kept = "" if self._device is None else f", {len(self._device.params)} kept on the device"
         return (f"OffloadedOptimizer({name}, {len(rt.records)} parameters in "
-                f"{len(rt.buckets)} buckets on {rt.device})")  # fmt: skip
+                f"{len(rt.buckets)} buckets on the host for {rt.device}{kept})")  # fmt: skip
 
     def __getstate__(self) -> Any:
         raise TypeError("an OffloadedOptimizer cannot be pickled: save its state_dict()")
@@ -332,6 +387,47 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:
+    """Which parameters the host steps: the trainable ones whose gradients backward finishes
+    first (the last in order) until ``fraction`` of the trainable bytes (at least one), and,
+    with every parameter on the host, the frozen ones too (Note: [Which parameters stay on
+    the device])."""
+    if fraction >= 1.0:
+        return [True] * len(params)
+    nbytes = [local(p).numel() * p.element_size() if p.requires_grad else 0 for p in params]
+    want, taken = fraction * sum(nbytes), 0
+    on_host = [False] * len(params)
+    for i in reversed(range(len(params))):
+        if nbytes[i] and (taken < want or taken == 0):
+            on_host[i] = True
+            taken += nbytes[i]
+    return on_host
+
+
+def _load_device(dev: DeviceStep, order, state, masters, user_groups) -> None:
+    """`load_state_dict` for the device part: its state and masters from the saved ones."""
+    local_state, local_groups, slot = {}, [], 0
+    position = {id(m): k for k, m in enumerate(dev.masters)}
+    for group, g in zip(dev.optimizer.param_groups, dev.groups, strict=True):
+        ids = []
+        for master in group["params"]:
+            key = order[dev.index[position[id(master)]]]
+            if key in state:
+                local_state[slot] = state[key]
+            ids.append(slot)
+            slot += 1
+        local_groups.append({**{k: v for k, v in user_groups[g].items() if k != "params"},
+                             "params": ids})  # fmt: skip
+    dev.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+    for k, master in enumerate(dev.masters):
+        m = masters.get(order[dev.index[k]])
+        if m is not None and master is not dev.params[k]:
+            master.copy_(m)
+            dev.synced[k] = (dev.params[k]._version, dev.params[k].data_ptr())
+        else:
+            dev.reload(k)
 
 
 def _groups(params: Any) -> list[dict[str, Any]]:

@@ -137,6 +137,11 @@ class OptimizerOffloadConfig:
       parameter's own dtype crosses the link (half the bytes for bf16) and the host converts
       (12 bytes of host memory traffic per bf16 element). Choose ``"host"`` when the link,
       not the host, binds.
+    - ``offload_fraction``: the share of the trainable parameter bytes whose optimizer step,
+      state and fp32 masters go to the host (those whose gradients backward finishes first);
+      the rest stay on the device and are stepped there at `step()` (Note: [Which parameters
+      stay on the device]). ``1.0``: all of them. Below 1, not supported yet: DTensor
+      parameters, parameters streamed by `stream_parameters`, ``max_grad_norm``.
     - ``step_ahead``: `step()` returns once every bucket is queued, and the host step goes on
       while the next forward runs: inside ``model``'s forward (given to `OffloadedOptimizer`),
       the first op that reads a parameter still being stepped waits for it (Note: [Stepping
@@ -153,8 +158,10 @@ class OptimizerOffloadConfig:
     host_threads: int | None = None
     step_ahead: bool = False
     convert_on: str = "device"
+    offload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
+        check_number("offload_fraction", self.offload_fraction, maximum=1.0)
         if self.convert_on not in ("device", "host"):
             raise ValueError(f"convert_on must be 'device' or 'host', got {self.convert_on!r}")
         if self.host_threads is not None:
@@ -177,7 +184,9 @@ class OptimizerStats:
     and stepping (the host work). ``host_step_ms_after_call``: the part of it that ran after
     `step()` was called, i.e. was not hidden behind backward. ``step_wait_ms``: how long
     `step()` blocked its caller. ``overlap``: the fraction of ``host_step_ms`` hidden behind
-    backward."""
+    backward. ``device_params``/``device_state_bytes``:
+    trainable parameters stepped on the device (``offload_fraction`` < 1) and the device bytes
+    of their fp32 masters and optimizer state."""
 
     steps: int
     buckets: int
@@ -190,6 +199,8 @@ class OptimizerStats:
     step_wait_ms: float
     overlap: float
     grad_norm: float | None
+    device_params: int = 0
+    device_state_bytes: int = 0
 
 
 class MovedGradError(RuntimeError):
@@ -361,6 +372,7 @@ class HostStepRuntime:
             for r in self.records
             if r.trainable and not r.dtensor
         ]
+        self.kept_on_device: list[torch.Tensor] = []  # the façade's device part's parameters
         for rec in self.records:
             MANAGED[rec.param] = self
             if rec.hosted is not None:
@@ -870,6 +882,9 @@ class HostStepRuntime:
             h.remove()
         self._queue.put(("stop",))
         self._worker.join()
+        for p in self.kept_on_device:
+            if MANAGED.get(p) is self:
+                del MANAGED[p]
         for rec in self.records:
             if MANAGED.get(rec.param) is self:
                 del MANAGED[rec.param]

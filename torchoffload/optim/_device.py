@@ -1,0 +1,120 @@
+"""The part of an `OffloadedOptimizer` that stays on the device (``offload_fraction`` < 1).
+
+Note: [Which parameters stay on the device]
+With ``offload_fraction=f`` the host steps the trainable parameters whose gradients backward
+finishes first (the last in parameter order), about ``f`` of the trainable bytes; the rest,
+the first layers and typically the embedding, are stepped on the device at `step()`. The host
+step binds a host-placed step (benchmarks/README.md: a fused fp32 AdamW over 3.2 B parameters
+took 0.6-1.2 s of host time against 0.52 s of forward and backward), and what the host steps
+during backward is hidden; the device steps the rest in a few milliseconds but keeps its
+fp32 masters, gradients and state (16 bytes a bf16 parameter with AdamW). So ``f`` trades
+device memory for host time. The parameters the host takes are those whose gradients arrive
+first, so its step starts as early in backward as it can; those the device keeps are those
+the next forward reads first.
+
+The device part is what a resident fp32-master recipe does: fp32 masters (a parameter that is
+fp32 is its own master), the optimizer class over them on the device, the new values rounded
+into the parameters, all on the compute stream (queued, no host sync); the step consumes the
+gradients, as the host part's have left the device. Its step is bitwise the
+class's on those device tensors; the host part's is bitwise the class's on host tensors (CPU
+and CUDA kernels of one class may round differently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload.optim._runtime import _hyper
+
+
+class DeviceStep:
+    """Masters, the optimizer class and its state on the device, for ``params`` (with the
+    user group of each in ``group_of``, and ``index``, their indices in the optimizer's
+    parameter order)."""
+
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        index: list[int],
+        group_of: list[int],
+        user_groups: list[dict[str, Any]],
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+    ):
+        self.params = params
+        self.index = index
+        self.trainable = [p.requires_grad for p in params]
+        self.built = [(p.dtype, tuple(p.shape), p.device) for p in params]
+        self.user_groups = user_groups
+        self.masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
+        self.synced = [(p._version, p.data_ptr()) for p in params]
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for master, g in zip(self.masters, group_of, strict=True):
+            by_group.setdefault(g, []).append(master)
+        self.groups = list(by_group)
+        self.optimizer = optimizer_class(
+            [{**_hyper(user_groups[g]), "params": ms} for g, ms in by_group.items()],
+            **optimizer_kwargs,
+        )
+
+    def check(self) -> None:
+        """Refuse what the host part refuses (Note: [When a gradient is final] and `_check`);
+        re-read a master whose parameter was changed outside the optimizer."""
+        for k, p in enumerate(self.params):
+            if p.requires_grad != self.trainable[k]:
+                raise RuntimeError(
+                    f"parameter {self.index[k]}: requires_grad was {self.trainable[k]} when the "
+                    f"optimizer was built and is {p.requires_grad} now: build the "
+                    "OffloadedOptimizer after freezing or unfreezing parameters"
+                )
+            if (p.dtype, tuple(p.shape), p.device) != self.built[k]:
+                dtype, shape, device = self.built[k]
+                raise RuntimeError(
+                    f"parameter {self.index[k]} is now {p.dtype} {tuple(p.shape)} on "
+                    f"{p.device}, was {dtype} {shape} on {device} when the optimizer was built: "
+                    "build the OffloadedOptimizer after converting the model"
+                )
+            if self.masters[k] is not p and (p._version, p.data_ptr()) != self.synced[k]:
+                self.reload(k)
+
+    def reload(self, k: int) -> None:
+        master, p = self.masters[k], self.params[k]
+        if master is not p:
+            with torch.no_grad():
+                master.copy_(p)
+        self.synced[k] = (p._version, p.data_ptr())
+
+    @torch.no_grad()
+    def step(self, hyper: list[dict[str, Any]]) -> None:
+        """Step with the hyperparameters ``hyper`` (one dict per user group), on the compute
+        stream."""
+        self.check()
+        for group, g in zip(self.optimizer.param_groups, self.groups, strict=True):
+            group.update(hyper[g])
+        for master, p in zip(self.masters, self.params, strict=True):
+            if master is not p:
+                master.grad = None if p.grad is None else p.grad.float()
+        self.optimizer.step()
+        for k, (master, p) in enumerate(zip(self.masters, self.params, strict=True)):
+            if master is not p:
+                master.grad = None
+                if p.grad is not None:
+                    p.copy_(master)
+            # The step consumes the gradient, as the host part's left the device: the next
+            # backward starts from none, zero_grad() or not.
+            p.grad = None
+            self.synced[k] = (p._version, p.data_ptr())
+
+    def state_bytes(self) -> int:
+        """Device bytes of masters (those that are not the parameter) and optimizer state."""
+        masters = sum(m.numel() * 4 for m, p in zip(self.masters, self.params, strict=True)
+                      if m is not p)  # fmt: skip
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return masters + state
