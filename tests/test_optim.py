@@ -773,7 +773,62 @@ def test_offload_fraction_refusals():
         to.OffloadedOptimizer([a[0].weight], torch.optim.AdamW)
     a[0].weight.requires_grad_(False)
     loss_of(a, batch(0)).backward()
-    with pytest.raises(RuntimeError, match="requires_grad was True"):
+    with pytest.raises(RuntimeError, match="parameter 0: requires_grad was True"):
         opt.step()
     opt.remove()
     to.OffloadedOptimizer([a[0].bias], torch.optim.AdamW).remove()  # released by remove()
+    # Messages name parameters in the optimizer's order, for the host part too.
+    b = model()
+    opt = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, offload_fraction=0.5)
+    b[4].bias.requires_grad_(False)  # parameter 5, stepped on the host
+    with pytest.raises(RuntimeError, match="parameter 5: requires_grad was True"):
+        loss_of(b, batch(0)).backward()
+        opt.step()
+    opt.remove()
+
+
+def test_offload_fraction_keeps_no_copy_of_frozen_parameters():
+    a = model(torch.bfloat16)
+    a[0].weight.requires_grad_(False)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                offload_fraction=0.5)  # fmt: skip
+    assert any(p is a[0].weight for p in opt._device.params)
+    loss_of(a, batch(0, torch.bfloat16)).backward()
+    opt.step()
+    trainable = [p for p in opt._device.params if p.requires_grad]
+    n = sum(p.numel() for p in trainable)
+    # fp32 masters and AdamW's two moments of the trainable ones (plus a scalar step each)
+    assert 12 * n <= opt.stats().device_state_bytes <= 12 * n + 8 * len(trainable)
+    opt.remove()
+
+
+class Strided(nn.Module):
+    """A channels_last conv and a transposed weight: gradients and parameters that are not
+    contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+        self.w = nn.Parameter(torch.randn(16, 8).t())
+
+    def forward(self, x):
+        x = x.view(-1, 4, 2, 2).repeat(1, 1, 2, 2).to(memory_format=torch.channels_last)
+        return self.conv(x).mean((2, 3)) @ self.w
+
+
+@pytest.mark.parametrize("convert_on", ["device", "host"])
+def test_strided_parameters_are_converted_bitwise(convert_on):
+    a = Strided().to(torch.bfloat16)
+    assert not a.conv.weight.is_contiguous() and not a.w.is_contiguous()
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                convert_on=convert_on)  # fmt: skip
+    for i in range(3):
+        loss_of(a, batch(i, torch.bfloat16)).backward()
+        opt.step()
+        ref.backward(batch(i, torch.bfloat16))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    assert not a.conv.weight.is_contiguous()  # the layout survives the upload
+    opt.remove()

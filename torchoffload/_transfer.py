@@ -270,12 +270,26 @@ def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.dtype == src.dtype:
         dst.copy_(src, non_blocking=True)
         return
-    if dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
+    if dst.shape != src.shape:
         raise ValueError(
-            f"a converting copy needs two contiguous tensors of one shape, got {tuple(dst.shape)} "
-            f"and {tuple(src.shape)}"
+            f"a converting copy needs two tensors of one shape, got {tuple(dst.shape)} and "
+            f"{tuple(src.shape)}"
         )
-    down = src.device.type != "cpu"  # the device side is the source: D2H (or on the CPU)
+    # D2H: the device side is the source. Between two tensors of one device (the CPU, in CI)
+    # a widening copy takes that branch too, so both are exercised there.
+    down = src.device.type != "cpu" or (
+        src.device == dst.device and dst.element_size() > src.element_size()
+    )
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        # A strided parameter (channels_last, a transposed weight): one whole-size scratch
+        # tensor, whose layout the cast keeps; rare enough not to chunk.
+        if down:
+            dst.copy_(src.to(dst.dtype), non_blocking=True)
+        else:
+            up = torch.empty_like(src, device=dst.device)
+            up.copy_(src, non_blocking=True)
+            dst.copy_(up)
+        return
     d, s = dst.view(-1), src.view(-1)
     for i in range(0, d.numel(), CAST_CHUNK):
         j = min(i + CAST_CHUNK, d.numel())
@@ -285,6 +299,7 @@ def _copy_pair(dst: torch.Tensor, src: torch.Tensor) -> None:
             up = torch.empty(j - i, dtype=src.dtype, device=dst.device)
             up.copy_(s[i:j], non_blocking=True)
             d[i:j].copy_(up)
+            del up  # before the next chunk's: one chunk of scratch at a time
 
 
 class WaitTimer:

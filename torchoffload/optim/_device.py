@@ -1,9 +1,11 @@
 """The part of an `OffloadedOptimizer` that stays on the device (``offload_fraction`` < 1).
 
 Note: [Which parameters stay on the device]
-With ``offload_fraction=f`` the host steps the trainable parameters whose gradients backward
-finishes first (the last in parameter order), about ``f`` of the trainable bytes; the rest,
-the first layers and typically the embedding, are stepped on the device at `step()`. The host
+With ``offload_fraction=f`` the host steps the trainable parameters last in the optimizer's
+parameter order (its param groups, concatenated), about ``f`` of the trainable bytes; for a
+model's ``parameters()`` those are the last layers, whose gradients backward finishes first.
+The rest, the first layers and typically the embedding, are stepped on the device at
+`step()`; frozen parameters stay there too, without a copy. The host
 step binds a host-placed step (benchmarks/README.md: a fused fp32 AdamW over 3.2 B parameters
 took 0.6-1.2 s of host time against 0.52 s of forward and backward), and what the host steps
 during backward is hidden; the device steps the rest in a few milliseconds but keeps its
@@ -48,7 +50,11 @@ class DeviceStep:
         self.trainable = [p.requires_grad for p in params]
         self.built = [(p.dtype, tuple(p.shape), p.device) for p in params]
         self.user_groups = user_groups
-        self.masters = [p if p.dtype == torch.float32 else p.detach().float() for p in params]
+        # A frozen parameter is its own "master": never stepped, no fp32 copy on the device.
+        self.masters = [
+            p if p.dtype == torch.float32 or not p.requires_grad else p.detach().float()
+            for p in params
+        ]
         self.synced = [(p._version, p.data_ptr()) for p in params]
         by_group: dict[int, list[torch.Tensor]] = {}
         for master, g in zip(self.masters, group_of, strict=True):
@@ -93,15 +99,22 @@ class DeviceStep:
         self.check()
         for group, g in zip(self.optimizer.param_groups, self.groups, strict=True):
             group.update(hyper[g])
-        for master, p in zip(self.masters, self.params, strict=True):
-            if master is not p:
-                master.grad = None if p.grad is None else p.grad.float()
-        self.optimizer.step()
+        stepped = [p.grad is not None for p in self.params]
+        try:
+            for master, p in zip(self.masters, self.params, strict=True):
+                if master is not p and p.grad is not None:
+                    # fp32 gradient in, the parameter's dropped at once (the peak holds one
+                    # parameter's both, not every one's)
+                    master.grad = p.grad.float()
+                    p.grad = None
+            self.optimizer.step()
+        finally:
+            for master, p in zip(self.masters, self.params, strict=True):
+                if master is not p:
+                    master.grad = None
         for k, (master, p) in enumerate(zip(self.masters, self.params, strict=True)):
-            if master is not p:
-                master.grad = None
-                if p.grad is not None:
-                    p.copy_(master)
+            if master is not p and stepped[k]:
+                p.copy_(master)
             # The step consumes the gradient, as the host part's left the device: the next
             # backward starts from none, zero_grad() or not.
             p.grad = None
@@ -111,10 +124,11 @@ class DeviceStep:
         """Device bytes of masters (those that are not the parameter) and optimizer state."""
         masters = sum(m.numel() * 4 for m, p in zip(self.masters, self.params, strict=True)
                       if m is not p)  # fmt: skip
+        device = self.params[0].device if self.params else None
         state = sum(
             t.numel() * t.element_size()
             for s in self.optimizer.state.values()
             for t in s.values()
-            if isinstance(t, torch.Tensor)
+            if isinstance(t, torch.Tensor) and t.device == device
         )
         return masters + state

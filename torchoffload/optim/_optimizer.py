@@ -46,7 +46,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``param.grad`` then holds a `MovedGrad` that raises when read, until `step()`. Clip with
     ``max_grad_norm`` (the config), not ``clip_grad_norm_`` on the model. LR schedulers,
     `state_dict`/`load_state_dict` (in the plain class's format, plus ``"master_params"`` for
-    parameters that are not fp32), `zero_grad` and step hooks work as with the plain class.
+    parameters that are not fp32), `zero_grad` and step hooks work as with the plain class,
+    with one difference: `step()` consumes the gradients (they left the device), so with
+    ``zero_grad(set_to_none=False)`` a parameter without a gradient in the next backward is not
+    stepped, where the plain class would step it with a zero gradient.
 
     ``params``: parameters (or param groups) of one device; ``config``: an
     `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
@@ -133,7 +136,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
         self._runtime = HostStepRuntime(
             [flat[i] for i in self._host_index], [group_of[i] for i in self._host_index],
-            self.param_groups, optimizer_class, kwargs, config, device,
+            self.param_groups, optimizer_class, kwargs, config, device, self._host_index,
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
@@ -164,11 +167,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "train in bf16 without loss scaling"
             )
         rt = self._live()
-        if self._device is not None:
-            # Queued on the compute stream first, so the device steps its part while the host
-            # finishes its own.
-            self._device.step([_hyper(g) for g in self.param_groups])
-        rt.step()
+        dev = self._device
+        if dev is None:
+            rt.step()
+            return
+        # Queued on the compute stream once the host part's last buckets are on their way
+        # (their copies do not wait for it), while the host finishes its own.
+        hyper = [_hyper(g) for g in self.param_groups]
+        rt.step(between=lambda: dev.step(hyper))
 
     def synchronize(self) -> None:
         """Finish a step still running on the host (``step_ahead``): afterwards every
@@ -357,11 +363,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return rt.grad_norm
 
     def remove(self) -> None:
-        """Stop the worker, remove the hooks, free the host buffers. The parameters keep their
-        current values; the optimizer cannot be used afterwards."""
+        """Stop the worker and remove the hooks. The parameters keep their current values; the
+        optimizer cannot be used afterwards. The device part (``offload_fraction`` < 1) is
+        dropped now; the host buffers are freed with the optimizer object (a `state_dict()`
+        taken before may still view them)."""
         for h in self._forward_hooks:
             h.remove()
         self._finalizer()
+        self._device = None
 
     def _live(self) -> HostStepRuntime:
         rt = self._runtime

@@ -141,7 +141,8 @@ class OptimizerOffloadConfig:
       state and fp32 masters go to the host (those whose gradients backward finishes first);
       the rest stay on the device and are stepped there at `step()` (Note: [Which parameters
       stay on the device]). ``1.0``: all of them. Below 1, not supported yet: DTensor
-      parameters, parameters streamed by `stream_parameters`, ``max_grad_norm``.
+      parameters, parameters streamed by `stream_parameters`, ``max_grad_norm``. The default
+      ``bucket_bytes`` is then computed from the host part alone.
     - ``step_ahead``: `step()` returns once every bucket is queued, and the host step goes on
       while the next forward runs: inside ``model``'s forward (given to `OffloadedOptimizer`),
       the first op that reads a parameter still being stepped waits for it (Note: [Stepping
@@ -298,14 +299,20 @@ class HostStepRuntime:
         optimizer_kwargs: dict[str, Any],
         config: OptimizerOffloadConfig,
         device: torch.device,
+        numbering: list[int] | None = None,
     ):
         self.config = config
         self.device = device
         self.user_groups = groups  # the public optimizer's param_groups (live dicts)
+        # Each parameter's index in the optimizer's order, for messages (the host part of an
+        # offload_fraction split is a subset)
+        self.numbering = list(range(len(params))) if numbering is None else numbering
         shapes = [(shape_of(p), p.dtype) for p in params]
         bucket_bytes = config.bucket_bytes
-        if bucket_bytes is None:
-            total = sum(torch.Size(s).numel() * dtype.itemsize for s, dtype in shapes)
+        if bucket_bytes is None:  # of the trainable bytes, as the planner counts them
+            trainable = zip(shapes, params, strict=True)
+            total = sum(torch.Size(s).numel() * t.itemsize for (s, t), p in trainable
+                        if p.requires_grad)  # fmt: skip
             bucket_bytes = default_bucket_bytes(total)
         self.bucket_bytes = bucket_bytes
         self.layout: HostLayout = plan_layout(
@@ -379,6 +386,10 @@ class HostStepRuntime:
                 rec.hosted.users += 1
         self.closed = False
 
+    def _no(self, rec: _Record) -> int:
+        """The record's parameter's index in the optimizer's order, for messages."""
+        return self.numbering[rec.entry.index]
+
     # - Construction
     def _record(self, entry: Entry, param: torch.Tensor) -> _Record:
         n, shape = entry.numel, entry.shape
@@ -412,7 +423,7 @@ class HostStepRuntime:
         with self._lock:
             if rec.final:
                 raise RuntimeError(
-                    f"parameter {rec.entry.index} got a second final gradient before step(): "
+                    f"parameter {self._no(rec)} got a second final gradient before step(): "
                     "run every backward but the last of a gradient accumulation inside "
                     "optimizer.accumulating()"
                 )
@@ -456,10 +467,10 @@ class HostStepRuntime:
             if g is None:
                 continue
             if type(g) is MovedGrad:
-                raise RuntimeError(f"parameter {rec.entry.index}: {_MOVED}")
+                raise RuntimeError(f"parameter {self._no(rec)}: {_MOVED}")
             if g.layout != torch.strided or (g.dtype, tuple(g.shape)) != (p.dtype, rec.entry.shape):
                 raise RuntimeError(
-                    f"parameter {rec.entry.index}: gradient {g.dtype} {tuple(g.shape)} "
+                    f"parameter {self._no(rec)}: gradient {g.dtype} {tuple(g.shape)} "
                     f"({g.layout}) does not match the parameter; an OffloadedOptimizer needs "
                     "dense gradients of the parameter's dtype and shape"
                 )
@@ -490,14 +501,14 @@ class HostStepRuntime:
         p = local(rec.param)
         if rec.param.requires_grad != rec.trainable:
             raise RuntimeError(
-                f"parameter {rec.entry.index}: requires_grad was {rec.trainable} when the "
+                f"parameter {self._no(rec)}: requires_grad was {rec.trainable} when the "
                 f"optimizer was built and is {rec.param.requires_grad} now: build the "
                 "OffloadedOptimizer after freezing or unfreezing parameters"
             )
         if rec.hosted is not None:
             if HOSTED.get(rec.param) is not rec.hosted:
                 raise RuntimeError(
-                    f"parameter {rec.entry.index} is no longer streamed by the "
+                    f"parameter {self._no(rec)} is no longer streamed by the "
                     "stream_parameters handle it was streamed by when the optimizer was built"
                 )
             if rec.synced[0] != rec.hosted.version:
@@ -505,12 +516,12 @@ class HostStepRuntime:
             return
         if p.device != self.device:
             raise RuntimeError(
-                f"parameter {rec.entry.index} is now on {p.device}, was on {self.device} when "
+                f"parameter {self._no(rec)} is now on {p.device}, was on {self.device} when "
                 "the optimizer was built"
             )
         if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
             raise RuntimeError(
-                f"parameter {rec.entry.index} is now {p.dtype} {tuple(p.shape)}, was "
+                f"parameter {self._no(rec)} is now {p.dtype} {tuple(p.shape)}, was "
                 f"{rec.entry.dtype} {rec.entry.shape} when the optimizer was built: build "
                 "the OffloadedOptimizer after converting the model"
             )
@@ -676,9 +687,13 @@ class HostStepRuntime:
             self.host_ms_after_call += (end - max(start, called)) * 1e3
 
     # - Step and discard (the caller's thread)
-    def step(self) -> None:
+    def step(self, between: Any = None) -> None:
+        """``between``: called once every bucket is on its way to the host, before waiting
+        for the worker (the device part of an ``offload_fraction`` split steps there)."""
         self.settle()
         called = self._begin(step_rest=True)
+        if between is not None:
+            between()
         if not self.config.step_ahead:
             self._end(step_rest=True, called=called)
             return
