@@ -57,7 +57,9 @@ CAST_CHUNK = 2 << 20  # elements per conversion chunk: Note: [Copies that conver
 # allocator reuses its block only for later work on that stream, which runs after. So a
 # conversion holds at most about one chunk of device scratch per copy stream however large the
 # tensor (a 128256 x 3072 embedding would need a 1.5 GiB fp32 temporary in one piece), and the
-# host does no conversion work. Conversions between fp32 and bf16/fp16 round to nearest even on
+# host does no conversion work. A tensor that is not contiguous (a channels_last conv weight)
+# is converted whole, with scratch of its own size: not counted by the planner, which assumes
+# one chunk. Conversions between fp32 and bf16/fp16 round to nearest even on
 # the CPU and on CUDA alike, so the bits are those a host conversion gives (tested bitwise).
 # 2 Mi elements a chunk (8 MiB of fp32) keeps the scratch small beside a small model's
 # gradients; measured on an H100 (benchmarks/optim.py calibrate, run G) the chunks cost 32 us
