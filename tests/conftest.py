@@ -106,3 +106,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
             f"{deselected} deselected tests need a GPU (markers gpu, multi_gpu): run them with "
             "`make gpu-test` on a machine with CUDA (PYTHONPATH=. python3 -m pytest -m gpu)"
         )
+
+
+def pytest_collection_finish(session):
+    """The subprocesses the selected tests wait on start now (background.py)."""
+    if not session.config.option.collectonly:
+        import background
+
+        background.schedule(session.items)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import background
+
+    background.stop()

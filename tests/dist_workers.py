@@ -344,40 +344,101 @@ def _tp_scenarios(device: str, mesh: Any) -> dict[str, Any]:
 # -- OffloadedOptimizer under FSDP2 -------------------------------------------------------------
 
 
+class _ShardsOnHost:
+    """The reference on CUDA: the plain optimizer class steps fp32 host copies of this rank's
+    local shards (the same tensors `OffloadedOptimizer` steps), and the shards receive the
+    results. On CPU the plain class steps the shards themselves."""
+
+    def __init__(self, params: list[torch.Tensor], cls, **kw: Any) -> None:
+        self.params = params
+        self.masters = [_shard(p).detach().float().cpu() for p in params]
+        self.opt = cls(self.masters, **kw)
+
+    def step(self) -> None:
+        for m, p in zip(self.masters, self.params, strict=True):
+            m.grad = _shard(p.grad).float().cpu()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.params, strict=True):
+                _shard(p).copy_(m)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def _shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's local part of ``t`` (itself if it is not a DTensor), sharing its storage."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def offloaded_optimizer_worker(rank: int, world: int, device: str, *, steps: int = 4) -> dict:
-    """The same FSDP2 GPT (fp32) trained with AdamW on the device and with OffloadedOptimizer
-    (AdamW on the host over this rank's shards), with a gradient accumulation of two
-    micro-batches and clip_grad_norm_ before each step. Returns losses and local parameters."""
+    """The same FSDP2 GPT (fp32) trained with plain AdamW and with OffloadedOptimizer (AdamW on
+    the host over this rank's shards), with a gradient accumulation of two micro-batches and
+    clip_grad_norm_ before each step. Plain AdamW steps the shards on CPU and fp32 host copies
+    of them on CUDA (`_ShardsOnHost`: the GPU's AdamW kernels round differently from the host's).
+    Returns losses and local parameters."""
     out: dict[str, Any] = {}
+    kw = dict(lr=1e-2, weight_decay=0.1)
     for mode in ("plain", "host"):
         model = _fsdp_model(CPU_GPT if device == "cpu" else GPU_GPT, device, mixed=False)
         params = list(model.parameters())
         if mode == "host":
             opt = torchoffload.OffloadedOptimizer(
-                params, torch.optim.AdamW, lr=1e-2, weight_decay=0.1, bucket_bytes=4096
+                params, torch.optim.AdamW, **kw, bucket_bytes=4096
             )
             out["host_numel"] = sum(r.entry.numel for r in opt._runtime.records)
+        elif device == "cpu":
+            opt = torch.optim.AdamW(params, **kw, foreach=False)
         else:
-            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False)
+            opt = _ShardsOnHost(params, torch.optim.AdamW, **kw, foreach=False)
         out["local_numel"] = sum(_local(p).numel() for p in params)
         g = torch.Generator().manual_seed(rank)
         cfg = CPU_GPT if device == "cpu" else GPU_GPT
         losses = []
-        for _ in range(steps):
-            for micro in range(2):
-                x = torch.randint(0, cfg.vocab, (2, 32), generator=g).to(device)
-                loss = model.loss(x)
-                losses.append(loss.detach().cpu())
-                if micro == 0 and mode == "host":
-                    with opt.accumulating():
+        with _deterministic() if device == "cuda" else contextlib.nullcontext():
+            for _ in range(steps):
+                for micro in range(2):
+                    x = torch.randint(0, cfg.vocab, (2, 32), generator=g).to(device)
+                    loss = model.loss(x)
+                    losses.append(loss.detach().cpu())
+                    if micro == 0 and mode == "host":
+                        with opt.accumulating():
+                            loss.backward()
+                    else:
                         loss.backward()
-                else:
-                    loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
-            opt.step()
-            opt.zero_grad()
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+                opt.zero_grad()
         out[mode] = {"losses": losses, "params": [_local(p) for p in params]}
         if mode == "host":
             out["stats"] = opt.stats()
             opt.remove()
+    return out
+
+
+# -- every CPU worker in one spawn ----------------------------------------------------------------
+
+CPU_PARTS = ("fsdp", "tp", "optimizer")
+
+
+def cpu_worker(rank: int, world: int, device: str) -> dict[str, Any]:
+    """`fsdp_worker`, `tp_worker` and `offloaded_optimizer_worker` one after the other in one
+    process group: on CPU, starting the processes (each imports torch) costs about 5 s a spawn,
+    as much as the tensor-parallel work. Each part's result, or its error, under its name; the
+    ranks agree after each part whether to go on (a part that failed on one rank would leave
+    the other in a different collective)."""
+    workers = {"fsdp": fsdp_worker, "tp": tp_worker, "optimizer": offloaded_optimizer_worker}
+    out: dict[str, Any] = {}
+    for name in CPU_PARTS:
+        try:
+            out[name] = workers[name](rank, world, device)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+        failed = torch.tensor([int(isinstance(out[name], dict) and "error" in out[name])])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            for later in CPU_PARTS[len(out) :]:
+                out[later] = {"error": f"not run: part {name!r} failed on a rank"}
+            break
     return out

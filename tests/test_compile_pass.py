@@ -375,6 +375,39 @@ def gpt_step(model, tokens):
     return loss.detach()
 
 
+GPT_CONFIG = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=32)
+# What plain Inductor gives for the model below, per step: (loss, accumulated gradients). The
+# same for every parametrization (same seed, tokens and settings), so computed once, by the
+# first test that needs it, under that test's fixtures (fresh compile, deterministic).
+_PLAIN_STEPS: dict[str, object] = {}
+
+
+def gpt_model_and_tokens():
+    torch.manual_seed(0)
+    model = GPT(GPT_CONFIG)
+    return model, torch.randint(0, 128, (2, 17))
+
+
+def plain_inductor_steps(model, tokens, steps):
+    """Per step, plain Inductor's loss and gradients for a copy of ``model`` (which must be the
+    model `gpt_model_and_tokens` builds: checked, so a cached result is never compared with
+    another model's)."""
+    initial = [p.detach().clone() for p in model.parameters()]
+    if not _PLAIN_STEPS:
+        ref = copy.deepcopy(model)
+        plain = torch.compile(ref, backend="inductor")
+        results = []
+        for _ in range(steps):
+            loss = gpt_step(plain, tokens)
+            results.append((loss, [q.grad.clone() for q in ref.parameters()]))
+        _PLAIN_STEPS.update(initial=initial, tokens=tokens.clone(), results=results)
+    assert len(_PLAIN_STEPS["initial"]) == len(initial)
+    assert all(torch.equal(a, b) for a, b in zip(_PLAIN_STEPS["initial"], initial, strict=True))
+    assert torch.equal(_PLAIN_STEPS["tokens"], tokens)
+    assert len(_PLAIN_STEPS["results"]) == steps
+    return _PLAIN_STEPS["results"]
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -390,22 +423,19 @@ def test_compiled_gpt_matches_compiled_without_offloading(op_pool, deterministic
     host blocks are reused), and every offloaded tensor came back."""
     from torch._inductor.utils import run_and_get_code
 
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=32))
-    ref = copy.deepcopy(model)
-    tokens = torch.randint(0, 128, (2, 17))
+    model, tokens = gpt_model_and_tokens()
+    plain = plain_inductor_steps(model, tokens, steps=2)
     be = toc.backend(config)
-    compiled, plain = torch.compile(model, backend=be), torch.compile(ref, backend="inductor")
-    for step in range(2):
+    compiled = torch.compile(model, backend=be)
+    for step, (b, b_grads) in enumerate(plain):
         if step == 0:
             a, codes = run_and_get_code(gpt_step, compiled, tokens)
             code = "\n".join(codes)
         else:
             a = gpt_step(compiled, tokens)
-        b = gpt_step(plain, tokens)
         assert torch.equal(a, b)
-        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-            assert torch.equal(p.grad, q.grad)
+        for p, q in zip(model.parameters(), b_grads, strict=True):
+            assert torch.equal(p.grad, q)
     report = be.reports[-1]
     assert report.offloaded
     for name in ("offload", "reload", "wait"):

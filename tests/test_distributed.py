@@ -1,7 +1,10 @@
 """FSDP2 and tensor parallelism on CPU: two processes on gloo, with and without offloading.
 
-One spawn runs every FSDP2 scenario (dist_workers.fsdp_worker) and one runs the tensor-parallel
-ones; the tests below assert on what the ranks returned. The same workers run on two GPUs in
+One spawn runs every FSDP2 scenario (dist_workers.fsdp_worker), then the tensor-parallel ones
+(tp_worker) and the offloaded optimizer under FSDP2 (offloaded_optimizer_worker), in the same
+two processes (dist_workers.cpu_worker: a spawn costs about 5 s); the tests below assert on what
+the ranks returned. The spawn runs in a subprocess started as soon as the tests are collected,
+beside the other modules' tests (background.py). The same workers run on two GPUs in
 test_distributed_gpu.py.
 """
 
@@ -10,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from dist_workers import fsdp_worker, spawn, tp_worker
+from background import TESTS, Job, output
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed")
 
@@ -52,9 +55,34 @@ def tp_local_shard_bytes(shapes):
     return shapes["layers"] * shapes["batch"] * (shapes["hidden"] + shapes["inner"] // WORLD) * 4
 
 
+BACKGROUND = {
+    "cpu_results": Job(
+        ("-c", "import sys, torch; from dist_workers import cpu_worker, spawn; "
+               f"torch.save(spawn(cpu_worker, {WORLD}, 'cpu'), sys.argv[1])", "{out}"),
+        pythonpath=(TESTS.parent, TESTS), timeout=600, enabled=dist.is_available(),
+    ),
+}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
-def fsdp_results():
-    return spawn(fsdp_worker, WORLD, "cpu")
+def cpu_results():
+    """What each rank's dist_workers.cpu_worker returned."""
+    result = output(__name__, "cpu_results")
+    assert result.code == 0, result.stdout + result.stderr
+    return torch.load(result.out, weights_only=False)
+
+
+def part(cpu_results, name):
+    """What each rank's ``name`` worker returned (see dist_workers.cpu_worker)."""
+    for rank, r in enumerate(cpu_results):
+        if isinstance(r[name], dict) and "error" in r[name]:
+            raise RuntimeError(f"rank {rank} failed in {name}:\n{r[name]['error']}")
+    return [r[name] for r in cpu_results]
+
+
+@pytest.fixture(scope="module")
+def fsdp_results(cpu_results):
+    return part(cpu_results, "fsdp")
 
 
 def test_fsdp_parity_either_order_and_context(fsdp_results):
@@ -100,8 +128,8 @@ def test_fsdp_no_leak_over_steps(fsdp_results):
 
 
 @pytest.fixture(scope="module")
-def tp_results():
-    return spawn(tp_worker, WORLD, "cpu")
+def tp_results(cpu_results):
+    return part(cpu_results, "tp")
 
 
 @pytest.mark.parametrize("local_output", [True, False])
@@ -126,12 +154,15 @@ def test_tp_offloads_local_shards(tp_results, local_output):
             assert stats["offloaded_bytes"] == expected, (mode, stats)
 
 
-def test_offloaded_optimizer_under_fsdp2_two_ranks():
+def test_offloaded_optimizer_under_fsdp2_two_ranks(cpu_results):
     """Each rank offloads its own shards' state; training is bitwise the plain AdamW on the
     same FSDP2 model (fp32, gradient accumulation, clip_grad_norm_ before step)."""
-    from dist_workers import offloaded_optimizer_worker
+    check_offloaded_optimizer_parity(part(cpu_results, "optimizer"))
 
-    results = spawn(offloaded_optimizer_worker, WORLD, "cpu")
+
+def check_offloaded_optimizer_parity(results):
+    """Each rank stepped its own shards only, and its losses and shards are bitwise the plain
+    optimizer's (dist_workers.offloaded_optimizer_worker)."""
     for rank, r in enumerate(results):
         assert r["host_numel"] == r["local_numel"]  # its shards only
         for a, b in zip(r["plain"]["losses"], r["host"]["losses"], strict=True):

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_workers import fsdp_worker, spawn, tp_worker
+from dist_workers import fsdp_worker, offloaded_optimizer_worker, spawn, tp_worker
 from test_distributed import (
     STEPS,
     check_fsdp_parity,
     check_offloaded_bytes_match_unsharded,
+    check_offloaded_optimizer_parity,
     check_tp_parity,
     tp_local_shard_bytes,
 )
@@ -82,3 +83,9 @@ def test_tp_parity_and_local_shards(tp_results, local_output, mode):
     for r in tp_results:
         expected = tp_local_shard_bytes(r["shapes"])
         assert r[(local_output, mode)]["stats"]["offloaded_bytes"] == expected
+
+
+def test_offloaded_optimizer_under_fsdp2_nccl():
+    """Each rank offloads its own shards' state over NCCL; training is bitwise AdamW stepping
+    fp32 host copies of the same shards (gradient accumulation, clip_grad_norm_ before step)."""
+    check_offloaded_optimizer_parity(spawn(offloaded_optimizer_worker, WORLD, "cuda"))

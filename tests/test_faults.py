@@ -34,6 +34,20 @@ CFG = GPTConfig(hidden=64, layers=4, heads=2, vocab=128, max_seq=33)
 ACTIVATION_MODES = ["context", "layers", "stream"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def frozen_heap():
+    """The tests here run gc.collect() four times each (nothing may be left behind), and each
+    full collection walks every object alive, most of them torch's and earlier tests' (0.2 s
+    a collection, most of this module's time). Collect once, then freeze what is alive: later
+    collections walk only the objects created after, which hold everything a test makes."""
+    import torch._dynamo  # noqa: F401  (imported by the first handle otherwise: walked after)
+
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 def make(device="cpu"):
     """The test GPT with a `testing.Fault` inside layer 1 (an identity until armed)."""
     torch.manual_seed(0)
