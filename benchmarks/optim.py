@@ -19,6 +19,8 @@ Rows, each in its own process (host and device memory start clean):
   stepped on the host, the first half on the GPU with fp32 masters and state there).
   ``offload-params``: also the parameters in the host store, streamed per decoder layer for
   forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
+  ``offload-acts``/``offload-params-acts``: also the tensors saved in forward (with gradient
+  checkpointing: each decoder layer's input) offloaded by `torchoffload.offload_activations`.
 - ``calibrate``: the pinned link (GB/s each way), a host fp32 triad (GB/s of traffic), a
   fused AdamW step over fp32 host tensors of the model's size (ms), and copies that convert
   (bf16 on the device, fp32 on the host) through the copy engine: GB/s of fp32 each way and
@@ -79,7 +81,7 @@ def host_rss() -> float:
     return float("nan")
 
 
-def train(args, model, opt, *, sync_between: bool, on_step=None):
+def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
     times, fb, st, losses = [], [], [], []
@@ -90,7 +92,11 @@ def train(args, model, opt, *, sync_between: bool, on_step=None):
             if on_step is not None:
                 on_step()
         t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
+        if forward_context is not None:
+            with forward_context:
+                loss = model(input_ids=x, labels=x).loss
+        else:
+            loss = model(input_ids=x, labels=x).loss
         loss.backward()
         if sync_between:
             torch.cuda.synchronize()
@@ -131,6 +137,7 @@ def row_offload(
     convert_on: str = "device",
     bucket_mib: int | None = None,
     fraction: float = 1.0,
+    acts: bool = False,
 ):
     import torchoffload as to
 
@@ -165,8 +172,11 @@ def row_offload(
     for bucket in rt.buckets:
         bucket.optimizer.step = timed(bucket.optimizer.step, "class_step")
     rt.engine.load = timed(rt.engine.load, "upload_queue")
+    ctx = to.offload_activations() if acts else None  # what checkpointing saves: layer inputs
     out = train(args, model, opt, sync_between=False, on_step=lambda: spent.update(
-        class_step=0.0, upload_queue=0.0))  # fmt: skip
+        class_step=0.0, upload_queue=0.0), forward_context=ctx)  # fmt: skip
+    if ctx is not None:
+        out.update(act_offloaded_gib=ctx.stats().offloaded_bytes / GiB / (args.steps + 1))
     out.update({f"{k}_ms": v / args.steps * 1e3 for k, v in spent.items()})
     s = opt.stats()
     out.update(
@@ -337,6 +347,8 @@ ROWS = {
     "offload-at-step": lambda a: row_offload(a, False),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-params": lambda a: row_offload(a, True, params=True),
+    "offload-params-acts": lambda a: row_offload(a, True, params=True, acts=True),
+    "offload-acts": lambda a: row_offload(a, True, acts=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "offload-15-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 1)),
     "offload-half": lambda a: row_offload(a, True, fraction=0.5),
@@ -463,6 +475,9 @@ def report(args, results) -> None:
                   f"{r['param_peak_gib']:.2f} GiB of them on the device (budget "
                   f"{args.param_budget_gib} GiB), {r['prefetched']} loads ahead, "
                   f"{r['on_demand']} on demand, {r['over_budget']} over the budget")  # fmt: skip
+    for name, r in results.items():
+        if "act_offloaded_gib" in r:
+            print(f"{name}: activations offloaded {r['act_offloaded_gib']:.2f} GiB a step")
     for name, r in results.items():
         if "losses" in r:
             print(f"{name} losses: {r['losses']}")

@@ -83,7 +83,14 @@ def main() -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default="h2048")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--offload-fraction", default="auto",
+        help="the plans' offload_fraction: auto (the planner's choice) or a number",
+    )  # fmt: skip
     args = p.parse_args()
+    fraction = (
+        args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
+    )
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SHAPES[args.shape]
@@ -106,15 +113,17 @@ def main() -> None:
     base = plan_from_profile(profile, None, hardware=hw, optimizer_state="device",
                              parameters="device")  # fmt: skip
     peak0 = peak0 or base.predicted.peak_bytes
-    rows = [("none", None, base.predicted.peak_bytes, peak0, ms, "device/device", "-")]
+    rows = [("none", None, base.predicted.peak_bytes, peak0, ms, "device/device", "-",
+             base.predicted.step_s * 1e3)]  # fmt: skip
     del model, opt
     gc.collect()
     for f in FRACTIONS:
         budget = int(f * peak0)
         try:
-            plan = plan_from_profile(profile, budget, hardware=hw)
+            plan = plan_from_profile(profile, budget, hardware=hw, offload_fraction=fraction)
         except InfeasibleBudgetError as e:
-            rows.append((f"plan[{f:.2f}]", budget, None, None, None, "infeasible", str(e)[:160]))
+            rows.append((f"plan[{f:.2f}]", budget, None, None, None, "infeasible", str(e)[:160],
+                         None))  # fmt: skip
             continue
         model = build(shape, device, dtype)
         params = plan.stream_parameters(model)
@@ -130,23 +139,26 @@ def main() -> None:
             if params is not None:
                 params.remove()
         where = f"{plan.optimizer_state.value}/{plan.parameters}"
+        if plan.offload_fraction < 1.0:
+            where = f"host {plan.offload_fraction:g}/{plan.parameters}"
         decisions = "".join(CODE[str(d)] for d in plan.decisions)
         rows.append((f"plan[{f:.2f}]", budget, plan.predicted.peak_bytes, peak, ms, where,
-                     decisions))  # fmt: skip
+                     decisions, plan.predicted.step_s * 1e3))  # fmt: skip
         del model, opt, act, params
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print("| config | budget GiB | predicted GiB | measured GiB | fits | ms/step | "
-          "optimizer/parameters | decisions |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
-    for name, budget, pred, peak, ms, where, decisions in rows:
+    print("| config | budget GiB | predicted GiB | measured GiB | fits | predicted ms | "
+          "ms/step | optimizer/parameters | decisions |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, budget, pred, peak, ms, where, decisions, pred_ms in rows:
         if pred is None:
-            print(f"| {name} | {budget / GIB:.2f} | - | - | - | - | {where} | {decisions} |")
+            print(f"| {name} | {budget / GIB:.2f} | - | - | - | - | - | {where} | {decisions} |")
             continue
         fits = "-" if budget is None or not peak else ("yes" if peak <= budget else "NO")
         b = "-" if budget is None else f"{budget / GIB:.2f}"
-        print(f"| {name} | {b} | {pred / GIB:.2f} | {peak / GIB:.2f} | {fits} | {ms:.1f} | "
+        print(f"| {name} | {b} | {pred / GIB:.2f} | {peak / GIB:.2f} | {fits} | {pred_ms:.1f} | "
+              f"{ms:.1f} | "
               f"{where} | {decisions} |")  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
@@ -124,6 +125,19 @@ def _inference(model: GPT, device: torch.device, seq: int) -> bool:
         f"({st.kept_units} kept), prefetch hits {st.hits}, misses {st.misses}"
     )
     return same
+
+
+def _fraction(text: str) -> float | str:
+    """An argparse type: "auto" or a number in (0, 1]."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or a number") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
 
 
 def _at_least(minimum: int):
@@ -325,6 +339,11 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
         help="where parameters live: auto (on the host only when nothing else fits), device, "
         "or host (streamed per layer, with the optimizer state on the host)",
     )  # fmt: skip
+    p.add_argument(
+        "--offload-fraction", type=_fraction, default="auto",
+        help="with the optimizer state on the host: the fraction of it there, the rest stepped "
+        "on the device (auto: the fastest that fits; 1 for all of it)",
+    )  # fmt: skip
     p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
     p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
     p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
@@ -369,12 +388,15 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     if args.efficiency is not None:
         hw = dataclasses.replace(hw, efficiency=args.efficiency)
     try:
-        plan = plan_from_profile(profile, args.budget, hardware=hw,
-                                 prefetch_layers=args.prefetch_layers,
-                                 defer_layers=args.defer_layers,
-                                 optimizer_state=args.optimizer_state,
-                                 host_budget_bytes=args.host_budget,
-                                 parameters=args.parameters)  # fmt: skip
+        with warnings.catch_warnings():  # a host need over this machine's: printed in the plan
+            warnings.filterwarnings("ignore", message=".*more than this machine's")
+            plan = plan_from_profile(profile, args.budget, hardware=hw,
+                                     prefetch_layers=args.prefetch_layers,
+                                     defer_layers=args.defer_layers,
+                                     optimizer_state=args.optimizer_state,
+                                     host_budget_bytes=args.host_budget,
+                                     parameters=args.parameters,
+                                     offload_fraction=args.offload_fraction)  # fmt: skip
     except InfeasibleBudgetError as e:
         print(f"torchoffload plan: {e}", file=sys.stderr)
         return 1

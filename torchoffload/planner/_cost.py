@@ -40,6 +40,17 @@ parameters up over the link in fp32, converted on the device (the optimizer's de
 The step then takes forward + max(backward, host step, link) plus one bucket's upload: what
 `step()` does today, which does not overlap the host step with the next forward.
 
+Note: [A fraction of the state on the host]
+With ``offload_fraction=f`` below 1 (`OffloadedOptimizer`, Note: [Which parameters stay on
+the device]), the host part is the parameters whose gradients backward finishes first, about f
+of the trainable bytes: only those gradients leave, and the device keeps the other 1 - f of
+the gradients through backward plus fp32 masters (for parameters that are not fp32) and fp32
+state for them, and at the step one gradient converted to fp32. The host step and the link
+carry f of the work; the device part steps after backward at the memory bandwidth, while the
+host finishes its part and uploads it. The planner tries f in `HOST_FRACTIONS` and keeps the
+fastest that fits (the most on the host among equals): a host-bound step trades device memory
+for host time (measured: benchmarks/README.md run K, 1085 -> 768 ms a step at f = 0.5).
+
 Note: [Parameters on the host]
 With the parameters streamed from the host too (`stream_parameters`, which needs the optimizer
 on the host), the device holds, instead of every parameter, a working set: the parameters
@@ -64,6 +75,10 @@ from torchoffload.planner._hardware import Hardware
 from torchoffload.planner._trace import Profile
 
 _log = logging.getLogger(__name__)
+
+# The fractions of the optimizer state a plan may put on the host with the parameters on the
+# device (Note: [A fraction of the state on the host]).
+HOST_FRACTIONS = (1.0, 0.75, 0.5, 0.25)
 
 
 # -- predictions --------------------------------------------------------------------------------
@@ -114,10 +129,16 @@ class CostModel:
         prefetch: int,
         host_optimizer: bool = False,
         host_params: bool = False,
+        host_fraction: float = 1.0,
     ):
         self.p, self.hw, self.defer, self.prefetch = profile, hw, defer, prefetch
         self.host_optimizer = host_optimizer
         self.host_params = host_params
+        if not 0.0 < host_fraction <= 1.0 or (host_fraction < 1.0 and host_params):
+            raise ValueError(f"host_fraction must be in (0, 1] (1 with host_params), got "
+                             f"{host_fraction!r}")  # fmt: skip
+        # Note: [A fraction of the state on the host]
+        f = self.host_fraction = host_fraction if host_optimizer else 0.0
         self.param_working_bytes = param_working_bytes(profile)
         n = len(profile.layers)
         self.n = n
@@ -126,8 +147,11 @@ class CostModel:
         # Steady state: the optimizer state of earlier steps is live during forward and backward.
         extra = hw.workspace_bytes
         if host_optimizer:  # See Note: [Optimizer state on the host]
-            steady = _without_gradients(profile, extra + _cast_scratch(profile))
-            self.opt_peak = steady[-1] if steady else 0
+            on_device = device_part_bytes(profile, f)
+            steady = _without_gradients(profile, extra + _cast_scratch(profile) + on_device, f)
+            self.opt_peak = (steady[-1] if steady else 0) + (
+                _device_step_scratch(profile) if f < 1.0 else 0
+            )
         else:
             timeline = profile.timeline[: self.bwd_end + 1]
             steady = [v + profile.optimizer_bytes + extra for v in timeline]
@@ -205,11 +229,12 @@ class CostModel:
         # The host optimizer's work beside backward, and its upload tail.
         # Gradients and new values cross in fp32 (Note: [Where the conversions run]).
         numel = profile.trainable_numel
-        self.t_host = numel / hw.host_adam_params_per_s
-        self.t_link = 4 * numel / self.bw
-        self.t_tail = min(4 * numel, 2 * bucket_bytes(profile)) / self.bw
-        if host_optimizer:
-            self.t_opt = 0.0
+        hosted = numel * f if host_optimizer else numel
+        self.t_host = hosted / hw.host_adam_params_per_s
+        self.t_link = 4 * hosted / self.bw
+        self.t_tail = min(4 * hosted, 2 * bucket_bytes(profile)) / self.bw
+        if host_optimizer:  # the device part's step (fp32 masters and state), memory-bound
+            self.t_opt = (1.0 - f) * numel * _device_step_bytes_per_param(profile) / bw
         self.t_params = profile.param_bytes / self.bw if host_params else 0.0
         if host_params:
             self.t_tail = 0.0
@@ -224,7 +249,8 @@ class CostModel:
         if not self.p.trainable_numel:
             return 0.0
         beside = max(self.t_host, self.t_link)
-        return beside - min(backward, beside) + self.t_tail
+        # the device part steps on the GPU while the host finishes its part and uploads it
+        return max(beside - min(backward, beside) + self.t_tail, self.t_opt)
 
     def peak(self, decisions: Sequence[str]) -> int:
         diff = [0] * (len(self.cuts) + 1)
@@ -346,13 +372,23 @@ def bucket_bytes(profile: Profile) -> int:
     return default_bucket_bytes(profile.trainable_bytes)
 
 
-def _without_gradients(profile: Profile, extra: int) -> list[int]:
+def _without_gradients(profile: Profile, extra: int, fraction: float = 1.0) -> list[int]:
     """The steady live bytes through backward when gradients leave the device as backward
-    finishes them (two buckets may still be on it) and no optimizer state is on it."""
+    finishes them (two buckets may still be on it) and no optimizer state is on it; with a
+    ``fraction`` below 1 only the gradients finished first, that fraction of their bytes, leave
+    (Note: [A fraction of the state on the host])."""
     end = profile.step_marks["backward_end"]
     bucket = bucket_bytes(profile)
     done = [0] * (end + 2)
-    for at, nbytes in profile.grad_events:
+    events = profile.grad_events
+    if fraction < 1.0:  # the first gradients finished, up to that fraction of the bytes
+        leaving, events = int(fraction * sum(b for _, b in events)), []
+        for at, nbytes in sorted(profile.grad_events):
+            if leaving <= 0:
+                break
+            events.append((at, min(nbytes, leaving)))
+            leaving -= nbytes
+    for at, nbytes in events:
         done[min(at, end) + 1] += nbytes
     out, gone = [], 0
     for k, v in enumerate(profile.timeline[: end + 1]):
@@ -360,6 +396,42 @@ def _without_gradients(profile: Profile, extra: int) -> list[int]:
         # a gradient finished at event k left after it; keep two buckets as in flight
         out.append(v + extra - max(gone - 2 * bucket, 0))
     return out
+
+
+def _state_floats(profile: Profile) -> int:
+    """Optimizer state values per trainable element (AdamW: 2), as traced."""
+    nbytes = profile.trainable_bytes
+    return round(profile.optimizer_bytes / nbytes) if nbytes else 0
+
+
+def device_part_bytes(profile: Profile, host_fraction: float) -> int:
+    """Device bytes of an `OffloadedOptimizer`'s device part (``offload_fraction`` =
+    ``host_fraction``): fp32 masters of parameters that are not fp32, and fp32 state, for the
+    other ``1 - host_fraction`` of the trainable parameters. Their gradients stay too (in the
+    trace's timeline)."""
+    numel = profile.trainable_numel
+    if host_fraction >= 1.0 or not numel:
+        return 0
+    masters = 4 if profile.trainable_bytes != 4 * numel else 0
+    return int((1.0 - host_fraction) * numel * (masters + 4 * _state_floats(profile)))
+
+
+def _device_step_bytes_per_param(profile: Profile) -> float:
+    """Device memory traffic of the device part's step per parameter: the parameter and its
+    gradient read, the new value written, the master and the state read and written."""
+    numel = profile.trainable_numel
+    if not numel:
+        return 0.0
+    size = profile.trainable_bytes / numel
+    masters = 8 if size != 4 else 0
+    return 3 * size + masters + 8 * _state_floats(profile)
+
+
+def _device_step_scratch(profile: Profile) -> int:
+    """The device part's step converts one gradient at a time to fp32 (parameters not fp32)."""
+    if profile.trainable_bytes == 4 * profile.trainable_numel:
+        return 0
+    return 4 * profile.largest_trainable_numel
 
 
 def _cast_scratch(profile: Profile) -> int:
@@ -379,10 +451,12 @@ def param_working_bytes(profile: Profile, prefetch: int = 1) -> int:
     return min(profile.param_bytes, outside + (2 + prefetch) * largest)
 
 
-def host_optimizer_bytes(profile: Profile) -> int:
-    """Host bytes of an `OffloadedOptimizer` over the profile's trainable parameters."""
+def host_optimizer_bytes(profile: Profile, host_fraction: float = 1.0) -> int:
+    """Host bytes of an `OffloadedOptimizer` over the profile's trainable parameters (its host
+    part's, ``host_fraction`` of them)."""
     numel, nbytes = profile.trainable_numel, profile.trainable_bytes
     if not numel:
         return 0
-    state_tensors = round(profile.optimizer_bytes / nbytes) if nbytes else 0
-    return host_state_bytes(numel, nbytes, state_tensors)
+    return host_state_bytes(
+        int(numel * host_fraction), int(nbytes * host_fraction), _state_floats(profile)
+    )

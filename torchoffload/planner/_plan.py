@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from torchoffload.layers import ActivationOffloadHandle, Mode, resolve_layers
 from torchoffload.planner._cost import (
     BOTH,
     DECISIONS,
+    HOST_FRACTIONS,
     KEEP,
     OFFLOAD,
     RECOMPUTE,
@@ -25,6 +27,7 @@ from torchoffload.planner._cost import (
     CostModel,
     Decision,
     Prediction,
+    device_part_bytes,
     host_optimizer_bytes,
     param_working_bytes,
 )
@@ -77,6 +80,8 @@ class Plan:
     host_budget_bytes: int | None = None
     parameters: str = "device"  # "host": streamed from pinned host memory (stream_parameters)
     parameter_budget_bytes: int = 0  # the device budget of the streamed parameters
+    # with the optimizer state on the host: the fraction there (OffloadedOptimizer's)
+    offload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.parameters not in ("device", "host"):
@@ -161,10 +166,23 @@ class Plan:
         self, params: Any, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
     ) -> torch.optim.Optimizer:
         """The optimizer this plan places: ``optimizer_class(params, **kwargs)`` on the device,
-        or an `OffloadedOptimizer` running it on the host."""
+        or an `OffloadedOptimizer` running it on the host (``offload_fraction`` of it)."""
         if self.optimizer_state == OptimizerState.HOST:
             from torchoffload.optim import OffloadedOptimizer
 
+            if self.offload_fraction < 1.0:
+                if "offload_fraction" in kwargs:
+                    raise ValueError(
+                        f"offload_fraction: the plan chose {self.offload_fraction}; plan with "
+                        "plan(..., offload_fraction=...) to choose another"
+                    )
+                if kwargs.get("max_grad_norm") is not None:
+                    raise ValueError(
+                        f"max_grad_norm: the plan keeps part of the optimizer state on the "
+                        f"device (offload_fraction {self.offload_fraction}), which clipping by "
+                        "global norm does not support yet; plan with offload_fraction=1.0"
+                    )
+                kwargs = {**kwargs, "offload_fraction": self.offload_fraction}
             return OffloadedOptimizer(params, optimizer_class, **kwargs)
         return optimizer_class(params, **kwargs)
 
@@ -199,6 +217,16 @@ class Plan:
                 f"{host_optimizer_bytes(p) / 2**30:.2f} GiB of host memory, the parameters' host "
                 f"store {p.param_bytes / 2**30:.2f} GiB)"
             )
+        elif self.optimizer_state == OptimizerState.HOST and self.offload_fraction < 1.0:
+            f = self.offload_fraction
+            where = (
+                f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
+                f"{f:.0%} of the gradients and optimizer state on the host, those backward "
+                f"finishes first (OffloadedOptimizer(offload_fraction={f}): fp32 masters, "
+                f"gradients and state {host_optimizer_bytes(p, f) / 2**30:.2f} GiB of host "
+                f"memory); the rest on the device, stepped there after backward (fp32 masters "
+                f"and state {device_part_bytes(p, f) / gib:.2f} {unit}, and its gradients)"
+            )
         elif self.optimizer_state == OptimizerState.HOST:
             where = (
                 f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
@@ -212,7 +240,12 @@ class Plan:
                 f"({p.static_bytes / gib:.2f} {unit})"
             )
         host_line = f"host memory needed: {self.host_bytes / 2**30:.2f} GiB"
-        if self.host_budget_bytes is not None:
+        if self.host_budget_bytes is not None and self.host_bytes > self.host_budget_bytes:
+            host_line += (
+                f", more than this machine's {self.host_budget_bytes / 2**30:.2f} GiB: the "
+                "plan is for a machine with that much (--host-budget plans within a limit)"
+            )
+        elif self.host_budget_bytes is not None:
             host_line += f" of a {self.host_budget_bytes / 2**30:.2f} GiB host budget"
         lines += [
             "",
@@ -326,19 +359,31 @@ def plan_from_profile(
     optimizer_state: str = "auto",
     host_budget_bytes: int | None = None,
     parameters: str = "auto",
+    offload_fraction: float | str = "auto",
 ) -> Plan:
     """Choose decisions for a traced (or synthetic) profile: per layer, keep, offload or
     recompute; where the optimizer state lives (``optimizer_state``: "device", "host" or
     "auto", the faster that fits); and where the parameters live (``parameters``: "device",
     "host", streamed with `stream_parameters`, which needs the optimizer state on the host,
-    or "auto": on the host only when nothing fits otherwise). ``host_budget_bytes``: host
+    or "auto": on the host only when nothing fits otherwise). ``offload_fraction``: with the
+    optimizer state on the host and the parameters on the device, the fraction of it there
+    (`OffloadedOptimizer`'s ``offload_fraction``; "auto": the fastest of `HOST_FRACTIONS` that
+    fits, see Note: [A fraction of the state on the host]; 1.0 where the optimizer needs it
+    whole, as with ``max_grad_norm`` or DTensor parameters). ``host_budget_bytes``: host
     memory the plan may use (the optimizer's host copies, the parameters' host store and the
     offloaded activations; default: this host's physical memory). Raises
     `InfeasibleBudgetError`, naming the least peak and what it is made of, when nothing fits."""
     hw = hardware or Hardware()
     where = OptimizerState.parse(optimizer_state)
     _check_parameters(parameters, where)
-    if host_budget_bytes is None:
+    fractions = _fractions(offload_fraction)
+    # Note: [The default host budget] With no host budget given, the plan is for this machine
+    # where one fits its memory; where none does but one fits the device, that plan is
+    # returned with its host need stated and a warning (planning for a bigger host, as for a
+    # 70B model on a laptop, is what the planner is for). A host budget given is a limit: a
+    # plan that needs more is refused.
+    machine = host_budget_bytes is None
+    if machine:
         host_budget_bytes = physical_memory()
     else:
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
@@ -366,30 +411,41 @@ def plan_from_profile(
     auto = parameters == "auto" and where != OptimizerState.DEVICE and streamable
     tried = []
 
-    def attempt(host: bool, params: bool) -> None:
+    def attempt(host: bool, params: bool, fraction: float = 1.0) -> None:
         model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host,
-                          host_params=params)  # fmt: skip
+                          host_params=params, host_fraction=fraction)  # fmt: skip
         decisions, pred, baseline, floor = _choose(profile, model, budget_bytes)
         host_need = (
-            (host_optimizer_bytes(profile) if host else 0)
+            (host_optimizer_bytes(profile, fraction) if host else 0)
             + (profile.param_bytes if params else 0)
             + pred.offloaded_bytes
         )
-        tried.append(((host, params), decisions, pred, baseline, floor, host_need))
+        tried.append(((host, params, fraction), decisions, pred, baseline, floor, host_need))
 
     for host, params in placements:
-        attempt(host, params)
+        for fraction in fractions if host and not params else (1.0,):
+            attempt(host, params, fraction)
     fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
     if not fits and auto:
         attempt(stepped, True)
         fits = [t for t in tried if t[1] and t[5] <= host_budget_bytes]
+    if not fits and machine:
+        fits = [t for t in tried if t[1]]  # fits the device: returned with a warning
     if not fits:
         raise InfeasibleBudgetError(_refusal(profile, hw, budget_bytes, host_budget_bytes, tried))
-    (host, params), decisions, pred, baseline, _, host_need = min(
-        fits, key=lambda t: (t[2].step_s, t[0])
+    # the fastest; among equals, the least on the device
+    (host, params, fraction), decisions, pred, baseline, _, host_need = min(
+        fits, key=lambda t: (t[2].step_s, t[0][:2], -t[0][2])
     )
     for i, d in enumerate(decisions):
         _log.debug("layer %d: %s", i, d)
+    if host_need > host_budget_bytes:
+        warnings.warn(
+            f"the plan needs {_human(host_need)} of host memory, more than this machine's "
+            f"{_human(host_budget_bytes)}: it is for a machine with that much (give "
+            "host_budget_bytes, --host-budget on the command line, to plan within a limit)",
+            stacklevel=2,
+        )
     return Plan(
         profile=profile,
         hardware=hw,
@@ -404,7 +460,22 @@ def plan_from_profile(
         host_budget_bytes=host_budget_bytes,
         parameters="host" if params else "device",
         parameter_budget_bytes=param_working_bytes(profile) if params else 0,
+        offload_fraction=fraction if host else 1.0,
     )
+
+
+def _fractions(offload_fraction: object) -> tuple[float, ...]:
+    if offload_fraction == "auto":
+        return HOST_FRACTIONS
+    if (
+        isinstance(offload_fraction, bool)
+        or not isinstance(offload_fraction, (int, float))
+        or not 0.0 < offload_fraction <= 1.0
+    ):
+        raise ValueError(
+            f"offload_fraction must be 'auto' or a number in (0, 1], got {offload_fraction!r}"
+        )
+    return (float(offload_fraction),)
 
 
 def _check_parameters(parameters: object, where: OptimizerState) -> None:
@@ -421,7 +492,9 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
     g = _human
     p = profile
     parts = []
-    for (host, params), decisions, _, _, floor, host_need in tried:
+    for (host, params, fraction), decisions, _, _, floor, host_need in tried:
+        if fraction < 1.0:  # a part on the device: between the whole on the host and none
+            continue
         if params:
             what = (
                 f"with the parameters streamed from the host (and the optimizer state there) "
@@ -453,7 +526,7 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
         parts.append(what)
     budget = "no device budget" if budget_bytes is None else f"budget {g(budget_bytes)}"
     tail = ""
-    streamed = any(params for (_, params), *_ in tried)
+    streamed = any(params for (_, params, _), *_ in tried)
     if (
         not streamed
         and budget_bytes is not None
@@ -487,12 +560,13 @@ def plan(
     optimizer_state: str = "auto",
     host_budget_bytes: int | None = None,
     parameters: str = "auto",
+    offload_fraction: float | str = "auto",
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
     within ``budget_bytes`` at the least predicted step time, and where the optimizer state
-    lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``: see
-    `plan_from_profile`).
+    lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``, ``offload_fraction``:
+    see `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
     the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
@@ -501,6 +575,7 @@ def plan(
     if budget_bytes is not None:
         check_int("budget_bytes", budget_bytes, minimum=1)
     _check_parameters(parameters, OptimizerState.parse(optimizer_state))  # before tracing
+    _fractions(offload_fraction)
     if host_budget_bytes is not None:
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
     for name, value in (("prefetch_layers", prefetch_layers), ("defer_layers", defer_layers)):
@@ -522,6 +597,7 @@ def plan(
         profile, budget_bytes, hardware=hw, prefetch_layers=prefetch_layers,
         defer_layers=defer_layers, optimizer_state=optimizer_state,
         host_budget_bytes=host_budget_bytes, parameters=parameters,
+        offload_fraction=offload_fraction,
     )  # fmt: skip
 
 
