@@ -16,7 +16,8 @@ Rows, each in its own process (host and device memory start clean):
   default (about 50 buckets). ``offload-at-step``: with ``overlap=False``;
   ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
   ``offload-half``/``offload-ahead-half``: ``offload_fraction=0.5`` (half the parameter bytes
-  stepped on the host, the first half on the GPU with fp32 masters and state there).
+  stepped on the host, the first half on the GPU with fp32 masters and state there);
+  ``offload-f75``: ``offload_fraction=0.75``.
   ``offload-params``: also the parameters in the host store, streamed per decoder layer for
   forward and backward under ``--param-budget-gib`` (`torchoffload.stream_parameters`).
   ``offload-acts``/``offload-params-acts``: also the tensors saved in forward (with gradient
@@ -111,6 +112,7 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
             fb.append(t1 - t0)
             st.append(t2 - t1)
     med = sorted(times)[len(times) // 2]
+    gpu = gpu_time(args, model, opt, x, forward_context) if args.profile else None
 
     def median_ms(xs):
         return sorted(xs)[len(xs) // 2] * 1e3 if sync_between else None
@@ -119,7 +121,42 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
         step_ms=med * 1e3, fwd_bwd_ms=median_ms(fb), opt_ms=median_ms(st),
         tokens_s=args.batch * args.seq / med,
         peak_gib=torch.cuda.max_memory_allocated() / GiB, host_gib=host_rss(), losses=losses,
+        gpu=gpu,
     )  # fmt: skip
+
+
+def gpu_time(args, model, opt, x, forward_context, steps: int = 2):
+    """GPU time per step over ``steps`` more steps under the profiler: kernels (all streams,
+    the copies' casts included) and copies (the copy engines), ms per step, and the kernels
+    that took the most. What the GPU does, not when: kernels of two streams may overlap."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            if forward_context is not None:
+                with forward_context:
+                    loss = model(input_ids=x, labels=x).loss
+            else:
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    kernels, copies = {}, 0.0
+    for e in prof.key_averages():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        t = getattr(e, "self_device_time_total", None)
+        t = (t if t is not None else e.self_cuda_time_total) / 1e3 / steps
+        if e.key.startswith(("Memcpy", "Memset")):
+            copies += t
+        else:
+            kernels[e.key] = kernels.get(e.key, 0.0) + t
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:8]
+    return dict(kernel_ms=sum(kernels.values()), copy_ms=copies,
+                top=[(k[:60], round(v, 1)) for k, v in top])  # fmt: skip
 
 
 def row_resident(args):
@@ -353,6 +390,7 @@ ROWS = {
     "offload-15-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 1)),
     "offload-half": lambda a: row_offload(a, True, fraction=0.5),
     "offload-ahead-half": lambda a: row_offload(a, True, ahead=True, fraction=0.5),
+    "offload-f75": lambda a: row_offload(a, True, fraction=0.75),
     "offload-bucket32": lambda a: row_offload(a, True, bucket_mib=32),
     "offload-bucket128": lambda a: row_offload(a, True, bucket_mib=128),
     "offload-bucket512": lambda a: row_offload(a, True, bucket_mib=512),
@@ -394,6 +432,10 @@ def main() -> None:
     p.add_argument("--rows", default="calibrate,resident,offload,offload-at-step,fsdp2-cpu")
     p.add_argument("--row", help=argparse.SUPPRESS)
     p.add_argument("--timeout", type=int, default=240)
+    p.add_argument(
+        "--profile", action="store_true",
+        help="also GPU kernel and copy time per step (torch.profiler), per row",
+    )  # fmt: skip
     p.add_argument("--param-budget-gib", type=float, default=2.0,
                    help="offload-params: device budget of the streamed parameters")  # fmt: skip
     args = p.parse_args()
@@ -475,6 +517,11 @@ def report(args, results) -> None:
                   f"{r['param_peak_gib']:.2f} GiB of them on the device (budget "
                   f"{args.param_budget_gib} GiB), {r['prefetched']} loads ahead, "
                   f"{r['on_demand']} on demand, {r['over_budget']} over the budget")  # fmt: skip
+    for name, r in results.items():
+        if r.get("gpu"):
+            g = r["gpu"]
+            print(f"{name}: GPU per step: kernels {g['kernel_ms']:.0f} ms, copies "
+                  f"{g['copy_ms']:.0f} ms; top kernels {g['top']}")  # fmt: skip
     for name, r in results.items():
         if "act_offloaded_gib" in r:
             print(f"{name}: activations offloaded {r['act_offloaded_gib']:.2f} GiB a step")

@@ -87,6 +87,7 @@ def main() -> None:
         "--offload-fraction", default="auto",
         help="the plans' offload_fraction: auto (the planner's choice) or a number",
     )  # fmt: skip
+    p.add_argument("--optimizer-state", default="auto", choices=["auto", "device", "host"])
     args = p.parse_args()
     fraction = (
         args.offload_fraction if args.offload_fraction == "auto" else float(args.offload_fraction)
@@ -120,7 +121,8 @@ def main() -> None:
     for f in FRACTIONS:
         budget = int(f * peak0)
         try:
-            plan = plan_from_profile(profile, budget, hardware=hw, offload_fraction=fraction)
+            plan = plan_from_profile(profile, budget, hardware=hw, offload_fraction=fraction,
+                                     optimizer_state=args.optimizer_state)  # fmt: skip
         except InfeasibleBudgetError as e:
             rows.append((f"plan[{f:.2f}]", budget, None, None, None, "infeasible", str(e)[:160],
                          None))  # fmt: skip
