@@ -58,8 +58,8 @@ def llama(args):
     cfg = LlamaConfig(
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, tie_word_embeddings=True,
-        attn_implementation="sdpa",
+        vocab_size=args.vocab, max_position_embeddings=args.seq,
+        tie_word_embeddings=not args.untied, attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -426,6 +426,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--untied", action="store_true", help="an output head of its own")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=4)
@@ -467,7 +468,8 @@ def main() -> None:
 
 def report(args, results) -> None:
     print(f"\ntorch {torch.__version__}, {torch.cuda.get_device_name()}, hidden {args.hidden}, "
-          f"layers {args.layers}, batch {args.batch}, seq {args.seq}")  # fmt: skip
+          f"layers {args.layers}, intermediate {args.intermediate}, vocab {args.vocab}"
+          f"{' untied' if args.untied else ''}, batch {args.batch}, seq {args.seq}")  # fmt: skip
     cal = results.get("calibrate")
     if "parity" in results:
         par = results["parity"]
