@@ -41,6 +41,7 @@ offloaded, and prints how far their losses and parameters drift apart.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -82,6 +83,12 @@ def host_rss() -> float:
     return float("nan")
 
 
+def forward(model, x, forward_context=None):
+    """The model's loss on ``x``, its forward inside ``forward_context`` if one is given."""
+    with forward_context if forward_context is not None else contextlib.nullcontext():
+        return model(input_ids=x, labels=x).loss
+
+
 def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
@@ -93,11 +100,7 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
             if on_step is not None:
                 on_step()
         t0 = time.perf_counter()
-        if forward_context is not None:
-            with forward_context:
-                loss = model(input_ids=x, labels=x).loss
-        else:
-            loss = model(input_ids=x, labels=x).loss
+        loss = forward(model, x, forward_context)
         loss.backward()
         if sync_between:
             torch.cuda.synchronize()
@@ -112,7 +115,7 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
             fb.append(t1 - t0)
             st.append(t2 - t1)
     med = sorted(times)[len(times) // 2]
-    gpu = gpu_time(args, model, opt, x, forward_context) if args.profile else None
+    gpu = gpu_time(model, opt, x, forward_context) if args.profile else None
 
     def median_ms(xs):
         return sorted(xs)[len(xs) // 2] * 1e3 if sync_between else None
@@ -125,7 +128,7 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
     )  # fmt: skip
 
 
-def gpu_time(args, model, opt, x, forward_context, steps: int = 2):
+def gpu_time(model, opt, x, forward_context, steps: int = 2):
     """GPU time per step over ``steps`` more steps under the profiler: kernels (all streams,
     the copies' casts included) and copies (the copy engines), ms per step, and the kernels
     that took the most. What the GPU does, not when: kernels of two streams may overlap."""
@@ -135,12 +138,7 @@ def gpu_time(args, model, opt, x, forward_context, steps: int = 2):
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            if forward_context is not None:
-                with forward_context:
-                    loss = model(input_ids=x, labels=x).loss
-            else:
-                loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+            forward(model, x, forward_context).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()

@@ -239,7 +239,7 @@ class CostModel:
         if host_params:
             self.t_tail = 0.0
             # the new values are rounded into the host store: fp32 read, the dtype written
-            written = profile.trainable_bytes if profile.trainable_bytes != 4 * numel else 0
+            written = 0 if _fp32(profile) else profile.trainable_bytes
             self.t_host += (4 * numel + written) / (hw.host_memory_gbps * 1e9) if written else 0
 
     def exposed_optimizer(self, backward: float) -> float:
@@ -398,6 +398,11 @@ def _without_gradients(profile: Profile, extra: int, fraction: float = 1.0) -> l
     return out
 
 
+def _fp32(profile: Profile) -> bool:
+    """The trainable parameters are fp32: their own masters, no conversions."""
+    return profile.trainable_bytes == 4 * profile.trainable_numel
+
+
 def _state_floats(profile: Profile) -> int:
     """Optimizer state values per trainable element (AdamW: 2), as traced."""
     nbytes = profile.trainable_bytes
@@ -412,7 +417,7 @@ def device_part_bytes(profile: Profile, host_fraction: float) -> int:
     numel = profile.trainable_numel
     if host_fraction >= 1.0 or not numel:
         return 0
-    masters = 4 if profile.trainable_bytes != 4 * numel else 0
+    masters = 0 if _fp32(profile) else 4
     return int((1.0 - host_fraction) * numel * (masters + 4 * _state_floats(profile)))
 
 
@@ -422,14 +427,13 @@ def _device_step_bytes_per_param(profile: Profile) -> float:
     numel = profile.trainable_numel
     if not numel:
         return 0.0
-    size = profile.trainable_bytes / numel
-    masters = 8 if size != 4 else 0
-    return 3 * size + masters + 8 * _state_floats(profile)
+    masters = 0 if _fp32(profile) else 8
+    return 3 * profile.trainable_bytes / numel + masters + 8 * _state_floats(profile)
 
 
 def _device_step_scratch(profile: Profile) -> int:
     """The device part's step converts one gradient at a time to fp32 (parameters not fp32)."""
-    if profile.trainable_bytes == 4 * profile.trainable_numel:
+    if _fp32(profile):
         return 0
     return 4 * profile.largest_trainable_numel
 
@@ -437,7 +441,7 @@ def _device_step_scratch(profile: Profile) -> int:
 def _cast_scratch(profile: Profile) -> int:
     """Device scratch of the copies that convert gradients and new values (one chunk per copy
     stream), when the trainable parameters are not fp32."""
-    if profile.trainable_bytes == 4 * profile.trainable_numel:
+    if _fp32(profile):
         return 0
     return 2 * 4 * min(CAST_CHUNK, profile.largest_trainable_numel)
 
