@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from torchoffload import minimum_budget, stream_weights
+from torchoffload import minimum_budget, stream_weights, testing
 from torchoffload.models import GPT, GPTConfig
 from torchoffload.weights import StreamedGraph
 
@@ -244,3 +244,95 @@ def test_a_graph_is_recaptured_when_the_kept_places_change(streamed):
     entry.arena = ("another split",)  # as if the arena had been planned again since
     assert torch.equal(g(x), expected)
     assert g.stats().captures == 2
+
+
+def test_a_replay_copies_the_next_replays_first_units():
+    """Note: [Primed replays]: a replay's first ring units were copied by the replay before it
+    (at its end, while its last units computed), so a replay starts with no copy to wait for
+    and still copies each streamed unit once."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cpu", budget_bytes=3 * minimum_budget(model))
+    g = h.cuda_graph(model)
+    x = tokens((2, 10), 0)
+    with torch.no_grad():
+        expected = ref(x)
+    for _ in range(3):  # warm-up, capture, and a replay that starts where the last ended
+        assert torch.equal(g(x), expected)
+    rt = h._runtime
+    entry = next(iter(g._graphs.values()))
+    first = [i for i in dict.fromkeys(rt.schedule.order) if rt.units[i].fixed is None][:2]
+    assert [i for i, _ in entry.primes] == first
+    hooks = testing.weight_test_hooks(h, trace=True)
+    before, loads_before = h.stats(), g.stats().prime_loads
+    for _ in range(3):
+        assert torch.equal(g(x), expected)
+    after = h.stats()
+    assert after.misses == before.misses  # no unit of the three replays was fetched on demand
+    ring = [u for u in rt.units if u.fixed is None and u.index in rt.schedule.order]
+    assert after.h2d_bytes - before.h2d_bytes == 3 * sum(u.layout.copy_bytes for u in ring)
+    loads = [name for kind, name, *_ in hooks.trace if kind == "load"]
+    reads = [name for kind, name, *_ in hooks.trace if kind == "read"]
+    names = [rt.units[i].name for i in first]
+    assert loads[-2:] == names  # the last replay ended by loading the next one's first units
+    assert reads[0] == names[0] and names[0] not in loads[: loads.index(names[0])]
+    s = g.stats()
+    assert s.primed_units == (2,) and s.prime_loads == loads_before  # none copied eagerly
+    h.remove()
+
+
+def test_primes_lost_to_an_eager_call_or_a_load_are_copied_before_the_replay(streamed):
+    ref, model, h = streamed
+    g = h.cuda_graph(model)
+    x, y = tokens((2, 12), 0), tokens((1, 5), 1)
+    for _ in range(3):
+        g(x)
+    entry = next(iter(g._graphs.values()))
+    assert entry.primes
+    rt = h._runtime
+
+    def replay(model_ref):
+        loads, misses = g.stats().prime_loads, h.stats().misses
+        assert torch.equal(g(x), model_ref(x))
+        assert h.stats().misses == misses  # its first units were loaded before it started
+        return g.stats().prime_loads - loads
+
+    with torch.no_grad():
+        for z in (y, y):  # eager calls on the same ring (they find the primes as hits)
+            assert torch.equal(model(z), ref(z))
+        replay(ref)  # copies the primes first if the eager calls moved them
+        assert replay(ref) == 0  # the replay before left them
+        rt.arena.drop(rt.units[entry.primes[0][0]])  # as if another call had overwritten it
+        assert replay(ref) == 1
+        new = make(seed=3)
+        model.load_state_dict(new.state_dict())  # the primes hold the old values: dropped
+        assert replay(new) == 1
+
+
+def test_resetting_the_ring_leaves_disjoint_regions_of_loaded_units(streamed):
+    """`reset_ring` runs around every capture and replay: what it leaves must be sorted,
+    disjoint regions, each of a unit loaded there or a tombstone, or a later copy may miss
+    the event it must wait on (a bisection over overlapping regions skips the tombstone)."""
+    from torchoffload.weights._arena import DebugEvent
+
+    ref, model, h = streamed
+    rt = h._runtime
+    x = tokens((2, 12), 0)
+    arena = rt.arena
+    for n_keep in (0, 1):
+        with torch.no_grad():
+            model(x)
+            model(x)  # kept units fixed, ring units loaded
+        keep = tuple(u for u in rt.units if u.loc is not None and u.fixed is None)[:n_keep]
+        assert any(u.loc is not None and u.fixed is None for u in rt.units)
+        arena.reset_ring(rt.units, DebugEvent("after"), keep=keep)
+        regions = arena.regions
+        assert all(a.end <= b.start for a, b in zip(regions, regions[1:], strict=False))
+        assert [r.start for r in regions] == arena.starts
+        covered = sum(r.end - r.start for r in regions if r.start < arena.ring_cap)
+        assert covered == arena.ring_cap  # every ring byte is guarded by the event
+        loaded = [u for u in rt.units if u.loc is not None]
+        assert {id(r.unit) for r in regions if r.unit is not None} == {id(u) for u in loaded}
+        assert all(u.region.start == u.loc for u in loaded)
+        assert arena.loaded_bytes == sum(u.nbytes for u in loaded)
+        assert all(r.done is not None for r in regions)
+        assert [u.index for u in loaded if u.fixed is None] == [u.index for u in keep]

@@ -48,6 +48,10 @@ def test_replays_bitwise_with_slow_copies(budget_units):
     assert (s.graphs, s.eager_calls, s.replays) == (2, 2, len(xs) - 2)
     assert st.graph_replays == len(xs) - 2 and st.peak_device_bytes <= budget
     assert (s.h2d_bytes_per_replay[0] > 0) == (st.kept_units < st.units)
+    # Note: [Primed replays]: each replay copied the next one's first units (none to copy
+    # when every unit is kept); a primed graph never had to copy them eagerly
+    assert (min(s.primed_units) > 0) == (st.kept_units < st.units), s
+    assert s.prime_loads == 0, s
     h.remove()
 
 

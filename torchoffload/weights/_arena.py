@@ -153,18 +153,26 @@ class Arena:
         self.ring_cap = top
         return kept
 
-    def place(self, unit: UnitState, *, prefetch: bool) -> bool:
-        """Load ``unit``: choose its range, evict what is there, queue its copies after the
-        events of that range. A prefetch that finds no range free of needed units returns
-        False; an on-demand fetch raises then."""
+    def place(
+        self, unit: UnitState, *, prefetch: bool, at: int | None = None, floor: int = 0
+    ) -> bool:
+        """Load ``unit``: choose its range (``at``: this offset; ``floor``: in the ring above
+        it), evict what is there, queue its copies after the events of that range. A prefetch
+        that finds no range free of needed units returns False; an on-demand fetch raises
+        then."""
         n = unit.nbytes
         if unit.fixed is not None:
             candidates = [unit.fixed]
+        elif at is not None:
+            assert at % ALIGN == 0 and at + n <= self.ring_cap, (at, n, self.ring_cap)
+            candidates = [at]
         else:
             cap = self.ring_cap
-            candidates = [self.head if self.head + n <= cap else 0]
+            head = self.head
+            candidates = [head if floor <= head and head + n <= cap else floor]
             if not prefetch:  # must succeed: any place that spares the unit(s) computing now
-                candidates += [0, *(r.end for r in self.regions if r.end + n <= cap)]
+                ends = (r.end for r in self.regions if floor <= r.end and r.end + n <= cap)
+                candidates += [floor, *ends]
         regions = self.regions
         for start in candidates:
             end = start + n
@@ -228,6 +236,13 @@ class Arena:
             if testing is not None and testing.trace is not None:
                 testing.trace.append(("read", unit.name, unit.loc, unit.loc + unit.nbytes, done))
 
+    def drop(self, unit: UnitState) -> None:
+        """Evict a loaded ``unit`` now; its range stays guarded by its event (a tombstone)."""
+        region = unit.region
+        if region is not None:
+            region.unit = None
+        self.evict(unit)
+
     def evict(self, unit: UnitState) -> None:
         unit.loc = None
         unit.region = None
@@ -247,24 +262,41 @@ class Arena:
         self.head = 0
         self.loaded_bytes = 0
 
-    def reset_ring(self, units: list[UnitState], done: Any) -> None:
-        """Forget the units in the ring (not the kept ones) and make the whole ring one
-        tombstone guarded by ``done``: what overwrites it next waits on that event (Note:
-        [Weights in a captured graph] in _runtime.py). Kept units stay, guarded by ``done``
-        too; ``None``: the caller synchronized the device."""
+    def reset_ring(self, units: list[UnitState], done: Any, keep: tuple = ()) -> None:
+        """Forget the units in the ring (not the kept ones, nor the ring units in ``keep``)
+        and make the rest of the ring one tombstone guarded by ``done``: what overwrites it
+        next waits on that event (Note: [Weights in a captured graph] in _runtime.py). What
+        stays is guarded by ``done`` too; ``None``: the caller synchronized the device. The
+        head follows the last unit of ``keep``."""
+        stay = {id(u) for u in keep if u.loc is not None}
         for unit in units:
             # a kept unit loaded in the ring before it was kept is forgotten like the others
-            if unit.loc is not None and unit.loc != unit.fixed:
+            if unit.loc is not None and unit.loc != unit.fixed and id(unit) not in stay:
                 unit.loc = unit.region = unit.ready = None
                 unit.pending = False
                 self.loaded_bytes -= unit.nbytes
-        kept = [r for r in self.regions if r.unit is not None and r.unit.loc == r.unit.fixed]
-        for region in kept:  # read by what ``done`` follows, or (None) by nothing in flight
+        held = [  # kept units at their places, and what ``keep`` asks for (not the regions
+            r for r in self.regions  # of units forgotten above: their loc is None now)
+            if r.unit is not None
+            and ((r.unit.fixed is not None and r.unit.loc == r.unit.fixed) or id(r.unit) in stay)
+        ]  # fmt: skip
+        for region in held:  # read by what ``done`` follows, or (None) by nothing in flight
             region.done = done
-        ring = [Region(0, self.ring_cap, None, done)] if self.ring_cap and done is not None else []
-        self.regions[:] = ring + kept
+        ring: list[Region] = []
+        if self.ring_cap and done is not None:  # the gaps between the units that stay
+            at = 0
+            for r in held:
+                if r.start >= self.ring_cap:
+                    break
+                if r.start > at:
+                    ring.append(Region(at, r.start, None, done))
+                at = r.end
+            if at < self.ring_cap:
+                ring.append(Region(at, self.ring_cap, None, done))
+        self.regions[:] = sorted(ring + held, key=lambda r: r.start)
         self.starts[:] = [r.start for r in self.regions]
-        self.head = 0
+        ends = [u.loc + u.nbytes for u in keep if id(u) in stay]
+        self.head = ends[-1] if ends else 0
 
     def _overlapping(self, start: int, end: int) -> tuple[int, int]:
         """``regions[i:j]`` are the regions that overlap ``[start, end)`` (they are sorted and

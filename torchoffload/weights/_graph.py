@@ -29,6 +29,7 @@ is tested without a GPU.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,13 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchoffload._transfer import CopyEngine
-from torchoffload._validate import check_callable, check_int
+from torchoffload._validate import check_bool, check_callable, check_int
 from torchoffload.weights._arena import Counters
-from torchoffload.weights._runtime import WeightRuntime
+from torchoffload.weights._runtime import Primes, WeightRuntime
 
 __all__ = ["GraphStats", "StreamedGraph"]
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,14 @@ class GraphStats:
     replays: int
     eager_calls: int  # warm-ups and calls beyond max_graphs
     h2d_bytes_per_replay: tuple[int, ...]  # per graph, in capture order
+    primed_units: tuple[int, ...]  # per graph: first units its previous replay copied
+    prime_loads: int  # replays whose primes were copied eagerly first (not left by a replay)
 
 
 class _Captured:
-    __slots__ = ("graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena")
+    __slots__ = (
+        "graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena", "primes",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
@@ -66,15 +73,18 @@ class _Captured:
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
         self.arena: Any = None  # ring size and kept places at capture (`_arena_state`)
+        self.primes: Primes = ()  # units a replay finds loaded (Note: [Primed replays])
 
 
 class StreamedGraph:
     """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
     signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
 
-    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8):
+    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8, prime=True):
         check_callable("fn", fn, optional=False)
         check_int("max_graphs", max_graphs, minimum=1)
+        check_bool("prime", prime)
+        self.prime = prime
         self._rt = runtime
         self._fn = fn
         self.max_graphs = max_graphs
@@ -86,6 +96,7 @@ class StreamedGraph:
         self._captures = 0
         self._replays = 0
         self._eager = 0
+        self._prime_loads = 0
         self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,6 +135,8 @@ class StreamedGraph:
             replays=self._replays,
             eager_calls=self._eager,
             h2d_bytes_per_replay=tuple(e.delta.h2d_bytes for e in done),
+            primed_units=tuple(len(e.primes) for e in done),
+            prime_loads=self._prime_loads,
         )
 
     def reset(self) -> None:
@@ -168,7 +181,6 @@ class StreamedGraph:
         return arena.ring_cap, kept  # a capture keeps nothing new: this holds until replays
 
     def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
-        rt = self._rt
         statics = list(leaves)
         entry.positions, entry.inputs = [], []  # a failed capture left nothing behind
         for i, x in enumerate(leaves):
@@ -182,49 +194,70 @@ class StreamedGraph:
         entry.fn_args = (args, kwargs)
         if not self._cuda:
             entry.graph = "host"  # its first replay sets the outputs
-        else:
-            if self._engine is None:
-                self._engine = CopyEngine(self.device)
-                self._stream = torch.cuda.Stream(self.device)
-            self._engine.testing = rt.engine.testing  # the test instruments of the shared one
-            graph = torch.cuda.CUDAGraph()
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
-            rt.prepare_capture()
-            try:
-                with torch.cuda.graph(
-                    graph, stream=self._stream, capture_error_mode="thread_local"
-                ):
-                    rt.start_capture(self._engine)
-                    try:
-                        entry.outputs = self._fn(*args, **kwargs)
-                    finally:  # joined even when fn raises: the capture ends with its error
-                        rt.finish_capture()
-            finally:
-                entry.delta = rt.end_capture()
-            torch.cuda.current_stream(self.device).wait_stream(self._stream)
-            entry.graph = graph
+            entry.primes = self._rt.primes() if self.prime else ()
+            self._captures += 1
+            return
+        if self._engine is None:
+            self._engine = CopyEngine(self.device)
+            self._stream = torch.cuda.Stream(self.device)
+        primes = self._rt.primes() if self.prime else ()  # Note: [Primed replays]
+        graph, outputs, delta, end = self._capture_once(args, kwargs, primes)
+        if end != primes:  # not expected: the capture places them; never trusted
+            _log.warning("a primed capture left %s, not %s: captured unprimed", end, primes)
+            graph.reset()
+            primes = ()
+            graph, outputs, delta, _ = self._capture_once(args, kwargs, ())
+        entry.graph, entry.outputs, entry.delta, entry.primes = graph, outputs, delta, primes
+
+    def _capture_once(self, args: Any, kwargs: Any, primes: Primes) -> tuple:
+        """One capture of the call, started with ``primes`` loaded; returns the graph, its
+        outputs, what a replay counts and the units it leaves loaded (Note: [Primed
+        replays])."""
+        rt = self._rt
+        self._engine.testing = rt.engine.testing  # the test instruments of the shared one
+        graph = torch.cuda.CUDAGraph()
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        rt.prepare_capture(primes)
+        end: Primes = ()
+        try:
+            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
+                rt.start_capture(self._engine, primes)
+                try:
+                    outputs = self._fn(*args, **kwargs)
+                finally:  # joined even when fn raises: the capture ends with its error
+                    end = rt.finish_capture()
+        finally:  # a capture runs nothing: the primes loaded before it are still there
+            delta = rt.end_capture(keep=primes if end == primes else ())
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._captures += 1
+        return graph, outputs, delta, end
 
     def _run_on_host(self, entry: _Captured) -> Any:
         """The CPU stand-in for a capture and for a replay: the call run in capture mode (see
         the module doc). Returns its output; ``entry.delta`` is what it counted."""
         rt = self._rt
         args, kwargs = entry.fn_args
-        rt.prepare_capture()
+        rt.prepare_capture(entry.primes)
+        end: Primes = ()
         try:
-            rt.start_capture(rt.engine)
+            rt.start_capture(rt.engine, entry.primes)
             out = self._fn(*args, **kwargs)
-            rt.finish_capture()
+            end = rt.finish_capture()
         finally:
-            entry.delta = rt.end_capture()
+            entry.delta = rt.end_capture(keep=end)
+        if end != entry.primes:  # as `_capture` does: the unprimed call from now on
+            _log.warning("a primed call left %s, not %s: unprimed", end, entry.primes)
+            entry.primes = ()
         return out
 
     def _replay(self, entry: _Captured) -> None:
-        with self._rt.replaying([index for index, _ in entry.arena[1]]):
+        with self._rt.replaying([index for index, _ in entry.arena[1]], entry.primes) as r:
+            self._prime_loads += r.loaded > 0
             if self._cuda:
                 entry.graph.replay()
             else:
                 out = self._run_on_host(entry)
+                r.primes = entry.primes
                 leaves, spec = tree_flatten(out)
                 if entry.outputs is None:
                     entry.outputs = tree_unflatten(

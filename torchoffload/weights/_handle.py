@@ -144,7 +144,7 @@ class WeightStreamHandle:
                 graph_replays=c.graph_replays,
             )
 
-    def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> StreamedGraph:
+    def cuda_graph(self, fn: Any, *, max_graphs: int = 8, prime: bool = True) -> StreamedGraph:
         """``fn`` (a function that calls the streamed model, or the model itself) as a
         `StreamedGraph`: called like ``fn``, the first call of an argument signature runs
         eagerly, the second is captured as a CUDA graph with the weight copies, their events
@@ -153,8 +153,10 @@ class WeightStreamHandle:
         Tensor arguments are copied into the graph's static inputs; the returned tensors are
         its static outputs, overwritten by its next replay. Other arguments are part of the
         signature (an object such as a KV cache by identity). Runs under `torch.no_grad()`.
-        On the CPU the same bookkeeping runs without a graph (for tests). See Note:
-        [Captured calls by signature] and Note: [Weights in a captured graph]."""
+        On the CPU the same bookkeeping runs without a graph (for tests). ``prime``: each
+        replay copies the next one's first units while its last ones compute (Note: [Primed
+        replays]); False captures without it, for comparison. See Note: [Captured calls by
+        signature] and Note: [Weights in a captured graph]."""
         rt = self._runtime
         rt._check_live()
         if rt.device.type == "cuda" and not (rt.host.is_pinned() and rt.config.use_streams):
@@ -162,7 +164,7 @@ class WeightStreamHandle:
                 "cuda_graph needs the host store pinned and a copy stream: call stream_weights "
                 "with pin_memory=True and use_streams=True (the defaults)"
             )
-        return StreamedGraph(rt, fn, max_graphs=max_graphs)
+        return StreamedGraph(rt, fn, max_graphs=max_graphs, prime=prime)
 
     def reset_stats(self) -> None:
         rt = self._runtime

@@ -71,10 +71,9 @@ _MiB = 1 << 20
 #   stream. Every copy in the ring waits on it or on an event after it, so the copy stream
 #   joins the capture (an event recorded before a capture cannot be waited on inside it).
 #   Copies go to a copy stream of the graph's own: no other thread's copy can enter it.
-# - Inside it, prefetch stops at the call's last unit: the next call's first units are not
-#   prefetched into an arena whose state at the next replay the graph cannot know. Ready
-#   events are waited on, never queried. At its end the capture stream waits on the copy
-#   stream.
+# - Inside it, ready events are waited on, never queried. At its end the capture stream waits
+#   on the copy stream. Past its last unit it prefetches only its primes, at their fixed
+#   places (Note: [Primed replays]).
 # - A replay first makes the compute stream wait on the event of every arena region (eager
 #   copies in flight, eager reads on any stream) and loads again the kept units that were
 #   dropped since (`load_state_dict` clears the arena). After the launch the ring becomes
@@ -82,8 +81,49 @@ _MiB = 1 << 20
 #   overwrites nothing the replay still reads. Consecutive replays on one stream are
 #   ordered by the stream.
 # The replay path does not query or wait on the host. Ring weights are copied from the host
-# store at every replay, so values loaded with `load_state_dict` are what the next replay
-# reads.
+# store at every replay or at the end of the one before (primes), so values loaded with
+# `load_state_dict` (which clears the arena, primes included) are what the next replay reads.
+#
+# Note: [Primed replays]
+# A graph that stops prefetching at its call's last unit leaves the copy stream idle while
+# its last units compute and until the next replay's first copy ends: on the H100 a 181 us
+# median gap per decode step of the demo Llama, 1.18x the link bound (benchmarks/README.md).
+# Eager calls avoid it by prefetching the next call's first units; a graph may do the same
+# only if the next replay finds them where its kernels read them, at addresses fixed at
+# capture. So a graph is captured with its *primes*: the schedule's first ring units (up to
+# ``prefetch_depth``) loaded side by side from the ring's start before it runs, and it loads
+# them there again at its end for the next replay.
+# - Where they land cannot be left to the ring: its head moves by the bytes a call copies,
+#   so the next call's first units land elsewhere each call (a cycle of 2 or 4 places in
+#   the CPU tests' models). Instead the capture places them at their fixed offsets, and the
+#   call's last ``prefetch_depth + 1`` ring units (the tail, the only ones that can still be
+#   pending or computing then) are placed above the primes' span. So the primes' range holds
+#   nothing still needed when they are copied, and their copies wait only on the events of
+#   units done earlier: they run while the tail computes. Those left for `finish_capture`
+#   (a prefetch found no room) are copied there. The capture checks that it ends with its
+#   primes in place; if not, it is captured again unprimed (never wrong, only slower).
+# - The primes leave room for two of the largest ring unit above them (the tail's ring);
+#   fewer are primed when the ring is smaller, none when nothing is prefetched.
+# - Before a launch, `replaying` loads any prime not at its offset (after an eager call or
+#   `load_state_dict`), after its range's events; the launch is ordered after those copies
+#   on the stream. After the launch the primes stay loaded, guarded by the event recorded
+#   after it; eager calls find them as hits. Inside the graph they need no wait (the replay
+#   starts after their copies) and are pending, so no prefetch overwrites them before use.
+
+
+# ((unit index, arena offset), ...): the units a replay finds loaded (Note: [Primed replays])
+Primes = tuple
+
+
+class Replay:
+    """What `WeightRuntime.replaying` did before a launch (``loaded``: primes it copied) and
+    which units the replay leaves loaded for the next one (``primes``, the caller may set)."""
+
+    __slots__ = ("primes", "loaded")
+
+    def __init__(self, primes: Primes):
+        self.primes = primes
+        self.loaded = 0
 
 
 @dataclass(frozen=True)
@@ -195,6 +235,11 @@ class WeightRuntime:
         self._call: _Call | None = None
         self.removed = False
         self.capturing = False  # a call is being captured (Note: [Weights in a captured graph])
+        # ... and, primed (Note: [Primed replays]): {unit: offset} of the next call's first
+        # units, their span (the tail's floor), the schedule position where the tail starts
+        self._primes: dict[int, int] = {}
+        self._floor = 0
+        self._tail_from = 0
         self._saved_counters: Counters | None = None
         # id(state_dict() destination) -> (its weak reference, {storage key: host copy})
         self._copies: dict[int, tuple[weakref.ref, dict]] = {}
@@ -339,7 +384,8 @@ class WeightRuntime:
                             u.pending = False
                 if unit.loc is None:
                     self.counters.misses += 1
-                    self.arena.place(unit, prefetch=False)
+                    tail = pos is not None and pos >= self._tail_from
+                    self.arena.place(unit, prefetch=False, floor=self._floor if tail else 0)
                 else:
                     self.counters.hits += 1
                 unit.pending = False
@@ -428,58 +474,87 @@ class WeightRuntime:
 
     # -- CUDA graphs (Note: [Weights in a captured graph]) ------------------------------------
 
-    def prepare_capture(self) -> None:
+    def prepare_capture(self, primes: Primes = ()) -> None:
         """Before a capture, outside it: wait for the device and for calls of other threads,
-        load every kept unit, empty the ring. Takes the lock, which `end_capture` gives back,
-        so no other call runs until the capture ends."""
+        load every kept unit and the ``primes`` at their places, forget the rest of the ring.
+        Takes the lock, which `end_capture` gives back, so no other call runs until the
+        capture ends."""
         self._lock.acquire()
         try:
             self._check_live()
             self._wait_idle("capture")
             self._sync()
-            self.arena.reset_ring(self.units, None)
+            there = self._primes_at(primes)
+            self.arena.reset_ring(self.units, None, keep=there)
             for unit in self.units:
                 if unit.fixed is not None and unit.loc is None:
                     self.arena.place(unit, prefetch=False)
+            for index, loc in primes:
+                if self.units[index].loc is None:
+                    self.arena.place(self.units[index], prefetch=False, at=loc)
             self._sync()
             for unit in self.units:
                 unit.ready = None
                 unit.pending = False
-            self.arena.reset_ring(self.units, None)
+            self.arena.reset_ring(self.units, None, keep=self._primes_at(primes))
             self._saved_counters = dataclasses.replace(self.counters)
         except BaseException:
             self._lock.release()
             raise
 
-    def start_capture(self, engine: Any) -> None:
+    def start_capture(self, engine: Any, primes: Primes = ()) -> None:
         """First thing inside the capture: its copies go to ``engine`` (streams of the graph's
-        own), and the ring is one tombstone guarded by an event of the capture stream, so the
-        first copy joins the capture."""
+        own), and the ring, but for the ``primes`` (loaded before every replay), is one
+        tombstone guarded by an event of the capture stream, so the first copy joins the
+        capture. With ``primes``, the call ends by loading them again (Note: [Primed
+        replays])."""
         misplaced = [u.name for u in self.units if u.fixed is not None and u.loc != u.fixed]
+        misplaced += [self.units[i].name for i, loc in primes if self.units[i].loc != loc]
         if misplaced:  # the graph would read them where its own copies write
-            raise AssertionError(f"kept units not at their places at capture: {misplaced}")
+            raise AssertionError(f"units not at their places at capture: {misplaced}")
         self.capturing = True
         self.arena.engine = engine
-        self.arena.reset_ring(self.units, self.engine.record())
+        self.arena.reset_ring(self.units, self.engine.record(), keep=self._primes_at(primes))
+        for index, _ in primes:
+            unit = self.units[index]
+            unit.ready = None  # copied before the replay, which the stream orders after it
+            unit.pending = True  # the call's first units: no prefetch overwrites them
+        if primes:
+            self._primes = dict(primes)
+            self._floor = max(loc + self.units[i].nbytes for i, loc in primes)
+            ring = [p for p, i in enumerate(self.schedule.order) if self.units[i].fixed is None]
+            self._tail_from = ring[-min(len(ring), self.config.prefetch_depth + 1)]
 
-    def finish_capture(self) -> None:
-        """Last thing inside the capture: the capture stream waits on the graph's copies."""
+    def finish_capture(self) -> Primes:
+        """Last thing inside the capture: the primes not loaded yet are loaded, and the
+        capture stream waits on the graph's copies. Returns where the primes are now (Note:
+        [Primed replays])."""
+        for index, loc in self._primes.items():
+            unit = self.units[index]
+            if unit.loc != loc:
+                if unit.loc is not None:
+                    self.arena.drop(unit)
+                self.arena.place(unit, prefetch=False, at=loc)
         engine = self.arena.engine
         saved = self._saved_counters
         copied = saved is None or self.counters.h2d_copies > saved.h2d_copies
         if copied and not engine.synchronous and engine.use_streams:  # else never joined
             self.engine.current_stream().wait_stream(engine.h2d)
+        return tuple((i, self.units[i].loc) for i in self._primes)
 
-    def end_capture(self) -> Counters:
+    def end_capture(self, keep: Primes = ()) -> Counters:
         """After the capture (also after a failed one): the shared engine back, the ring
-        forgotten, the counters as before it; returns what one replay adds to them."""
+        forgotten but for ``keep`` (loaded by a call that ran: the CPU stand-in), the counters
+        as before it; returns what one replay adds to them."""
         try:
             self.capturing = False
+            self._primes, self._floor, self._tail_from = {}, 0, 0
             if self.arena is not None:
                 self.arena.engine = self.engine
-                self.arena.reset_ring(self.units, None)
+                self.arena.reset_ring(self.units, None, keep=self._primes_at(keep))
                 for unit in self.units:
                     unit.ready = None
+                    unit.pending = False
             before, self._saved_counters = self._saved_counters, None
             after = self.counters
             if before is None:
@@ -496,10 +571,12 @@ class WeightRuntime:
             self._lock.release()
 
     @contextlib.contextmanager
-    def replaying(self, kept: list[int]):
+    def replaying(self, kept: list[int], primes: Primes = ()):
         """Around the launch of a captured call: the compute stream waits on what eager
-        calls left in flight, kept units dropped since are loaded again; afterwards the ring
-        is guarded by an event recorded after the launch."""
+        calls left in flight; kept units dropped since, and ``primes`` not where the graph
+        expects them, are loaded (eagerly) first. Yields a `Replay`; afterwards the ring is
+        guarded by an event recorded after the launch, with ``Replay.primes`` loaded (the
+        graph copied them for its next replay)."""
         with self._lock:
             self._check_live()
             self._wait_idle("a graph replay")
@@ -507,6 +584,14 @@ class WeightRuntime:
                 unit = self.units[index]
                 if unit.loc is None:
                     self.arena.place(unit, prefetch=False)
+            replay = Replay(primes)
+            for index, loc in primes:
+                unit = self.units[index]
+                if unit.loc != loc:
+                    if unit.loc is not None:
+                        self.arena.drop(unit)
+                    self.arena.place(unit, prefetch=False, at=loc)
+                    replay.loaded += 1
             waited: set[int] = set()  # after a replay every region holds one event
             stream = self.engine.current_stream()  # None on the CPU: nothing to wait on
             for region in self.arena.regions if stream is not None else ():
@@ -515,9 +600,35 @@ class WeightRuntime:
                     waited.add(id(done))
                     stream.wait_event(done)
             try:
-                yield
+                yield replay
             finally:
-                self.arena.reset_ring(self.units, self.engine.record())
+                done = self.engine.record()
+                self.arena.reset_ring(self.units, done, keep=self._primes_at(replay.primes))
+                for index, _ in replay.primes:
+                    self.units[index].ready = done
+
+    def _primes_at(self, primes: Primes) -> tuple[UnitState, ...]:
+        """The units of ``primes`` that are loaded at their places."""
+        return tuple(self.units[i] for i, loc in primes if self.units[i].loc == loc)
+
+    def primes(self) -> Primes:
+        """The units a captured call should find loaded, and where (Note: [Primed replays]):
+        the schedule's first ring units, up to ``prefetch_depth``, side by side from the
+        ring's start, as many as leave room for two of the largest ring unit behind them.
+        Empty when nothing streams or nothing is prefetched."""
+        order = self.schedule.order
+        ring = [self.units[i] for i in dict.fromkeys(order or ()) if self.units[i].fixed is None]
+        if not ring or not self.config.prefetch_depth:
+            return ()
+        room = self.arena.ring_cap - 2 * max(u.nbytes for u in ring)
+        out: list[tuple[int, int]] = []
+        at = 0
+        for unit in ring[: self.config.prefetch_depth]:
+            if at + unit.nbytes > room:
+                break
+            out.append((unit.index, at))
+            at += unit.nbytes
+        return tuple(out)
 
     def count_replay(self, delta: Counters) -> None:
         """A replay did what its capture counted (``delta``)."""
@@ -555,17 +666,29 @@ class WeightRuntime:
 
     def _prefetch_after(self, pos: int) -> None:
         """Prefetch the next ``prefetch_depth`` units of the schedule that live in the ring;
-        kept units found loaded are passed over (Note: [Prefetch counts ring units])."""
+        kept units found loaded are passed over (Note: [Prefetch counts ring units]). A
+        capture prefetches past its call's last unit only its primes, at their places (Note:
+        [Primed replays])."""
         depth = self.config.prefetch_depth
         if not depth or not self.arena.ring_cap:  # nothing lives in the ring: all kept
             return
-        for index in self.schedule.ahead(pos, wrap=not self.capturing):
+        n = len(self.schedule.order)
+        primed = self._primes
+        for j, index in enumerate(self.schedule.ahead(pos, wrap=not self.capturing or primed)):
             unit = self.units[index]
             if unit.fixed is not None and unit.loc is not None:
                 continue
+            at = None
+            if self.capturing and pos + 1 + j >= n:  # the next call's: only primes, in place
+                at = primed.get(index)
+                if at is None:
+                    break
+                if unit.loc not in (None, at):
+                    self.arena.drop(unit)
             if not unit.busy:
                 if unit.loc is None:
-                    if not self.arena.place(unit, prefetch=True):
+                    floor = self._floor if pos + 1 + j >= self._tail_from else 0
+                    if not self.arena.place(unit, prefetch=True, at=at, floor=floor):
                         break  # the ring is full of units still needed: retry at the next unit
                     self.counters.prefetch_issued += 1
                 unit.pending = True  # needed soon: later prefetches must not overwrite it
