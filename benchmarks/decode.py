@@ -162,8 +162,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--budgets", type=float, nargs="*", help="GiB (default: the shape's)")
-    p.add_argument("--rows", default="eager,graph,compile-ro,stream,stream-compile,stream-graph")
+    p.add_argument(
+        "--rows",
+        default="eager,graph,compile-ro,stream,stream-compile,stream-graph,stream-compile-graph",
+    )
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--unit", default=None, help="stream_weights(unit=): blocks, leaves")
     args = p.parse_args(argv)
     rows_wanted = set(args.rows.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -178,7 +182,8 @@ def main(argv=None) -> int:
     print(
         f"# {datetime.date.today()} {torch.cuda.get_device_name(device) if gpu else 'cpu'} "
         f"torch {torch.__version__}; {args.shape}: {weights / GIB:.2f} GiB of weights, prompt "
-        f"{args.prompt}, {args.tokens} tokens; pinned H2D {bw:.1f} GB/s",
+        f"{args.prompt}, {args.tokens} tokens; pinned H2D {bw:.1f} GB/s; "
+        f"units {args.unit or 'auto'}",
         flush=True,
     )
     rows: list[dict] = []
@@ -250,7 +255,9 @@ def main(argv=None) -> int:
             print(f"  budget {budget_gib} GiB is below the minimum {least / GIB:.2f} GiB: skipped")
             continue
         peak_reset()
-        h = stream_weights(model, device, budget_bytes=budget, resident=("embed_tokens",))
+        h = stream_weights(
+            model, device, budget_bytes=budget, resident=("embed_tokens",), unit=args.unit
+        )
         try:
             if "stream" in rows_wanted:
                 peak_reset()
@@ -264,8 +271,22 @@ def main(argv=None) -> int:
                     dec = Decoder(model, prompt, args.tokens, h.cuda_graph)
                     add("graph streamed", budget_gib, timed(dec, device, expected, h.stats),
                         peak())  # fmt: skip
+                    print(f"    {dec.step.stats()}", flush=True)
 
                 attempt("graph streamed", budget_gib, graph_streamed)
+            if "stream-graph-unprimed" in rows_wanted:
+
+                def graph_unprimed(h=h, budget_gib=budget_gib):
+                    peak_reset()  # Note: [Primed replays] turned off, for comparison
+
+                    def wrap(step):
+                        return h.cuda_graph(step, prime=False)
+
+                    dec = Decoder(model, prompt, args.tokens, wrap)
+                    add("graph streamed unprimed", budget_gib,
+                        timed(dec, device, expected, h.stats), peak())  # fmt: skip
+
+                attempt("graph streamed unprimed", budget_gib, graph_unprimed)
             if "stream-compile" in rows_wanted and gpu:
 
                 def compile_streamed(h=h, budget_gib=budget_gib):
@@ -277,6 +298,18 @@ def main(argv=None) -> int:
                     torch._dynamo.reset()
 
                 attempt("compiled streamed", budget_gib, compile_streamed)
+            if "stream-compile-graph" in rows_wanted and gpu:
+
+                def compile_graph_streamed(h=h, budget_gib=budget_gib):
+                    peak_reset()  # Inductor's kernels and the weight copies in one CUDA graph
+                    compiled = torch.compile(model)
+                    dec = Decoder(model, prompt, args.tokens, h.cuda_graph, step_model=compiled)
+                    add("compiled graph streamed", budget_gib,
+                        timed(dec, device, expected, h.stats), peak())  # fmt: skip
+                    print(f"    {dec.step.stats()}", flush=True)
+                    torch._dynamo.reset()
+
+                attempt("compiled graph streamed", budget_gib, compile_graph_streamed)
             st = h.stats()
             print(f"    stats: kept {st.kept_units}/{st.units} units, arena "
                   f"{st.arena_bytes / GIB:.2f} GiB, resident {st.resident_bytes / GIB:.2f} GiB, "

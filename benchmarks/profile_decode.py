@@ -3,6 +3,8 @@ copy stream is, its gaps, and the bandwidth while copying, from `torch.profiler`
 
     python benchmarks/profile_decode.py --shape demo --budget-gib 0.2
     python benchmarks/profile_decode.py --shape 8b --budget-gib 12 --tokens 8
+    python benchmarks/profile_decode.py --shape demo --budget-gib 0.2 --compile  # torch.compile'd
+                                                    # step in the graph; --kernels N: top kernels
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="demo")
     p.add_argument("--budget-gib", type=float, default=0.2)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--compile", action="store_true", help="the step is torch.compile(model)")
+    p.add_argument("--kernels", type=int, default=0, help="print the N costliest GPU kernels")
+    p.add_argument("--unprimed", action="store_true", help="cuda_graph(prime=False)")
+    p.add_argument("--trace", type=Path, default=None, help="write a Chrome trace here")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     model = build(args.shape, dev)
@@ -32,7 +38,12 @@ def main(argv=None) -> int:
     prompt = torch.randint(1, model.config.vocab_size, (1, 128), generator=g).to(dev)
     h = stream_weights(model, dev, budget_bytes=int(args.budget_gib * 2**30),
                        resident=("embed_tokens",))  # fmt: skip
-    dec = Decoder(model, prompt, args.tokens, h.cuda_graph)
+    step_model = torch.compile(model) if args.compile else None
+
+    def wrap(step):
+        return h.cuda_graph(step, prime=not args.unprimed)
+
+    dec = Decoder(model, prompt, args.tokens, wrap, step_model=step_model)
     dec.run()  # warm-up and capture
     sync(dev)
     before = h.stats().h2d_bytes
@@ -40,6 +51,8 @@ def main(argv=None) -> int:
         dec.run()
         sync(dev)
     moved = h.stats().h2d_bytes - before
+    if args.trace is not None:
+        prof.export_chrome_trace(str(args.trace))
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
     copies = sorted((e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name)
     busy = sum(b - a for a, b in copies)
@@ -56,6 +69,15 @@ def main(argv=None) -> int:
     if gaps:
         print(f"gaps over 20 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, median "
               f"{gaps[len(gaps) // 2]:.0f} us")  # fmt: skip
+    if args.kernels:
+        kernels: dict[str, list[float]] = {}
+        for e in events:
+            if "HtoD" not in e.name and "Memcpy" not in e.name:
+                kernels.setdefault(e.name, []).append(e.time_range.end - e.time_range.start)
+        total = sum(sum(v) for v in kernels.values())
+        print(f"GPU kernels: {total / 1e3:.2f} ms in {sum(map(len, kernels.values()))} launches")
+        for name, ts in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.kernels]:
+            print(f"  {sum(ts) / 1e3:8.2f} ms {len(ts):6d}x  {name[:100]}")
     h.remove()
     return 0
 
