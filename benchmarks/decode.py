@@ -148,6 +148,9 @@ def timed(decoder: Decoder, device: torch.device, expected, stats=None):
     host: list[float] = []
     decoder.run(host)  # a third decode: each step's host time, the device idle before it
     equal = expected is None or torch.equal(toks, expected)
+    if not equal:  # where the tokens part: one differing logit (a tie, a rounding) changes all
+        first = int((toks != expected).nonzero()[0, 1])
+        print(f"    tokens differ from position {first} of {toks.shape[1]}", flush=True)
     return (seconds * 1e3 / steps, statistics.median(host) * 1e3, equal, per_token / steps, toks)
 
 
@@ -168,7 +171,20 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--unit", default=None, help="stream_weights(unit=): blocks, leaves")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic algorithms and math attention (as the GPU parity tests): "
+                   "tokens comparable over long decodes, kernels slower")  # fmt: skip
     args = p.parse_args(argv)
+    if args.deterministic:  # without it, even the resident CUDA graph departs from eager
+        import contextlib  # resident after a few hundred tokens (benchmarks/README.md)
+        import os
+
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        stack = contextlib.ExitStack()
+        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
     rows_wanted = set(args.rows.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"

@@ -154,3 +154,38 @@ def test_torch_compile_of_a_streamed_model_on_cuda(mode):
     assert s.peak_device_bytes <= budget and s.h2d_copies > 0
     h.remove()
     torch._dynamo.reset()
+
+
+def test_torch_compile_replayed_in_a_streamed_cuda_graph():
+    """``handle.cuda_graph(torch.compile(model))``: Inductor's kernels and the weight copies in
+    one CUDA graph (the compiled path with no host work per unit). Copy stream slowed in the
+    last round; outputs bitwise those of the resident model compiled with the same graph
+    breaks, called in the same order; replays primed (Note: [Primed replays]); the arena
+    within its budget."""
+    torch._dynamo.reset()
+    xs = inputs(4)
+    model = make(torch.bfloat16, device="cpu")
+    budget = 3 * block_bytes(torch.bfloat16) + 4096
+    h = stream_weights(model, "cuda", budget_bytes=budget, unit="blocks")
+    resident = make(torch.bfloat16)
+    _break_like(resident, model, h)
+
+    def rounds(fn, slow):
+        out = []
+        with torch.no_grad():
+            for r in range(3):
+                with testing.slow_copies(cycles=2_000_000) if slow and r == 2 else nullcontext():
+                    out += [fn(x).clone() for x in xs]
+        return out
+
+    expected = rounds(torch.compile(resident), slow=False)
+    torch._dynamo.reset()
+    g = h.cuda_graph(torch.compile(model))
+    got = rounds(g, slow=True)
+    assert [torch.equal(a, e) for a, e in zip(got, expected, strict=True)] == [True] * len(got)
+    s, st = g.stats(), h.stats()
+    # three shapes: each warmed up in round 0 (the fourth input is the first one's capture)
+    assert (s.graphs, s.eager_calls, s.replays) == (3, 3, 9) and min(s.primed_units) > 0, s
+    assert st.peak_device_bytes <= budget and st.h2d_copies > 0
+    h.remove()
+    torch._dynamo.reset()

@@ -96,3 +96,20 @@ def test_eager_calls_load_state_dict_and_a_new_shape_between_replays():
         assert torch.equal(g(y), new(y)) and torch.equal(g(y), new(y))  # warm-up, capture
         assert torch.equal(g(xs[6]), new(xs[6]))
     h.remove()
+
+
+def test_a_primed_and_an_unprimed_graph_take_turns_on_one_handle():
+    """Graphs with and without primes, and eager calls, on one arena (what the decode
+    benchmark does row after row): each reads its own weights, copy stream slowed."""
+    ref = make()
+    model = make()
+    h = stream_weights(model, "cuda", budget_bytes=6 * minimum_budget(model, prefetch_depth=0))
+    primed, unprimed = h.cuda_graph(model), h.cuda_graph(model, prime=False)
+    xs = [tokens((2, 40), s) for s in range(12)]
+    with torch.no_grad(), testing.slow_copies():
+        for i, x in enumerate(xs):
+            fn = (primed, unprimed, model)[i % 3] if i >= 6 else (primed, unprimed)[i % 2]
+            assert torch.equal(fn(x), ref(x)), i
+    assert min(primed.stats().primed_units) > 0 and unprimed.stats().primed_units == (0,)
+    assert h.stats().peak_device_bytes <= h.stats().budget_bytes
+    h.remove()
