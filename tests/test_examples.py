@@ -17,7 +17,8 @@ BACKGROUND = {
         "examples/train_fsdp_offload.py", "--steps", "2", "--batch", "1,2",
     ), needs=("transformers",)),
     "test_generate_streamed": Job(
-        ("examples/generate_streamed.py", "--new-tokens", "8"), needs=("transformers",)
+        ("examples/generate_streamed.py", "--new-tokens", "8", "--compile"),
+        needs=("transformers",),
     ),
     "test_train_offloaded_optimizer_bitwise_on_cpu": Job((
         "examples/train_offloaded_optimizer.py", "--dtype", "fp32", "--steps", "3",
@@ -63,6 +64,7 @@ def test_generate_streamed():
     assert "stream_weights" in out
     assert "CUDA-graph tokens identical to the all-on-device static-cache decode: True" in out
     assert "CUDA-graph decode: 13 of 16 calls replayed" in out  # eager: prefills, warm-up
+    assert "  + compiled" in out and "compiled tokens identical" in out  # torch.compile'd step
 
 
 def test_train_offloaded_optimizer_bitwise_on_cpu():
