@@ -336,3 +336,26 @@ def test_resetting_the_ring_leaves_disjoint_regions_of_loaded_units(streamed):
         assert arena.loaded_bytes == sum(u.nbytes for u in loaded)
         assert all(r.done is not None for r in regions)
         assert [u.index for u in loaded if u.fixed is None] == [u.index for u in keep]
+
+
+@pytest.mark.parametrize("layers, depth, extra", [(4, 1, 1), (6, 1, 1), (5, 2, 0), (8, 2, 0)])
+def test_primed_replays_of_a_call_shorter_than_its_pipeline(layers, depth, extra):
+    """Calls of a few ring units at the least budget: the call's first units are among its
+    last ones (the prefetch wraps to a prime while it is still loaded or computing).
+    Replays read the right weights, are primed, and keep the budget."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).eval()
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).eval()
+    model.load_state_dict(ref.state_dict())
+    least = minimum_budget(model, prefetch_depth=depth, unit="leaves")
+    budget = least + extra * least // (depth + 1)  # room for a prime beside the tail's ring
+    h = stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=depth, unit="leaves")
+    g = h.cuda_graph(model)
+    for i in range(6):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            assert torch.equal(g(x), ref(x)), i
+    s = g.stats()
+    assert s.replays == 5 and min(s.primed_units) > 0, s
+    assert h.stats().peak_device_bytes <= h.stats().budget_bytes
+    h.remove()

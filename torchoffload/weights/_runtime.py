@@ -681,8 +681,8 @@ class WeightRuntime:
             at = None
             if self.capturing and pos + 1 + j >= n:  # the next call's: only primes, in place
                 at = primed.get(index)
-                if at is None:
-                    break
+                if at is None or (unit.busy and unit.loc != at):
+                    break  # a prime computing elsewhere now (a short call): `finish_capture`
                 if unit.loc not in (None, at):
                     self.arena.drop(unit)
             if not unit.busy:
