@@ -656,6 +656,41 @@ def test_a_tensor_lr_is_snapshotted_not_aliased():
     assert same_params(a, twin)
 
 
+def test_a_scheduler_step_while_the_worker_reads_the_values_changes_nothing(monkeypatch):
+    """A bucket the worker steps during backward reads the live hyperparameters; if step()
+    took its snapshot and returned, and a scheduler changed lr, before that read ended, the
+    bucket used the new lr and the step raised "param_groups changed" (a flaky CI failure).
+    The worker's read is slowed here to widen that window."""
+    import threading
+    import time
+
+    import torchoffload.optim._runtime as runtime
+
+    hyper = runtime._hyper
+
+    def slow_in_the_worker(group):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)
+        return hyper(group)
+
+    monkeypatch.setattr(runtime, "_hyper", slow_in_the_worker)
+    a, twin = Tied(), Tied()
+    ref = Reference(twin, torch.optim.AdamW, lr=torch.tensor(1e-2))
+    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=torch.tensor(1e-2),
+                                bucket_bytes=2048, step_ahead=True, model=a)  # fmt: skip
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(3):
+        a(tied_batch(i)).float().square().mean().backward()
+        opt.step()
+        sched.step()
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        ref_sched.step()
+    opt.synchronize()
+    assert same_params(a, twin)
+
+
 def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():
     torch._dynamo.reset()
     a, twin = Tied(), Tied()

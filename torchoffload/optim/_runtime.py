@@ -639,9 +639,10 @@ class HostStepRuntime:
         start = time.perf_counter()
         try:
             optimizer = bucket.optimizer
-            snapshot = self._snapshot
-            if snapshot is None:  # stepped during backward: checked against step()'s values
-                bucket.used = [_hyper(self.user_groups[g]) for g in bucket.groups]
+            with self._lock:  # `_begin` takes its snapshot under it: both, or the snapshot
+                snapshot = self._snapshot  # (a scheduler may change the values after step())
+                if snapshot is None:  # stepped during backward: checked against step()'s
+                    bucket.used = [_hyper(self.user_groups[g]) for g in bucket.groups]
             for k, (host_group, g) in enumerate(
                 zip(optimizer.param_groups, bucket.groups, strict=True)
             ):
@@ -753,10 +754,13 @@ class HostStepRuntime:
     def _begin(self, *, step_rest: bool) -> float:
         called = time.perf_counter()
         self._call_time = called
-        snapshot = [_hyper(g) for g in self.user_groups]
         # Every bucket stepped from now on uses the values of this call (a scheduler may
-        # change them while the host still steps ahead).
-        self._snapshot = snapshot
+        # change them while the host still steps ahead). Under the lock: a bucket the worker
+        # steps meanwhile reads either this snapshot or the values before it, never values
+        # changed after step() returned (seen as a flaky "param_groups changed" error).
+        with self._lock:
+            snapshot = [_hyper(g) for g in self.user_groups]
+            self._snapshot = snapshot
         if step_rest:
             for bucket in reversed(self.buckets):  # forward order: Note: [The order of ...]
                 with self._lock:
