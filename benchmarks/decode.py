@@ -186,6 +186,9 @@ def main(argv=None) -> int:
         stack = contextlib.ExitStack()
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
     rows_wanted = set(args.rows.split(","))
+    # a streamed unit is a graph break, and the frames resumed after one are specialized on
+    # Hugging Face's layer index: one compilation per layer (32 at the 8B shape)
+    torch._dynamo.config.recompile_limit = 256
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     model = build(args.shape, device)
