@@ -94,14 +94,15 @@ _MiB = 1 << 20
 # ``prefetch_depth``) loaded side by side from the ring's start before it runs, and it loads
 # them there again at its end for the next replay.
 # - Where they land cannot be left to the ring: its head moves by the bytes a call copies,
-#   so the next call's first units land elsewhere each call (a cycle of 2 or 4 places in
-#   the CPU tests' models). Instead the capture places them at their fixed offsets, and the
-#   call's last ``prefetch_depth + 1`` ring units (the tail, the only ones that can still be
-#   pending or computing then) are placed above the primes' span. So the primes' range holds
-#   nothing still needed when they are copied, and their copies wait only on the events of
-#   units done earlier: they run while the tail computes. Those left for `finish_capture`
-#   (a prefetch found no room) are copied there. The capture checks that it ends with its
-#   primes in place; if not, it is captured again unprimed (never wrong, only slower).
+#   so the next call's first units land elsewhere each call (a cycle of 2 or 4 places for
+#   the GPU tests' model, run on the CPU). Instead the capture places them at their fixed
+#   offsets, and the call's last ``prefetch_depth + 1`` ring units (the tail, the only ones
+#   that can still be pending or computing then) are placed above the primes' span. So the
+#   primes' range holds nothing still needed when they are copied, and their copies wait
+#   only on the events of units done earlier: they run while the tail computes. Those left
+#   for `finish_capture` (a prefetch found no room) are copied there. The capture checks
+#   that it ends with its primes in place; if not, it is captured again unprimed (never
+#   wrong, only slower).
 # - The primes leave room for two of the largest ring unit above them (the tail's ring);
 #   fewer are primed when the ring is smaller, none when nothing is prefetched.
 # - Before a launch, `replaying` loads any prime not at its offset (after an eager call or
