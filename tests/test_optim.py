@@ -638,7 +638,9 @@ def test_writes_through_data_are_read_again_on_request():
     assert torch.count_nonzero(a[0].weight) == 0
 
 
-def test_a_tensor_lr_is_snapshotted_not_aliased():
+def _steps_with_a_tensor_lr_and_a_scheduler():
+    """Three steps ahead with a tensor lr halved by a scheduler after each step(), and the
+    same with torch.optim.AdamW: the parameters must agree."""
     a, twin = Tied(), Tied()
     ref = Reference(twin, torch.optim.AdamW, lr=torch.tensor(1e-2))
     opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=torch.tensor(1e-2),
@@ -654,6 +656,10 @@ def test_a_tensor_lr_is_snapshotted_not_aliased():
         ref_sched.step()
     opt.synchronize()
     assert same_params(a, twin)
+
+
+def test_a_tensor_lr_is_snapshotted_not_aliased():
+    _steps_with_a_tensor_lr_and_a_scheduler()
 
 
 def test_a_scheduler_step_while_the_worker_reads_the_values_changes_nothing(monkeypatch):
@@ -674,21 +680,7 @@ def test_a_scheduler_step_while_the_worker_reads_the_values_changes_nothing(monk
         return hyper(group)
 
     monkeypatch.setattr(runtime, "_hyper", slow_in_the_worker)
-    a, twin = Tied(), Tied()
-    ref = Reference(twin, torch.optim.AdamW, lr=torch.tensor(1e-2))
-    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW, lr=torch.tensor(1e-2),
-                                bucket_bytes=2048, step_ahead=True, model=a)  # fmt: skip
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
-    for i in range(3):
-        a(tied_batch(i)).float().square().mean().backward()
-        opt.step()
-        sched.step()
-        twin(tied_batch(i)).float().square().mean().backward()
-        ref.step()
-        ref_sched.step()
-    opt.synchronize()
-    assert same_params(a, twin)
+    _steps_with_a_tensor_lr_and_a_scheduler()
 
 
 def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():

@@ -124,12 +124,11 @@ def _break_like(resident, streamed, handle):
         module.register_forward_hook(noop)
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_torch_compile_of_a_streamed_model_on_cuda(mode):
-    """torch.compile after stream_weights, copy stream slowed in the last round: outputs
-    bitwise equal to the resident model compiled with graph breaks at the same units and
-    called in the same order (Inductor's kernels depend on the regions and on which shapes
-    were seen); the arena never above the budget."""
+def _compiled_rounds(wrap=None, mode=None):
+    """A streamed model and the resident one with graph breaks at the same units, each
+    compiled and called over three rounds of `inputs` (copy stream slowed in the streamed
+    model's last round); ``wrap`` makes the streamed model's callable from its handle and
+    compiled model. Returns (streamed outputs, resident outputs, handle, callable, budget)."""
     torch._dynamo.reset()
     xs = inputs(4)
     model = make(torch.bfloat16, device="cpu")
@@ -148,7 +147,18 @@ def test_torch_compile_of_a_streamed_model_on_cuda(mode):
 
     expected = rounds(torch.compile(resident, mode=mode), slow=False)
     torch._dynamo.reset()
-    got = rounds(torch.compile(model, mode=mode), slow=True)
+    fn = torch.compile(model, mode=mode)
+    fn = wrap(h, fn) if wrap is not None else fn
+    return rounds(fn, slow=True), expected, h, fn, budget
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_of_a_streamed_model_on_cuda(mode):
+    """torch.compile after stream_weights, copy stream slowed in the last round: outputs
+    bitwise equal to the resident model compiled with graph breaks at the same units and
+    called in the same order (Inductor's kernels depend on the regions and on which shapes
+    were seen); the arena never above the budget."""
+    got, expected, h, _, budget = _compiled_rounds(mode=mode)
     assert [torch.equal(g, e) for g, e in zip(got, expected, strict=True)] == [True] * len(got)
     s = h.stats()
     assert s.peak_device_bytes <= budget and s.h2d_copies > 0
@@ -162,26 +172,7 @@ def test_torch_compile_replayed_in_a_streamed_cuda_graph():
     last round; outputs bitwise those of the resident model compiled with the same graph
     breaks, called in the same order; replays primed (Note: [Primed replays]); the arena
     within its budget."""
-    torch._dynamo.reset()
-    xs = inputs(4)
-    model = make(torch.bfloat16, device="cpu")
-    budget = 3 * block_bytes(torch.bfloat16) + 4096
-    h = stream_weights(model, "cuda", budget_bytes=budget, unit="blocks")
-    resident = make(torch.bfloat16)
-    _break_like(resident, model, h)
-
-    def rounds(fn, slow):
-        out = []
-        with torch.no_grad():
-            for r in range(3):
-                with testing.slow_copies(cycles=2_000_000) if slow and r == 2 else nullcontext():
-                    out += [fn(x).clone() for x in xs]
-        return out
-
-    expected = rounds(torch.compile(resident), slow=False)
-    torch._dynamo.reset()
-    g = h.cuda_graph(torch.compile(model))
-    got = rounds(g, slow=True)
+    got, expected, h, g, budget = _compiled_rounds(lambda h, compiled: h.cuda_graph(compiled))
     assert [torch.equal(a, e) for a, e in zip(got, expected, strict=True)] == [True] * len(got)
     s, st = g.stats(), h.stats()
     # three shapes: each warmed up in round 0 (the fourth input is the first one's capture)

@@ -80,7 +80,7 @@ class StreamedGraph:
     """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
     signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
 
-    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8, prime=True):
+    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True):
         check_callable("fn", fn, optional=False)
         check_int("max_graphs", max_graphs, minimum=1)
         check_bool("prime", prime)
@@ -192,15 +192,15 @@ class StreamedGraph:
         entry.arena = self._arena_state()
         args, kwargs = tree_unflatten(statics, spec)
         entry.fn_args = (args, kwargs)
+        primes = self._rt.primes() if self.prime else ()  # Note: [Primed replays]
         if not self._cuda:
             entry.graph = "host"  # its first replay sets the outputs
-            entry.primes = self._rt.primes() if self.prime else ()
+            entry.primes = primes
             self._captures += 1
             return
         if self._engine is None:
             self._engine = CopyEngine(self.device)
             self._stream = torch.cuda.Stream(self.device)
-        primes = self._rt.primes() if self.prime else ()  # Note: [Primed replays]
         graph, outputs, delta, end = self._capture_once(args, kwargs, primes)
         if end != primes:  # not expected: the capture places them; never trusted
             _log.warning("a primed capture left %s, not %s: captured unprimed", end, primes)

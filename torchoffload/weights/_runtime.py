@@ -531,11 +531,7 @@ class WeightRuntime:
         capture stream waits on the graph's copies. Returns where the primes are now (Note:
         [Primed replays])."""
         for index, loc in self._primes.items():
-            unit = self.units[index]
-            if unit.loc != loc:
-                if unit.loc is not None:
-                    self.arena.drop(unit)
-                self.arena.place(unit, prefetch=False, at=loc)
+            self._load_at(self.units[index], loc)
         engine = self.arena.engine
         saved = self._saved_counters
         copied = saved is None or self.counters.h2d_copies > saved.h2d_copies
@@ -586,13 +582,7 @@ class WeightRuntime:
                 if unit.loc is None:
                     self.arena.place(unit, prefetch=False)
             replay = Replay(primes)
-            for index, loc in primes:
-                unit = self.units[index]
-                if unit.loc != loc:
-                    if unit.loc is not None:
-                        self.arena.drop(unit)
-                    self.arena.place(unit, prefetch=False, at=loc)
-                    replay.loaded += 1
+            replay.loaded = sum(self._load_at(self.units[i], loc) for i, loc in primes)
             waited: set[int] = set()  # after a replay every region holds one event
             stream = self.engine.current_stream()  # None on the CPU: nothing to wait on
             for region in self.arena.regions if stream is not None else ():
@@ -607,6 +597,15 @@ class WeightRuntime:
                 self.arena.reset_ring(self.units, done, keep=self._primes_at(replay.primes))
                 for index, _ in replay.primes:
                     self.units[index].ready = done
+
+    def _load_at(self, unit: UnitState, loc: int) -> bool:
+        """Load ``unit`` at offset ``loc`` of the ring unless it is there; True if copied."""
+        if unit.loc == loc:
+            return False
+        if unit.loc is not None:
+            self.arena.drop(unit)
+        self.arena.place(unit, prefetch=False, at=loc)
+        return True
 
     def _primes_at(self, primes: Primes) -> tuple[UnitState, ...]:
         """The units of ``primes`` that are loaded at their places."""
@@ -675,7 +674,8 @@ class WeightRuntime:
             return
         n = len(self.schedule.order)
         primed = self._primes
-        for j, index in enumerate(self.schedule.ahead(pos, wrap=not self.capturing or primed)):
+        wrap = not self.capturing or bool(primed)
+        for j, index in enumerate(self.schedule.ahead(pos, wrap=wrap)):
             unit = self.units[index]
             if unit.fixed is not None and unit.loc is not None:
                 continue
