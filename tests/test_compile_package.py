@@ -135,6 +135,17 @@ def test_resident_patterns_and_tied_weights(built):
     x = built["tokens"]
     assert torch.equal(program(x), built["plain"](x))
     assert program.handle.stats().resident_bytes == tied[0].nbytes
+    # Streamed, the head reads the embedding's unit: no unit of its own, which would never run
+    # (it took arena space and was counted as a unit never kept).
+    program = load(built, 1 << 30)
+    for _ in range(2):
+        assert torch.equal(program(x), built["plain"](x))
+    s = program.handle.stats()
+    assert s.units == len({e.name.rpartition(".")[0] for e in catalog.weights.values()})
+    assert s.kept_units == s.units
+    assert s.h2d_bytes == s.streamed_bytes == catalog.nbytes
+    assert s.arena_bytes == sum(u.layout.nbytes for u in program.handle._runtime.units)
+    assert "head" not in [u.name for u in program.handle._runtime.units]
 
 
 def test_a_meta_model_exports_and_its_checkpoint_is_read(built, tmp_path):
@@ -239,6 +250,50 @@ def test_other_bad_input_is_refused(built, tmp_path):
         program._server.serve(999)
 
 
+def _with_static_libstdcxx(src, dst):
+    """A copy of package ``src`` whose compiled code no longer needs libstdc++.so, as if the
+    compiler had linked it statically (the name is rewritten in place, same length)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith(".so"):
+                assert b"libstdc++.so.6" in data
+                data = data.replace(b"libstdc++.so.6", b"libstdcxx.so.6")
+            zout.writestr(info, data)
+
+
+def test_a_package_with_a_static_libstdcxx_is_refused_before_it_crashes(built, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """Note: [A statically linked libstdc++]: PyTorch's loader segfaults on such a package, so
+    loading one raises first, with nothing pinned, and saving one removes it and raises."""
+    from torchoffload.compile._package import _needed_libraries
+
+    d = built["dir"]
+    with zipfile.ZipFile(d / "gpt.pt2") as z:
+        (so,) = [n for n in z.namelist() if "/aotinductor/" in n and n.endswith(".so")]
+        assert "libstdc++.so.6" in _needed_libraries(z.read(so))
+    assert _needed_libraries(b"\x7fELF" + bytes(100)) is None  # no sections: nothing to check
+    assert _needed_libraries(b"not an ELF file") is None
+    static = tmp_path / "static.pt2"
+    _with_static_libstdcxx(d / "gpt.pt2", static)
+    before = len(STREAMED)
+    with pytest.raises(RuntimeError, match=r"links the C\+\+ runtime statically .*CXX="):
+        toc.load_streamed_package(static, d / "gpt.safetensors", "cpu", budget_bytes=1 << 20)
+    gc.collect()
+    assert len(STREAMED) == before
+
+    def compile_static(ep, package_path, inductor_configs=None):
+        _with_static_libstdcxx(d / "gpt.pt2", package_path)
+        return package_path
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_static)
+    model, tokens = model_and_tokens()
+    out = tmp_path / "saved.pt2"
+    with pytest.raises(RuntimeError, match="statically .*the compiler was .*nothing was saved"):
+        toc.save_streamed_package(model, (tokens,), out)
+    assert not out.exists()
+
+
 class _Writes(nn.Module):
     def __init__(self):
         super().__init__()
@@ -279,7 +334,34 @@ def test_export_refuses_what_cannot_stream(built):
     with pytest.raises(ValueError, match="must end in .pt2"):
         toc.save_streamed_package(lin, (x,), "model.zip")
     with pytest.raises(RuntimeError, match="ran outside a streamed program"):
-        torch.ops.torchoffload.weight([], 0, [1, 4, 1], torch.float32, torch.device("cpu"))
+        torch.ops.torchoffload.weight([], 0, [1, 1, 4, 1], torch.device("cpu"))
+
+
+def test_the_weight_op_carries_its_dtype_as_an_int_code():
+    """torch 2.11's AOTInductor proxy executor hands a ScalarType argument to an op in the
+    export serializer's numbering (a bfloat16 weight arrived as quint8 on the GPU machine), so
+    the weight op takes none (Note: [A weight's geometry as ints]): every dtype a weights file
+    holds round-trips through its int code, and an exported bfloat16 model's ops decode to
+    bfloat16."""
+    from torchoffload.compile._package import _DTYPE_CODES, _decode, _encode, _weight_fake
+    from torchoffload.weights._checkpoint import _DTYPES
+
+    op = torch.ops.torchoffload.weight.default
+    assert [str(a.type) for a in op._schema.arguments] == ["List[Tensor]", "int", "List[int]",
+                                                           "Device"]  # fmt: skip
+    assert set(_DTYPES.values()) <= set(_DTYPE_CODES)
+    for dtype in _DTYPE_CODES:
+        t = _weight_fake([], 0, _encode(dtype, (3, 4), (4, 1)), torch.device("meta"))
+        assert (t.dtype, t.shape, t.stride()) == (dtype, (3, 4), (4, 1))
+    with pytest.raises(ValueError, match="cannot stream a torch.complex64 weight"):
+        _encode(torch.complex64, (1,), (1,))
+    model, tokens = model_and_tokens()
+    ep, catalog = toc.export_streamed(model.to(torch.bfloat16), (tokens,))
+    served = [_decode(n.args[2]) for n in ep.graph.nodes if n.target is op]
+    assert len(served) == len(catalog.probes)
+    for (dtype, shape, stride), name in zip(served, catalog.probes, strict=True):
+        e = catalog.weights[name]
+        assert (dtype, shape, stride) == (torch.bfloat16, list(e.shape), list(e.stride))
 
 
 def test_hf_llama_with_parameters_on_meta_reads_its_sharded_checkpoint(tmp_path):

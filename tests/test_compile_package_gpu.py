@@ -32,9 +32,10 @@ torch._inductor.aoti_load_package(path)
 @pytest.fixture(scope="module")
 def aoti_cuda_loads(tmp_path_factory):
     """Skip, saying why, where this PyTorch cannot load a plain AOTInductor CUDA package: on
-    the GPU machine (torch 2.11.0+cu130, driver 580.159.04) loading the package of one
-    nn.Linear segfaults inside the loader, with or without torchoffload imported. Probed in a
-    subprocess so that the crash does not take the test session down."""
+    the GPU machine (torch 2.11.0+cu130) loading the package of one nn.Linear segfaults inside
+    the loader when Inductor's default compiler there (/opt/gcc/bin/g++) built it; with
+    CXX=/usr/bin/g++ it loads. Probed in a subprocess so that a crash does not take the test
+    session down."""
     path = tmp_path_factory.mktemp("probe") / "linear.pt2"
     run = subprocess.run([sys.executable, "-c", _PROBE % str(path)], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
@@ -43,7 +44,9 @@ def aoti_cuda_loads(tmp_path_factory):
                else f"exits with {run.returncode}")  # fmt: skip
         pytest.skip(
             f"this PyTorch ({torch.__version__}) cannot load a plain AOTInductor CUDA package "
-            f"(one nn.Linear): the loading process {how}"
+            f"(one nn.Linear): the loading process {how}. If Inductor's C++ compiler links "
+            "libstdc++ statically, set CXX to one that does not, e.g. CXX=/usr/bin/g++ "
+            "(Note: [A statically linked libstdc++])"
         )
 
 

@@ -10,9 +10,9 @@
 
 `export_streamed` traces the model with fake weights on the target device (no weight byte is
 read or copied) and replaces every use of every parameter and buffer with
-``torch.ops.torchoffload.weight(after, probe_id, geometry, dtype, device)``: an op with no weight
-input, so the program knows each weight by its probe id only and a compiler has no weight to
-fold, copy or embed. The `Catalog` says, per probe id, which weight it is (name, dtype, shape,
+``torch.ops.torchoffload.weight(after, probe_id, geometry, device)``: an op with no weight input,
+so the program knows each weight by its probe id only and a compiler has no weight to fold,
+copy or embed. The `Catalog` says, per probe id, which weight it is (name, dtype, shape,
 stride, bytes, and its byte offset in the weights file written at export). `save_streamed_package`
 compiles that program with AOTInductor and stores the catalog inside the ``.pt2``;
 `load_streamed_package` checks the catalog against a safetensors file (one file, a sharded
@@ -48,10 +48,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import struct
 import weakref
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,25 +82,47 @@ __all__ = [
 ]
 
 CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
-FORMAT = 1
+FORMAT = 2  # 2: the weight op's dtype is an int code (Note: [A weight's geometry as ints])
 _DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
 
 
 # Defined at the lower level (Note: [Defining the ops with torch.library.Library]) for its cost
 # and because its outputs alias each other: every weight is a view of the one arena storage,
 # which a custom_op's alias check refuses.
-_lib.define(
-    "weight(Tensor[] after, int probe_id, int[] geometry, ScalarType dtype, Device device) "
-    "-> Tensor"
-)
+_lib.define("weight(Tensor[] after, int probe_id, int[] geometry, Device device) -> Tensor")
+
+# Note: [A weight's geometry as ints]
+# The op says which tensor a probe returns with one int list, ``[dtype code, ndim, *shape,
+# *stride]``, the dtype code being its index in `_DTYPE_CODES` (this file's numbering, fixed by
+# the package format). Not a ``ScalarType`` argument: the AOTInductor proxy executor of torch
+# 2.11 (the GPU machine's) hands a ScalarType to the op in the export serializer's numbering,
+# not c10's, so a bfloat16 weight arrived as quint8 (seen on the H100 on 2026-11-25: every
+# CUDA package failed its first probe check); torch 2.13 converts it. An int list arrives as
+# written on both. Never empty: an empty int list does not survive the proxy executor.
+_DTYPE_CODES: tuple[torch.dtype, ...] = (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+)  # fmt: skip
 
 
-def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], dtype: torch.dtype,
+def _encode(dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]) -> list[int]:
+    """The ``geometry`` argument of ``torchoffload::weight`` (Note: [A weight's geometry as
+    ints])."""
+    if dtype not in _DTYPE_CODES:
+        raise ValueError(f"cannot stream a {dtype} weight from a compiled package")
+    return [_DTYPE_CODES.index(dtype), len(shape), *shape, *stride]
+
+
+def _decode(geometry: Sequence[int]) -> tuple[torch.dtype, list[int], list[int]]:
+    code, n = geometry[0], geometry[1]
+    return _DTYPE_CODES[code], list(geometry[2 : 2 + n]), list(geometry[2 + n :])
+
+
+def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int],
             device: torch.device) -> torch.Tensor:  # fmt: skip
     """The weight of probe ``probe_id``, served by the running program (`StreamedPackage`).
-    ``geometry`` is ``[ndim, *shape, *stride]`` (never empty: an empty int list does not survive
-    the AOTInductor proxy executor); ``after`` only orders the op (Note: [Ordering weights in a
-    compiled program])."""
+    ``geometry`` is its dtype, shape and stride (`_encode`); ``after`` only orders the op
+    (Note: [Ordering weights in a compiled program])."""
     server = serving()
     if server is None:
         raise RuntimeError(
@@ -108,8 +131,7 @@ def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], dtype
         )
     t = server.serve(probe_id)
     if probe_id not in server.checked:  # once per probe: the program and its catalog agree
-        n = geometry[0]
-        want = (dtype, list(geometry[1 : 1 + n]), list(geometry[1 + n :]))
+        want = _decode(geometry)
         if (t.dtype, list(t.shape), list(t.stride())) != want:
             raise RuntimeError(
                 f"torchoffload.weight probe {probe_id} reads {want[0]} {want[1]} (stride "
@@ -120,9 +142,9 @@ def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], dtype
     return t
 
 
-def _weight_fake(after, probe_id, geometry, dtype, device):
-    n = geometry[0]
-    return torch.empty_strided(geometry[1 : 1 + n], geometry[1 + n :], dtype=dtype, device=device)
+def _weight_fake(after, probe_id, geometry, device):
+    dtype, shape, stride = _decode(geometry)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 _lib.impl("weight", _weight, "CompositeExplicitAutograd")
@@ -186,7 +208,10 @@ class Catalog:
         try:
             d = json.loads(text)
             if d.get("format") != FORMAT:
-                raise ValueError(f"format {d.get('format')!r}, this torchoffload reads {FORMAT}")
+                raise ValueError(
+                    f"format {d.get('format')!r}, this torchoffload reads {FORMAT}: build the "
+                    "package again with save_streamed_package"
+                )
             if not isinstance(d.get("weights"), dict):
                 raise ValueError("weights must be an object")
             weights = {name: _entry(name, e) for name, e in d["weights"].items()}
@@ -379,9 +404,9 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
             after = [probes[-1]] if probes else []
             since = set(pending)
             after += [n for n in pending if _is_tensor(n) and not since.issuperset(n.users)]
-            geometry = [t.dim(), *t.shape, *t.stride()]
+            geometry = _encode(t.dtype, t.shape, t.stride())
             with graph.inserting_before(node):
-                p = graph.call_function(op, (after, len(probes), geometry, t.dtype, device))
+                p = graph.call_function(op, (after, len(probes), geometry, device))
             p.meta["val"] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
             node.replace_input_with(attr, p)
             probes.append(p)
@@ -459,10 +484,86 @@ def save_streamed_package(
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(package_path), inductor_configs=inductor_configs
     )
+    try:
+        _check_cxx_runtime(package_path)
+    except RuntimeError as e:
+        package_path.unlink()  # a package that would crash its loader is not left behind
+        raise RuntimeError(f"{e}; the compiler was {_compiler()!r}; nothing was saved") from None
     with zipfile.ZipFile(package_path, "a") as z:
         root = z.namelist()[0].split("/", 1)[0]
         z.writestr(f"{root}/extra/{CATALOG_FILE}", catalog.to_json())
     return catalog
+
+
+# Note: [A statically linked libstdc++]
+# An AOTInductor package's compiled code (its wrapper ``.so``) must use the C++ runtime that
+# the process already has: PyTorch's libraries need the shared libstdc++. On the GPU machine
+# (torch 2.11.0+cu130) Inductor's compiler, /opt/gcc/bin/g++, linked libstdc++ statically into
+# every wrapper (no libstdc++.so among its needed libraries, libstdc++'s own symbols defined in
+# it), and loading any package, plain or streamed, CPU or CUDA, killed the process: SIGSEGV at
+# address 0 inside std::regex (``parse_device_str`` in the AOTInductorModel constructor), in a
+# virtual call that reached ``codecvt::do_unshift``, as seen on 2026-11-25 by a signal handler's
+# backtrace. With /usr/bin/g++ (the same GCC 13.3, shared libstdc++) the same packages load
+# and run. So `save_streamed_package` and `load_streamed_package` read the wrapper's needed
+# libraries (its ELF dynamic section) and refuse such a package with the fix, before anything
+# is loaded or pinned, instead of letting the loader crash.
+
+
+def _needed_libraries(elf: bytes) -> list[str] | None:
+    """The ``DT_NEEDED`` entries of a 64-bit little-endian ELF shared object, or None when
+    ``elf`` is not one (another platform's format: nothing to check)."""
+    if len(elf) < 64 or elf[:4] != b"\x7fELF" or elf[4] != 2 or elf[5] != 1:
+        return None
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    try:
+        sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize)
+                    for i in range(shnum)]  # fmt: skip
+        for _name, kind, _flags, _addr, offset, size, link, *_ in sections:
+            if kind != 6:  # SHT_DYNAMIC
+                continue
+            strings = sections[link][4]
+            needed = []
+            for at in range(offset, offset + size, 16):
+                tag, value = struct.unpack_from("<qQ", elf, at)
+                if tag == 0:  # DT_NULL
+                    break
+                if tag == 1:  # DT_NEEDED
+                    start = strings + value
+                    needed.append(elf[start : elf.index(b"\0", start)].decode())
+            return needed
+    except (struct.error, IndexError, ValueError):
+        return None
+    return None
+
+
+def _check_cxx_runtime(package_path: str | os.PathLike[str]) -> None:
+    """Refuse a package whose compiled code holds its own copy of the C++ runtime (Note: [A
+    statically linked libstdc++])."""
+    with zipfile.ZipFile(package_path) as z:
+        for info in z.infolist():
+            if "/aotinductor/" not in info.filename or not info.filename.endswith(".so"):
+                continue
+            needed = _needed_libraries(z.read(info))
+            if needed is None or any(n.startswith(("libstdc++", "libc++")) for n in needed):
+                continue
+            raise RuntimeError(
+                f"{os.fspath(package_path)}: its compiled code "
+                f"({info.filename.rsplit('/', 1)[-1]}) links the C++ runtime statically (it "
+                f"needs {needed}, no libstdc++.so), and PyTorch's AOTInductor loader crashes "
+                "loading such code into a process that uses the shared libstdc++, as PyTorch "
+                "does. Build the package with a C++ compiler that links libstdc++ as a shared "
+                "library, e.g. with the environment variable CXX=/usr/bin/g++"
+            )
+
+
+def _compiler() -> str:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return get_cpp_compiler()
+    except Exception:  # private API: the message only names it when it can
+        return "unknown"
 
 
 def _check_path(name: str, value: object) -> None:
@@ -567,6 +668,7 @@ def load_streamed_package(
     _check_path("weights", weights)
     resident = _check_resident(resident)
     catalog = read_catalog(package_path)
+    _check_cxx_runtime(package_path)
     dev = compute_device(device)
     if dev.type != catalog.device_type:
         raise ValueError(
@@ -634,6 +736,12 @@ def _runtime_for(
     config = StreamConfig(dev, budget_bytes, prefetch_depth, pin_memory=pin_memory)
     layout = _layout.plan(holder, budget=budget_bytes, depth=prefetch_depth, resident=resident,
                           unit="leaves")  # fmt: skip
+    # A tied weight's other names (the head of a tied embedding) are held by modules of their
+    # own, which the layout makes units of their own; a probe reads a weight by its first name
+    # only, so those units never run. Dropped: they took an arena place (a kept one, at a budget
+    # that keeps every unit) and were counted by the stats as units never kept.
+    read = {id(holder.get_submodule(e.name.rpartition(".")[0])) for e in catalog.weights.values()}
+    layout = replace(layout, units=tuple(u for u in layout.units if id(u.module) in read))
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, checkpoint)
     return runtime, holder
