@@ -1,6 +1,7 @@
-"""AOTInductor packages without weights, on a GPU: bitwise parity with the plain package
-(weights embedded) with the copy stream slowed, the arena within its budget, no host sync in
-steady state, and a Hugging Face Llama exported from the meta device reading its checkpoint."""
+"""AOTInductor packages without weights, on a GPU: bitwise parity with the same package with
+every unit kept, with the copy stream slowed, and near the plain package (weights embedded);
+the arena within its budget, no host sync in steady state, and a Hugging Face Llama exported
+from the meta device reading its checkpoint."""
 
 from __future__ import annotations
 
@@ -89,10 +90,30 @@ def minimum(built) -> int:
     return int(str(e.value).split("(")[-1].split(" bytes")[0])
 
 
+def kept_outputs(built, xs):
+    """What a streamed run must give bitwise: the same package with every unit kept in the
+    arena (README: "bitwise those of the same package with every unit kept"). Against the plain
+    package (weights embedded) only to bf16's rounding: Inductor fuses pointwise chains across a
+    weight's probe there, computing in fp32 what the streamed program must round to bf16
+    (Note: [Ordering weights in a compiled program], 2). Seen with the CPU tests' GPT (hidden
+    64) in bf16: the plain program fuses the embedding and position add into the first layer
+    norm; logits differ by at most 0.25 (one ulp at their largest, 56.75), and streamed equals
+    all-kept. On this GPU the plain program's first output differed too (2026-11-25).
+    A wrong weight would be off by the size of the values themselves."""
+    kept = load(built, 1 << 30)
+    outs = [kept(x) for x in xs]
+    assert kept.handle.stats().kept_units == kept.handle.stats().units
+    kept.remove()
+    for x, out in zip(xs, outs, strict=True):
+        plain = built["plain"](x).float()
+        assert (out.float() - plain).abs().max() <= 0.02 * plain.abs().max()
+    return outs
+
+
 @pytest.mark.parametrize("times", [1, 2, 100])  # 100: every unit kept, no copies
 def test_bitwise_with_slow_copies_within_budget(built, times):
     xs = [tokens((2, 64), s) for s in range(6)] + [tokens((5, 64), s) for s in range(6, 9)]
-    expected = [built["plain"](x) for x in xs]
+    expected = kept_outputs(built, xs)
     budget = times * minimum(built)
     program = load(built, budget)
     assert program.handle._runtime.host.is_pinned()
@@ -113,7 +134,7 @@ def test_bitwise_with_slow_copies_within_budget(built, times):
 def test_no_host_sync_in_steady_state(built):
     program = load(built, 2 * minimum(built))
     x = tokens((2, 64), 0)
-    expected = built["plain"](x)
+    (expected,) = kept_outputs(built, [x])
     for _ in range(2):
         program(x)
     torch.cuda.synchronize()
