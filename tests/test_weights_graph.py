@@ -359,3 +359,60 @@ def test_primed_replays_of_a_call_shorter_than_its_pipeline(layers, depth, extra
     assert s.replays == 5 and min(s.primed_units) > 0, s
     assert h.stats().peak_device_bytes <= h.stats().budget_bytes
     h.remove()
+
+
+class _Reused(torch.nn.Module):
+    """Linear layers called in ``order``: a layer called twice is one unit used twice a call."""
+
+    def __init__(self, n: int, order: list[int]):
+        super().__init__()
+        self.ls = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(n))
+        self.order = order
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.ls[i](x)
+        return x
+
+
+@pytest.mark.parametrize(
+    "n, order, depth, extra",
+    [
+        (4, [1, 0, 2, 3, 0, 1], 1, 1),  # the next call's prime is computing elsewhere
+        (6, [0, 1, 2, 3, 4, 0, 5], 1, 1),  # it is loaded elsewhere: moved to its place
+        (6, [0, 1, 2, 3, 4, 0, 5], 2, 0),  # both, one after the other
+    ],
+)
+def test_primed_replays_of_a_layer_called_twice(n, order, depth, extra):
+    """Note: [Primed replays] with a unit used twice a call: when the capture's last units
+    prefetch the next call's first one (a prime), they can find it computing at another place
+    (then the capture stops prefetching and `finish_capture` loads it after) or loaded at
+    another place (then it is dropped there and copied to its own, while the last unit
+    computes). Replays read the right weights, stay primed and keep the budget; a unit that
+    computes is never dropped (the arena raises). Each check fails with its branch removed."""
+    torch.manual_seed(0)
+    ref, model = _Reused(n, order).eval(), _Reused(n, order).eval()
+    model.load_state_dict(ref.state_dict())
+    least = minimum_budget(model, prefetch_depth=depth, unit="leaves")
+    budget = least + extra * least // (depth + 1)
+    h = stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=depth, unit="leaves")
+    g = h.cuda_graph(model)
+    for i in range(6):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            assert torch.equal(g(x), ref(x)), i
+    s = g.stats()
+    assert s.captures == 1 and s.replays == 5 and s.primed_units == (1,), s
+    assert h.stats().peak_device_bytes <= h.stats().budget_bytes
+    # Where a replay copies the prime: while the last unit computes, or after it when the
+    # prime is the last unit itself (then `finish_capture` loads it).
+    ((index, _),) = next(iter(g._graphs.values())).primes
+    prime, last = h._runtime.units[index].name, f"ls.{order[-1]}"
+    hooks = testing.weight_test_hooks(h, trace=True)
+    with torch.no_grad():
+        g(x)
+    events = [(kind, name) for kind, name, *_ in hooks.trace]
+    copied = max(i for i, e in enumerate(events) if e == ("load", prime))
+    last_read = max(i for i, e in enumerate(events) if e == ("read", last))
+    assert (copied < last_read) == (prime != last), events
+    h.remove()

@@ -237,7 +237,11 @@ class Arena:
                 testing.trace.append(("read", unit.name, unit.loc, unit.loc + unit.nbytes, done))
 
     def drop(self, unit: UnitState) -> None:
-        """Evict a loaded ``unit`` now; its range stays guarded by its event (a tombstone)."""
+        """Evict a loaded ``unit`` now; its range stays guarded by its event (a tombstone). Never
+        a unit whose forward is running: its event is not recorded yet, so nothing would keep
+        a copy from overwriting the weights it reads."""
+        if unit.busy:
+            raise RuntimeError(f"internal error: unit {unit.name!r} dropped while it computes")
         region = unit.region
         if region is not None:
             region.unit = None
