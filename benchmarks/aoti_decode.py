@@ -159,6 +159,12 @@ def main(argv=None) -> int:
         default="embed_tokens",
         help="name patterns kept on the device in the streamed rows (comma-separated)",
     )
+    p.add_argument(
+        "--plain",
+        action="store_true",
+        help="also time a plain AOTInductor package of the model (weights embedded, no "
+        "probes): the compiled program without torchoffload",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -187,6 +193,13 @@ def main(argv=None) -> int:
         dynamic_shapes=({1: seq}, {0: seq}, None, None),
     )  # fmt: skip
     save_s = time.perf_counter() - t0
+    if args.plain:
+        ep = torch.export.export(
+            model, (prompt, torch.arange(args.prompt, device=device), *caches),
+            dynamic_shapes=({1: seq}, {0: seq}, None, None),
+        )  # fmt: skip
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "plain.pt2"))
+        ep = None
     model = None
     gc.collect()
     if gpu:
@@ -248,9 +261,49 @@ def main(argv=None) -> int:
         program.remove()
         del program
         gc.collect()
+    ok = all(r["equal"] for r in rows)
+    if args.plain:
+        rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches, expected, device))
+        r = rows[-1]
+        print(f"  {'aoti plain':<14} {'None':>6}  {r['ms_per_token']:8.2f} ms/token  "
+              f"{0.0:9.1f} MiB/token  {0.0:5.1f} GB/s  {'':23}  peak {r['peak_gib']:6.2f} GiB  "
+              f"host {r['host_ms']:6.2f} ms  same tokens {r['equal']}  load "
+              f"{r['load_s']:.1f} s", flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(dict(shape=args.shape, bw=bw, rows=rows), indent=1))
-    return 0 if all(r["equal"] for r in rows) else 1
+    return 0 if ok else 1
+
+
+def plain_row(path, prompt, tokens, caches, expected, device) -> dict:
+    """A plain AOTInductor package (weights embedded, no probes), timed as the other rows. Its
+    tokens may differ from the streamed package's in low precision: its compiler may fuse
+    across what are probes in the other (Note: [Ordering weights in a compiled program])."""
+    gpu = device.type == "cuda"
+    t0 = time.perf_counter()
+    program = torch._inductor.aoti_load_package(str(path))
+    load_s = time.perf_counter() - t0
+    steps = tokens - 1
+    with torch.inference_mode():
+        decode(program, prompt, tokens, caches)  # warm-up
+        sync(device)
+        if gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        start: list[float] = []
+
+        def after_prefill():
+            sync(device)
+            start.append(time.perf_counter())
+
+        toks = decode(program, prompt, tokens, caches, after_prefill=after_prefill)
+        sync(device)
+        seconds = time.perf_counter() - start[0]
+        host: list[float] = []
+        decode(program, prompt, tokens, caches, host)
+    return dict(row="aoti plain", budget_gib=None, ms_per_token=seconds * 1e3 / steps,
+                bytes_per_token=0.0, gbps=0.0, bound_ms=math.nan, ratio=math.nan,
+                peak_gib=torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan,
+                host_ms=statistics.median(host) * 1e3, equal=torch.equal(toks, expected),
+                load_s=load_s)  # fmt: skip
 
 
 if __name__ == "__main__":
