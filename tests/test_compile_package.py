@@ -472,6 +472,27 @@ def test_a_dropped_package_releases_its_store(built):
     assert len(STREAMED) == before and runtime() is None
 
 
+def test_a_package_replayed_by_cuda_graph_keeps_its_bookkeeping(built):
+    """``program.handle.cuda_graph(program)``: the probes of an AOTInductor package go through
+    the same engine calls as eager hooks, so the graph machinery (capture mode, primes, the
+    ring reset) serves them too. On the CPU no graph is captured (tests/test_weights_graph.py);
+    on a GPU, capturing a package's run is not tested yet."""
+    with pytest.raises(ValueError, match="minimum budget is") as e:
+        load(built, 1 << 10)
+    least = int(str(e.value).split("(")[-1].split(" bytes")[0])
+    program, kept = load(built, least), load(built, 1 << 30)
+    g = program.handle.cuda_graph(program)
+    xs = [torch.randint(0, CFG.vocab, (2, 16), generator=torch.Generator().manual_seed(i))
+          for i in range(4)]  # fmt: skip
+    for x in xs:
+        assert torch.equal(g(x), kept(x))
+    s = g.stats()
+    assert s.captures == 1 and s.replays == 3 and s.primed_units[0] > 0, s
+    assert program.handle.stats().peak_device_bytes <= least
+    program.remove()
+    kept.remove()
+
+
 def test_two_threads_run_two_programs(built):
     """Probes are served by the program running on the calling thread."""
     programs = [load(built), load(built, 240 << 10)]

@@ -146,6 +146,25 @@ def test_no_host_sync_in_steady_state(built):
     assert all(torch.equal(o, expected) for o in outs)
 
 
+def test_a_package_replayed_as_a_cuda_graph(built):
+    """``program.handle.cuda_graph(program)``: the package's run captured with its weight
+    copies and replayed, bitwise the all-kept package with the copy stream slowed, within the
+    budget."""
+    xs = [tokens((2, 64), s) for s in range(5)]
+    expected = kept_outputs(built, xs)
+    budget = 2 * minimum(built)
+    program = load(built, budget)
+    g = program.handle.cuda_graph(program)
+    torch.cuda.reset_peak_memory_stats()
+    with testing.slow_copies():
+        for i, (x, e) in enumerate(zip(xs, expected, strict=True)):
+            assert torch.equal(g(x), e), i
+    s = g.stats()
+    assert s.captures == 1 and s.replays == len(xs) - 1, s
+    assert program.handle.stats().peak_device_bytes <= budget
+    program.remove()
+
+
 def test_a_cuda_package_refuses_the_cpu(built):
     with pytest.raises(ValueError, match="compiled for 'cuda' and cannot run on cpu"):
         toc.load_streamed_package(built["dir"] / "gpt.pt2", built["dir"] / "gpt.safetensors",
