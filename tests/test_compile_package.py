@@ -555,3 +555,38 @@ def test_a_catalog_from_another_program_fails_at_the_first_probe(built, tmp_path
     with pytest.raises(RuntimeError, match="do not belong together"):
         program(built["tokens"])
     program.remove()
+
+
+class _WritesItsCache(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, cache, *, scale):
+        cache[0].add_(scale)  # a KV cache written in place, as benchmarks/aoti_decode.py's
+        return self.lin(x) + cache[0]
+
+
+def test_a_package_that_writes_an_input_bumps_its_version(tmp_path):
+    """An AOTInductor program writes an input in place without bumping its version counter;
+    the package bumps it, so that `cuda_graph` sees the write (Note: [Arguments written in
+    place] in weights/_graph.py) and the graphed package updates the caller's cache."""
+    torch.manual_seed(0)
+    model = _WritesItsCache().eval()
+    x, cache, scale = torch.randn(2, 8), torch.zeros(2, 8), torch.ones(8)
+    catalog = toc.save_streamed_package(model, (x, cache), tmp_path / "m.pt2", {"scale": scale},
+                                        weights=tmp_path / "m.safetensors")  # fmt: skip
+    assert catalog.written_inputs == ("[0][1]",)
+    assert toc.read_catalog(tmp_path / "m.pt2").written_inputs == ("[0][1]",)
+    program = toc.load_streamed_package(tmp_path / "m.pt2", tmp_path / "m.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    before = cache._version
+    program(x, cache, scale=scale)
+    assert cache[0, 0].item() == 1 and cache._version > before
+    g = program.handle.cuda_graph(program)
+    for i in range(2, 6):
+        with torch.no_grad():
+            expected = model.lin(x) + i
+        assert torch.equal(g(x, cache, scale=scale), expected), i
+        assert cache[0, 0].item() == i and cache[1, 0].item() == 0, i
+    program.remove()

@@ -416,3 +416,62 @@ def test_primed_replays_of_a_layer_called_twice(n, order, depth, extra):
     last_read = max(i for i, e in enumerate(events) if e == ("read", last))
     assert (copied < last_read) == (prime != last), events
     h.remove()
+
+
+def _counting(h):
+    lin = h._runtime.units[0].layout.module
+
+    def step(x, cache):
+        cache.add_(1)  # written in place, as a KV cache passed as an argument is
+        return lin(x) + cache
+
+    return step
+
+
+def test_an_argument_written_in_place_is_the_graphs_own():
+    """Note: [Arguments written in place]: a tensor argument that the function writes in place
+    is not copied into a static input (the writes would go to the copy and be lost, and the
+    next call would copy the stale tensor back in); the graph reads and writes it itself."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ref = torch.nn.Linear(8, 8)
+    ref.load_state_dict(model.state_dict())
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    g = h.cuda_graph(_counting(h))
+    cache, expected_cache = torch.zeros(8), torch.zeros(8)  # made outside inference mode
+    for i in range(5):
+        with torch.inference_mode():  # x: an inference tensor, which has no version counter
+            x = torch.randn(2, 8, generator=torch.Generator().manual_seed(i))
+            expected_cache.add_(1)
+            expected = ref(x) + expected_cache
+            assert torch.equal(g(x, cache), expected), i
+        assert torch.equal(cache, expected_cache), i
+    assert g.stats().captures == 1 and g.stats().replays == 4
+    with pytest.raises(ValueError, match="argument 1 of the graphed call is written in place"):
+        g(torch.randn(2, 8), torch.zeros(8))  # another tensor would not see the graph's writes
+    assert torch.equal(cache, expected_cache)  # refused before anything ran
+    h.remove()
+
+
+def test_an_argument_first_written_at_capture_is_copied_back_and_captured_again():
+    """A write the warm-up did not show (it depends on something else): the write of that
+    call is copied back to the caller's tensor, and the graph is captured again holding it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    writes = {"on": False}
+
+    def step(x, cache):
+        if writes["on"]:
+            cache.add_(1)
+        return model(x) + cache
+
+    g = h.cuda_graph(step)
+    cache, x = torch.zeros(8), torch.randn(2, 8)
+    g(x, cache)  # warm-up: no write
+    writes["on"] = True
+    for i in range(1, 4):
+        g(x, cache)
+        assert cache[0].item() == i, i
+    assert g.stats().captures == 2
+    h.remove()

@@ -190,6 +190,8 @@ class Catalog:
     weights: dict[str, WeightEntry]
     positions: tuple[int, ...]
     last_use: tuple[int, ...]
+    # the inputs the program writes in place, as pytree key paths of (args, kwargs)
+    written_inputs: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -204,7 +206,7 @@ class Catalog:
         return json.dumps(
             {"format": FORMAT, "device_type": self.device_type, "probes": list(self.probes),
              "weights": weights, "positions": list(self.positions),
-             "last_use": list(self.last_use)},
+             "last_use": list(self.last_use), "written_inputs": list(self.written_inputs)},
             indent=1,
         )  # fmt: skip
 
@@ -225,8 +227,9 @@ class Catalog:
             probes = _list_of(d.get("probes"), str, "probes")
             positions = _list_of(d.get("positions"), int, "positions")
             last_use = _list_of(d.get("last_use"), int, "last_use")
+            written = _list_of(d.get("written_inputs"), str, "written_inputs")
             cat = cls(d["device_type"], tuple(probes), weights, tuple(positions),
-                      tuple(last_use))  # fmt: skip
+                      tuple(last_use), tuple(written))  # fmt: skip
             if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
                 raise ValueError("probes, positions and last_use differ in length")
             unknown = [n for n in cat.probes if n not in weights]
@@ -350,6 +353,7 @@ def export_streamed(
             f"the forward writes to buffer {mutated[0]!r}: a streamed program's weights are "
             "read-only (pass such state, e.g. a KV cache, as an input instead)"
         )
+    written = _written_inputs(ep, args, kwargs)
     gm = ep.module()
     # A no-op a compiler removes (``w.clone()``, ``cat([w])``, a same-dtype conversion) makes
     # its users read ``w`` itself: remove them first, with Inductor's own rules, so that those
@@ -358,11 +362,31 @@ def export_streamed(
 
     remove_noop_ops(gm.graph)
     gm.recompile()
-    catalog = _insert_weight_reads(gm, device)
+    catalog = replace(_insert_weight_reads(gm, device), written_inputs=written)
     return (
         torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
                             strict=False),
         catalog,
+    )  # fmt: skip
+
+
+def _written_inputs(ep: torch.export.ExportedProgram, args: Any, kwargs: Any) -> tuple[str, ...]:
+    """The inputs ``ep`` (functional: its decompositions ran) writes in place, as key paths of
+    ``(args, kwargs)``: a package's kernels write them without bumping their version counters,
+    so `StreamedPackage` bumps them (Note: [Arguments written in place] in weights/_graph.py)."""
+    sig = ep.graph_signature
+    names = set(sig.user_inputs_to_mutate.values())
+    if not names:
+        return ()
+    leaves = pytree.tree_flatten_with_path((args, kwargs if kwargs is not None else {}))[0]
+    if len(leaves) != len(sig.user_inputs):
+        raise RuntimeError(
+            f"internal error: {len(leaves)} inputs given, the exported program has "
+            f"{len(sig.user_inputs)}: cannot say which it writes in place"
+        )
+    return tuple(
+        pytree.keystr(path) for (path, _), name in zip(leaves, sig.user_inputs, strict=True)
+        if name in names
     )  # fmt: skip
 
 
@@ -481,11 +505,10 @@ def save_streamed_package(
         named.update(model.named_buffers(remove_duplicate=False))
         written = write_safetensors(weights, {n: named[n] for n in catalog.weights},
                                     {"torchoffload": "weights of a streamed package"})  # fmt: skip
-        catalog = Catalog(
-            catalog.device_type, catalog.probes,
-            {n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},
-            catalog.positions, catalog.last_use,
-        )  # fmt: skip
+        catalog = replace(
+            catalog,
+            weights={n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},
+        )
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(package_path), inductor_configs=inductor_configs
     )
@@ -626,6 +649,12 @@ class StreamedPackage:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out, _weights = self._server.run(self._program, args, kwargs)
+        if self.catalog.written_inputs:  # Note: [Arguments written in place] (weights/_graph.py)
+            written = set(self.catalog.written_inputs)
+            for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
+                tracked = isinstance(x, torch.Tensor) and not x.is_inference()
+                if tracked and pytree.keystr(path) in written:
+                    torch.autograd.graph.increment_version(x)
         return out
 
     def remove(self) -> None:

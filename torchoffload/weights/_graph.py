@@ -14,8 +14,9 @@ so an object such as a KV cache is matched by identity, and the graph keeps it a
 first call of a signature runs eagerly (a warm-up: lazy initialization, the weight schedule,
 kept units), the second is captured and replayed, later ones are replayed. Each call runs
 the function's work once. Tensor arguments are copied into the graph's static inputs before a
-replay; the outputs are the graph's static outputs, overwritten by its next replay (clone to
-keep them), as with any CUDA graph. A new signature captures a new graph, up to
+replay (but those it writes in place: Note: [Arguments written in place]); the outputs are
+the graph's static outputs, overwritten by its next replay (clone to keep them), as with any
+CUDA graph. A new signature captures a new graph, up to
 ``max_graphs``; beyond that calls run eagerly (``stats().eager_calls``). Control flow that
 depends on tensor values is fixed at capture, as in any CUDA graph: such a function must be
 captured per branch by the caller. Weights are never stale: ring weights are copied from the
@@ -60,15 +61,38 @@ class GraphStats:
     prime_loads: int  # replays whose primes were copied eagerly first (not left by a replay)
 
 
+# Note: [Arguments written in place]
+# A tensor argument is copied into a static input of the graph before a replay. An argument
+# that the function writes in place (a KV cache passed as a tensor) must not be: the writes
+# would go to the copy, the caller's tensor would never see them, and the next call would copy
+# the stale tensor over them (a CPU test saw a counter stay at 1 over four calls). Such an
+# argument is found by its version counter (``Tensor._version``, which every in-place op and
+# a compiled function's write of an input bump) across the warm-up call, and the graph then
+# reads and writes that tensor itself: later calls must pass the same tensor there, and
+# another one is refused before anything runs. A write the warm-up did not show is seen the
+# same way at the capture (on the CPU, at each run), on the static copies: that graph is
+# dropped (on the CPU, where the call ran, the write is copied back to the caller's tensor) and
+# the next call captures the argument in place. Not seen: a write to a tensor made under
+# `torch.inference_mode`, which has no counter (make such state outside it, as a KV cache
+# usually is). Not used, though they would see those: a dispatch mode that records writes
+# (Dynamo does not compile a function called under one, so `cuda_graph(torch.compile(model))`
+# would run eagerly: seen on the CPU), and static copies made outside inference mode (their
+# other dispatch keys made the compiled model compile again: 15 graphs against 13, CPU).
+
+
 class _Captured:
     __slots__ = (
         "graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena", "primes",
+        "written", "held",
     )  # fmt: skip
 
-    def __init__(self) -> None:
+    def __init__(self, written: frozenset[int] = frozenset()) -> None:
         self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
         self.inputs: list[torch.Tensor] = []  # static copies of the tensor arguments
         self.positions: list[int] = []  # where they are among the flattened arguments
+        # Note: [Arguments written in place]: their positions, and the tensors the graph holds
+        self.written: frozenset[int] = written
+        self.held: list[tuple[int, torch.Tensor]] = []
         self.outputs: Any = None
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
@@ -111,20 +135,35 @@ class StreamedGraph:
         key = (spec, tuple(self._describe(i, x) for i, x in enumerate(leaves)))
         entry = self._graphs.get(key)
         if entry is None or rt.schedule.order is None:  # a warm-up: no schedule, nothing kept
+            versions = _versions(leaves)
             out = self._eagerly(args, kwargs)
             if entry is None and len(self._graphs) < self.max_graphs:
-                self._graphs[key] = _Captured()  # after it returned: a failed one is no warm-up
+                entry = self._graphs[key] = _Captured()  # after it returned: a failed one is
+                # no warm-up
+            if entry is not None:  # Note: [Arguments written in place]
+                entry.written |= _bumped(leaves, versions, range(len(leaves)))
             return out
+        for i, x in entry.held:
+            if leaves[i] is not x:
+                raise ValueError(
+                    f"argument {i} of the graphed call is written in place by the function, so "
+                    "its graph reads and writes the tensor it was captured with: pass that "
+                    "same tensor at every call of this signature (Note: [Arguments written in "
+                    "place])"
+                )
         with torch.no_grad():
             if entry.graph is not None and entry.arena != self._arena_state():
-                entry = self._graphs[key] = _Captured()  # kept units moved: capture again
+                # kept units moved: capture again
+                entry = self._graphs[key] = _Captured(entry.written)
             if entry.graph is None:
                 self._capture(entry, leaves, spec)
             else:
                 for i, static in zip(entry.positions, entry.inputs, strict=True):
                     if leaves[i] is not static:
                         static.copy_(leaves[i])
-            self._replay(entry)
+            self._replay(entry, leaves)
+        if entry.graph is None:  # a write seen only now: captured again in place next call
+            self._graphs[key] = _Captured(entry.written)
         return entry.outputs
 
     def stats(self) -> GraphStats:
@@ -182,9 +221,11 @@ class StreamedGraph:
 
     def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
         statics = list(leaves)
-        entry.positions, entry.inputs = [], []  # a failed capture left nothing behind
+        entry.positions, entry.inputs, entry.held = [], [], []  # a failed capture left nothing
         for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) and i in entry.written:
+                entry.held.append((i, x))  # Note: [Arguments written in place]
+            elif isinstance(x, torch.Tensor):
                 s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
                 statics[i] = s.copy_(x)
                 entry.positions.append(i)
@@ -201,7 +242,14 @@ class StreamedGraph:
         if self._engine is None:
             self._engine = CopyEngine(self.device)
             self._stream = torch.cuda.Stream(self.device)
+        versions = _versions(entry.inputs)
         graph, outputs, delta, end = self._capture_once(args, kwargs, primes)
+        written = _bumped(entry.inputs, versions, entry.positions)
+        if written:  # Note: [Arguments written in place]: nothing ran; capture it in place
+            graph.reset()
+            entry.written |= written
+            self._capture(entry, leaves, spec)
+            return
         if end != primes:  # not expected: the capture places them; never trusted
             _log.warning("a primed capture left %s, not %s: captured unprimed", end, primes)
             graph.reset()
@@ -250,22 +298,46 @@ class StreamedGraph:
             entry.primes = ()
         return out
 
-    def _replay(self, entry: _Captured) -> None:
+    def _replay(self, entry: _Captured, leaves: list[Any]) -> None:
         with self._rt.replaying([index for index, _ in entry.arena[1]], entry.primes) as r:
             self._prime_loads += r.loaded > 0
             if self._cuda:
                 entry.graph.replay()
             else:
+                versions = _versions(entry.inputs)
                 out = self._run_on_host(entry)
+                written = _bumped(entry.inputs, versions, entry.positions)
+                if written:  # Note: [Arguments written in place]: this call's writes kept
+                    for i, static in zip(entry.positions, entry.inputs, strict=True):
+                        if i in written:
+                            leaves[i].copy_(static)
+                    entry.written |= written
+                    entry.graph = None
                 r.primes = entry.primes
-                leaves, spec = tree_flatten(out)
+                outs, spec = tree_flatten(out)
                 if entry.outputs is None:
                     entry.outputs = tree_unflatten(
-                        [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves], spec
+                        [x.clone() if isinstance(x, torch.Tensor) else x for x in outs], spec
                     )
                 else:
-                    for static, x in zip(tree_flatten(entry.outputs)[0], leaves, strict=True):
+                    for static, x in zip(tree_flatten(entry.outputs)[0], outs, strict=True):
                         if isinstance(static, torch.Tensor):
                             static.copy_(x)
         self._rt.count_replay(entry.delta)
         self._replays += 1
+
+
+def _versions(xs: list[Any]) -> list[int | None]:
+    """Version counters of the tensors of ``xs`` (None: not a tensor, or an inference tensor,
+    which has none)."""
+    return [
+        x._version if isinstance(x, torch.Tensor) and not x.is_inference() else None for x in xs
+    ]
+
+
+def _bumped(xs: list[Any], versions: list[int | None], positions: Any) -> frozenset[int]:
+    """The positions of the tensors of ``xs`` written in place since ``versions`` was read."""
+    return frozenset(
+        p for p, x, v in zip(positions, xs, versions, strict=True)
+        if v is not None and x._version != v
+    )  # fmt: skip
