@@ -12,7 +12,7 @@ two input tensors written in place. Rows: ``aoti resident`` is the same package 
 that keeps every unit in the arena (no copy after the first call): the compiled program's own
 speed, which is the bound's compute term; ``aoti streamed`` at each budget, the embedding
 table resident (``--resident``) as in benchmarks/decode.py. Each row decodes twice (warm-up,
-timed) and its tokens must equal the resident row's. Columns as
+timed) and its tokens, and the KV caches it wrote, must equal the resident row's. Columns as
 benchmarks/decode.py: ms per decoded token, weight bytes copied per token and their GB/s, the
 bound ``max(t_resident, bytes / bw)`` over the time (bw: pinned host-to-device bandwidth
 measured in this run), peak device memory, host ms per step.
@@ -160,6 +160,12 @@ def main(argv=None) -> int:
         help="name patterns kept on the device in the streamed rows (comma-separated)",
     )
     p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also replay the streamed package as CUDA graphs (program.handle.cuda_graph), "
+        "at each budget: the KV caches, written in place, are held by the graph",
+    )
+    p.add_argument(
         "--plain",
         action="store_true",
         help="also time a plain AOTInductor package of the model (weights embedded, no "
@@ -215,20 +221,23 @@ def main(argv=None) -> int:
         flush=True,
     )
     rows = []
-    expected = None
+    expected = expected_caches = None
     t_resident = None
     steps = args.tokens - 1
-    for name, budget_gib in [("aoti resident", None)] + [
-        ("aoti streamed", b) for b in (args.budgets or default_budgets)
-    ]:
+    budgets = args.budgets or default_budgets
+    runs = [("aoti resident", None)] + [("aoti streamed", b) for b in budgets]
+    runs += [("aoti graph", b) for b in budgets] if args.graph else []
+    for name, budget_gib in runs:
         budget = int(budget_gib * GIB) if budget_gib is not None else weights + (64 << 20)
         resident = tuple(filter(None, args.resident.split(","))) if budget_gib else ()
         t0 = time.perf_counter()
         program = load_streamed_package(work / "decoder.pt2", work / "decoder.safetensors",
                                         device, budget_bytes=budget, resident=resident)  # fmt: skip
         load_s = time.perf_counter() - t0
+        # Note: [Arguments written in place]: the caches are the same tensors every call
+        run = program.handle.cuda_graph(program) if name == "aoti graph" else program
         with torch.inference_mode():
-            decode(program, prompt, args.tokens, caches)  # warm-up
+            decode(run, prompt, args.tokens, caches)  # warm-up (and the graphs' captures)
             sync(device)
             if gpu:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -238,28 +247,31 @@ def main(argv=None) -> int:
                 sync(device)
                 start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
 
-            toks = decode(program, prompt, args.tokens, caches, after_prefill=after_prefill)
+            toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill)
             sync(device)
             seconds = time.perf_counter() - start[0][0]
+            final = [c.clone() for c in caches]  # what the decode wrote: compared too
             moved = (program.handle.stats().h2d_bytes - start[0][1]) / steps
             host: list[float] = []
-            decode(program, prompt, args.tokens, caches, host)
+            decode(run, prompt, args.tokens, caches, host)
         ms = seconds * 1e3 / steps
         if expected is None:
-            expected, t_resident = toks, ms
+            expected, t_resident, expected_caches = toks, ms, final
         bound = max(t_resident, moved / (bw * 1e9) * 1e3) if gpu else math.nan
         peak = torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan
         row = dict(row=name, budget_gib=budget_gib, ms_per_token=ms, bytes_per_token=moved,
                    gbps=moved / seconds * steps / 1e9, bound_ms=bound, ratio=bound / ms,
                    peak_gib=peak, host_ms=statistics.median(host) * 1e3,
-                   equal=torch.equal(toks, expected), load_s=load_s)  # fmt: skip
+                   equal=torch.equal(toks, expected) and all(
+                       torch.equal(c, e) for c, e in zip(final, expected_caches, strict=True)
+                   ), load_s=load_s)  # fmt: skip
         rows.append(row)
         print(f"  {name:<14} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
               f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
               f"({row['ratio']:.3f})  peak {peak:6.2f} GiB  host {row['host_ms']:6.2f} ms  "
               f"equal {row['equal']}  load {load_s:.1f} s", flush=True)  # fmt: skip
         program.remove()
-        del program
+        del program, run
         gc.collect()
     ok = all(r["equal"] for r in rows)
     if args.plain:

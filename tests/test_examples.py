@@ -1,4 +1,5 @@
-"""The scripts in examples/ run as written (on CPU here; on GPUs: benchmarks/README.md)."""
+"""The scripts in examples/ run as written, and a benchmark at its smoke shape (on CPU here; on
+GPUs: benchmarks/README.md)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,12 @@ BACKGROUND = {
         "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "512", "--vocab", "2048", "--seq", "64",
     ), needs=("transformers",)),
+    # The AOTI decode benchmark at its smoke shape: a package whose program writes its KV
+    # caches in place, replayed by cuda_graph with the caches held (tokens checked).
+    "test_aoti_decode_graph_smoke": Job((
+        "benchmarks/aoti_decode.py", "--shape", "tiny", "--prompt", "16", "--tokens", "4",
+        "--budgets", "0.008", "--graph",
+    )),
     # Two decoder layers (the default is four): the AOTInductor compile is most of the time,
     # and it grows with the layers; two still stream through a budget below the weights.
     # Last here, so first in the background (the longest).
@@ -83,3 +90,13 @@ def test_generate_streamed_aoti():
     [streamed] = [line for line in out.splitlines() if "aoti streamed" in line]
     units, kept = (int(streamed.split(word)[0].split()[-1]) for word in (" units", " kept"))
     assert kept < units  # the budget held fewer than all: it streamed
+
+
+def test_aoti_decode_graph_smoke():
+    """Note: [Arguments written in place]: the graphed package's tokens equal the resident
+    package's (the script exits 1 otherwise) although its program writes the caches it is
+    passed."""
+    out = script_output("test_aoti_decode_graph_smoke")
+    rows = [line.split()[:2] for line in out.splitlines() if line.startswith("  aoti")]
+    assert rows == [["aoti", "resident"], ["aoti", "streamed"], ["aoti", "graph"]], out
+    assert out.count("equal True") == 3, out
