@@ -272,7 +272,8 @@ def test_a_package_with_a_static_libstdcxx_is_refused_before_it_crashes(built, t
     with zipfile.ZipFile(d / "gpt.pt2") as z:
         (so,) = [n for n in z.namelist() if "/aotinductor/" in n and n.endswith(".so")]
         assert "libstdc++.so.6" in _needed_libraries(z.read(so))
-    assert _needed_libraries(b"\x7fELF" + bytes(100)) is None  # no sections: nothing to check
+    assert _needed_libraries(b"\x7fELF\x02\x01" + bytes(100)) is None  # no section: none
+    assert _needed_libraries(b"\x7fELF" + bytes(100)) is None  # not 64-bit little-endian
     assert _needed_libraries(b"not an ELF file") is None
     static = tmp_path / "static.pt2"
     _with_static_libstdcxx(d / "gpt.pt2", static)
@@ -289,9 +290,10 @@ def test_a_package_with_a_static_libstdcxx_is_refused_before_it_crashes(built, t
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_static)
     model, tokens = model_and_tokens()
     out = tmp_path / "saved.pt2"
+    weights = tmp_path / "saved.safetensors"
     with pytest.raises(RuntimeError, match="statically .*the compiler was .*nothing was saved"):
-        toc.save_streamed_package(model, (tokens,), out)
-    assert not out.exists()
+        toc.save_streamed_package(model, (tokens,), out, weights=weights)
+    assert not out.exists() and not weights.exists()
 
 
 class _Writes(nn.Module):
@@ -350,6 +352,12 @@ def test_the_weight_op_carries_its_dtype_as_an_int_code():
     assert [str(a.type) for a in op._schema.arguments] == ["List[Tensor]", "int", "List[int]",
                                                            "Device"]  # fmt: skip
     assert set(_DTYPES.values()) <= set(_DTYPE_CODES)
+    # The codes are the package format: a package built before a reordering would misread.
+    pinned = (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+        torch.int16, torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2,
+    )  # fmt: skip
+    assert pinned == _DTYPE_CODES
     for dtype in _DTYPE_CODES:
         t = _weight_fake([], 0, _encode(dtype, (3, 4), (4, 1)), torch.device("meta"))
         assert (t.dtype, t.shape, t.stride()) == (dtype, (3, 4), (4, 1))
@@ -589,4 +597,32 @@ def test_a_package_that_writes_an_input_bumps_its_version(tmp_path):
             expected = model.lin(x) + i
         assert torch.equal(g(x, cache, scale=scale), expected), i
         assert cache[0, 0].item() == i and cache[1, 0].item() == 0, i
+    program.remove()
+
+
+class _Nested(nn.Module):
+    """A module holding a weight of its own and a child with weights: the layout makes the
+    parent one unit, which holds the child's weights too."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(8) + 0.5)
+        self.child = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.child(x) * self.scale
+
+
+def test_a_weight_of_a_child_module_is_served_by_its_parents_unit(tmp_path):
+    """A probe's unit is the unit that contains its weight's module, not only a unit that is
+    that module (the child's weights were served as resident: "serves torch.float32 [0]")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Nested(), nn.Linear(8, 8)).eval()
+    x = torch.randn(2, 8)
+    toc.save_streamed_package(model, (x,), tmp_path / "n.pt2", weights=tmp_path / "n.safetensors")
+    program = toc.load_streamed_package(tmp_path / "n.pt2", tmp_path / "n.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    assert [u.name for u in program.handle._runtime.units] == ["0", "1"]
+    with torch.no_grad():
+        assert (program(x) - model(x)).abs().max() < 1e-5
     program.remove()

@@ -475,3 +475,43 @@ def test_an_argument_first_written_at_capture_is_copied_back_and_captured_again(
         assert cache[0].item() == i, i
     assert g.stats().captures == 2
     h.remove()
+
+
+def test_a_view_of_the_held_argument_is_the_same_argument():
+    """The graph holds the memory of an argument written in place: a new view of it each call
+    (``cache[0]``) is accepted, other memory is refused."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    g = h.cuda_graph(_counting(h))
+    cache, x = torch.zeros(2, 8), torch.randn(2, 8)
+    for i in range(1, 5):
+        g(x, cache[0])
+        assert cache[0, 0].item() == i and cache[1, 0].item() == 0, i
+    with pytest.raises(ValueError, match="written in place"):
+        g(x, cache[1])
+    h.remove()
+
+
+def test_an_inference_tensor_written_at_capture_is_copied_back():
+    """An inference tensor has no version counter, so the warm-up cannot see the function
+    write it; the CPU run sees the write on its static copy and copies it back, in inference
+    mode (outside it, writing an inference tensor raises), then captures it in place."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+
+    def step(x, cache):
+        with torch.inference_mode():
+            cache.add_(1)
+        return model(x)
+
+    g = h.cuda_graph(step)
+    with torch.inference_mode():
+        cache = torch.zeros(8)
+    x = torch.randn(2, 8)
+    for i in range(1, 5):  # 1: the warm-up; 2: written on the static copy and copied back
+        g(x, cache)
+        assert cache[0].item() == i, i
+    assert g.stats().captures == 2  # the 2nd call's graph was dropped, the 3rd's holds it
+    h.remove()

@@ -87,7 +87,8 @@ __all__ = [
 ]
 
 CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
-FORMAT = 2  # 2: the weight op's dtype is an int code (Note: [A weight's geometry as ints])
+FORMAT = 3  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
+# 3: written_inputs (Note: [Arguments written in place] in weights/_graph.py)
 _DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
 
 
@@ -500,15 +501,6 @@ def save_streamed_package(
         raise ValueError(f"package_path must end in .pt2, got {str(package_path)!r}")
     ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                   device=device)  # fmt: skip
-    if weights is not None:
-        named = dict(model.named_parameters(remove_duplicate=False))
-        named.update(model.named_buffers(remove_duplicate=False))
-        written = write_safetensors(weights, {n: named[n] for n in catalog.weights},
-                                    {"torchoffload": "weights of a streamed package"})  # fmt: skip
-        catalog = replace(
-            catalog,
-            weights={n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},
-        )
     torch._inductor.aoti_compile_and_package(
         ep, package_path=str(package_path), inductor_configs=inductor_configs
     )
@@ -517,6 +509,15 @@ def save_streamed_package(
     except RuntimeError as e:
         package_path.unlink()  # a package that would crash its loader is not left behind
         raise RuntimeError(f"{e}; the compiler was {_compiler()!r}; nothing was saved") from None
+    if weights is not None:  # after the package is known good: a refusal writes nothing
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        written = write_safetensors(weights, {n: named[n] for n in catalog.weights},
+                                    {"torchoffload": "weights of a streamed package"})  # fmt: skip
+        catalog = replace(
+            catalog,
+            weights={n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},
+        )
     with zipfile.ZipFile(package_path, "a") as z:
         root = z.namelist()[0].split("/", 1)[0]
         z.writestr(f"{root}/extra/{CATALOG_FILE}", catalog.to_json())
@@ -668,7 +669,10 @@ class StreamedPackage:
 
 def _sources(runtime: WeightRuntime, holder: nn.Module, names: Sequence[str]):
     """(unit index, module, attribute) of each probe's weight; unit -1: resident."""
-    unit_of = {id(unit.layout.module): i for i, unit in enumerate(runtime.units)}
+    unit_of: dict[int, int] = {}  # every module inside a unit: a unit may be a parent module
+    for i, unit in enumerate(runtime.units):
+        for m in unit.layout.module.modules():
+            unit_of.setdefault(id(m), i)
     out = []
     for name in names:
         owner, _, leaf = name.rpartition(".")
@@ -775,7 +779,9 @@ def _runtime_for(
     # only, so those units never run. Dropped: they took an arena place (a kept one, at a budget
     # that keeps every unit) and were counted by the stats as units never kept.
     read = {id(holder.get_submodule(e.name.rpartition(".")[0])) for e in catalog.weights.values()}
-    layout = replace(layout, units=tuple(u for u in layout.units if id(u.module) in read))
+    layout = replace(layout, units=tuple(
+        u for u in layout.units if any(id(m) in read for m in u.module.modules())
+    ))  # fmt: skip
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, checkpoint)
     return runtime, holder

@@ -62,22 +62,22 @@ class GraphStats:
 
 
 # Note: [Arguments written in place]
-# A tensor argument is copied into a static input of the graph before a replay. An argument
-# that the function writes in place (a KV cache passed as a tensor) must not be: the writes
-# would go to the copy, the caller's tensor would never see them, and the next call would copy
-# the stale tensor over them (a CPU test saw a counter stay at 1 over four calls). Such an
-# argument is found by its version counter (``Tensor._version``, which every in-place op and
-# a compiled function's write of an input bump) across the warm-up call, and the graph then
-# reads and writes that tensor itself: later calls must pass the same tensor there, and
-# another one is refused before anything runs. A write the warm-up did not show is seen the
-# same way at the capture (on the CPU, at each run), on the static copies: that graph is
-# dropped (on the CPU, where the call ran, the write is copied back to the caller's tensor) and
-# the next call captures the argument in place. Not seen: a write to a tensor made under
-# `torch.inference_mode`, which has no counter (make such state outside it, as a KV cache
-# usually is). Not used, though they would see those: a dispatch mode that records writes
-# (Dynamo does not compile a function called under one, so `cuda_graph(torch.compile(model))`
-# would run eagerly: seen on the CPU), and static copies made outside inference mode (their
-# other dispatch keys made the compiled model compile again: 15 graphs against 13, CPU).
+# A tensor argument is copied into a static input of the graph before a replay. An argument that the
+# function writes in place (a KV cache passed as a tensor) must not be: the writes would go to the
+# copy, the caller's tensor would never see them, and the next call would copy the stale tensor over
+# them (a CPU test saw a counter stay at 1 over four calls). Such an argument is found by its
+# version counter (``Tensor._version``, which every in-place op and a compiled function's write of
+# an input bump) across the warm-up call, and the graph then reads and writes that tensor itself:
+# later calls must pass the same tensor there (the same memory: a new view of it will do), and
+# another one is refused before anything runs. A write the warm-up did not show is seen the same way
+# at the capture (on the CPU, at each run), on the static copies: that graph is dropped (on the CPU,
+# where the call ran, the write is copied back to the caller's tensor) and the next call captures
+# the argument in place. Not seen: a write to a tensor made under `torch.inference_mode`, which has
+# no counter (make such state outside it, as a KV cache usually is). Not used, though they would see
+# those: a dispatch mode that records writes (Dynamo does not compile a function called under one,
+# so `cuda_graph(torch.compile(model))` would run eagerly: seen on the CPU), and static copies made
+# outside inference mode (their other dispatch keys made the compiled model compile again: 15 graphs
+# against 13, CPU).
 
 
 class _Captured:
@@ -143,8 +143,8 @@ class StreamedGraph:
             if entry is not None:  # Note: [Arguments written in place]
                 entry.written |= _bumped(leaves, versions, range(len(leaves)))
             return out
-        for i, x in entry.held:
-            if leaves[i] is not x:
+        for i, x in entry.held if entry.graph is not None else ():  # a failed capture: none
+            if leaves[i].data_ptr() != x.data_ptr():  # a new view of it is the same tensor
                 raise ValueError(
                     f"argument {i} of the graphed call is written in place by the function, so "
                     "its graph reads and writes the tensor it was captured with: pass that "
@@ -308,11 +308,12 @@ class StreamedGraph:
                 out = self._run_on_host(entry)
                 written = _bumped(entry.inputs, versions, entry.positions)
                 if written:  # Note: [Arguments written in place]: this call's writes kept
+                    entry.written |= written
+                    entry.graph = None  # first: a failed copy below still recaptures
                     for i, static in zip(entry.positions, entry.inputs, strict=True):
                         if i in written:
-                            leaves[i].copy_(static)
-                    entry.written |= written
-                    entry.graph = None
+                            with torch.inference_mode(leaves[i].is_inference()):
+                                leaves[i].copy_(static)
                 r.primes = entry.primes
                 outs, spec = tree_flatten(out)
                 if entry.outputs is None:

@@ -531,7 +531,8 @@ class WeightRuntime:
         capture stream waits on the graph's copies. Returns where the primes are now (Note:
         [Primed replays])."""
         for index, loc in self._primes.items():
-            self._load_at(self.units[index], loc)
+            if not self.units[index].busy:  # busy: the call raised; its error is the one told
+                self._load_at(self.units[index], loc)
         engine = self.arena.engine
         saved = self._saved_counters
         copied = saved is None or self.counters.h2d_copies > saved.h2d_copies
