@@ -113,3 +113,32 @@ def test_a_primed_and_an_unprimed_graph_take_turns_on_one_handle():
     assert min(primed.stats().primed_units) > 0 and unprimed.stats().primed_units == (0,)
     assert h.stats().peak_device_bytes <= h.stats().budget_bytes
     h.remove()
+
+
+@pytest.mark.parametrize("first_write", [1, 2])  # 1: in the warm-up; 2: only from the capture
+def test_an_argument_written_in_place_is_held_by_the_graph(first_write):
+    """Note: [Arguments written in place] on a GPU: a cache the step writes in place is
+    updated in the caller's tensor by every replay, whether the warm-up showed the write (the
+    graph holds it from its capture) or only the capture did (then it is captured again)."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * minimum_budget(model, prefetch_depth=0))
+    calls = {"n": 0}
+
+    def step(x, cache, m):
+        calls["n"] += 1
+        if calls["n"] >= first_write:
+            cache.add_(1)
+        return m(x)[:, -1]
+
+    g = h.cuda_graph(lambda x, cache: step(x, cache, model))
+    cache, expected_cache = torch.zeros(8, device="cuda"), torch.zeros(8, device="cuda")
+    xs = [tokens((2, 16), s) for s in range(6)]
+    with testing.slow_copies():
+        for i, x in enumerate(xs):
+            with torch.no_grad():
+                expected = ref(x)[:, -1]
+            expected_cache += i + 1 >= first_write
+            assert torch.equal(g(x, cache), expected), i
+            assert torch.equal(cache, expected_cache), i
+    assert g.stats().captures == first_write  # 2: the capture saw the write and captured again
+    h.remove()
