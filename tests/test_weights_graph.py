@@ -5,6 +5,7 @@ with the runtime in capture mode and no graph (tests/test_weights_graph_gpu.py c
 from __future__ import annotations
 
 import threading
+import warnings
 
 import pytest
 import torch
@@ -514,4 +515,24 @@ def test_an_inference_tensor_written_at_capture_is_copied_back():
         g(x, cache)
         assert cache[0].item() == i, i
     assert g.stats().captures == 2  # the 2nd call's graph was dropped, the 3rd's holds it
+    h.remove()
+
+
+def test_a_large_inference_tensor_argument_is_warned_about():
+    """Under inference mode the graph's static copy of an inference tensor has no version
+    counter either, so a write to it cannot be seen: a large one (state, likely) is warned
+    about at the capture; small ones (token ids, positions) are not."""
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    g = h.cuda_graph(lambda x, state: model(x) + state[:8])
+    with torch.inference_mode():
+        x, state = torch.randn(2, 8), torch.zeros(1 << 18)  # 1 MiB
+        g(x, state)  # the warm-up
+        with pytest.warns(UserWarning, match="argument 1 .* inference tensor of 1.0 MiB"):
+            g(x, state)  # the capture
+        g2 = h.cuda_graph(lambda x, state: model(x) + state)
+        for _ in range(3):  # small: no warning
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                g2(x, torch.zeros(8))
     h.remove()

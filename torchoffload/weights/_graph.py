@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,9 @@ from torchoffload.weights._runtime import Primes, WeightRuntime
 __all__ = ["GraphStats", "StreamedGraph"]
 
 _log = logging.getLogger(__name__)
+# An inference tensor argument this large may be state the function writes (a KV cache), which
+# the graph cannot see: warned at capture (Note: [Arguments written in place]).
+_WARN_INFERENCE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ class GraphStats:
 # at the capture (on the CPU, at each run), on the static copies: that graph is dropped (on the CPU,
 # where the call ran, the write is copied back to the caller's tensor) and the next call captures
 # the argument in place. Not seen: a write to a tensor made under `torch.inference_mode`, which has
-# no counter (make such state outside it, as a KV cache usually is). Not used, though they would see
+# no counter (make such state outside it, as a KV cache usually is; a capture under inference mode
+# warns about an inference tensor argument of 1 MiB or more). Not used, though they would see
 # those: a dispatch mode that records writes (Dynamo does not compile a function called under one,
 # so `cuda_graph(torch.compile(model))` would run eagerly: seen on the CPU), and static copies made
 # outside inference mode (their other dispatch keys made the compiled model compile again: 15 graphs
@@ -226,6 +231,17 @@ class StreamedGraph:
             if isinstance(x, torch.Tensor) and i in entry.written:
                 entry.held.append((i, x))  # Note: [Arguments written in place]
             elif isinstance(x, torch.Tensor):
+                big = x.numel() * x.element_size() >= _WARN_INFERENCE_BYTES
+                if big and x.is_inference() and torch.is_inference_mode_enabled():
+                    warnings.warn(
+                        f"argument {i} of the graphed call is an inference tensor of "
+                        f"{x.numel() * x.element_size() / 2**20:.1f} MiB: if the function "
+                        "writes it in place (a KV cache), the graph cannot see that (an "
+                        "inference tensor has no version counter) and its writes go to the "
+                        "graph's copy. Make such state outside torch.inference_mode (Note: "
+                        "[Arguments written in place])",
+                        stacklevel=4,
+                    )
                 s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
                 statics[i] = s.copy_(x)
                 entry.positions.append(i)
