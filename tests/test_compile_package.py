@@ -626,3 +626,38 @@ def test_a_weight_of_a_child_module_is_served_by_its_parents_unit(tmp_path):
     with torch.no_grad():
         assert (program(x) - model(x)).abs().max() < 1e-5
     program.remove()
+
+
+class _TiedInParent(nn.Module):
+    """``p`` holds only an alias of ``tok.weight``; ``p.child`` has weights of its own: the
+    unit ``p`` must stay (it holds the child), though its own tensor is read by ``tok``'s."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(16, 8)
+        self.p = nn.Module()
+        self.p.child = nn.Linear(8, 8)
+        self.p.w = self.tok.weight
+
+    def forward(self, ids):
+        return self.p.child(self.tok(ids)) @ self.p.w.t()
+
+
+def test_a_unit_holding_a_tied_alias_and_a_child_is_kept(tmp_path):
+    torch.manual_seed(0)
+    model = _TiedInParent().eval()
+    x = torch.randint(0, 16, (2, 3))
+    toc.save_streamed_package(model, (x,), tmp_path / "t.pt2", weights=tmp_path / "t.safetensors")
+    program = toc.load_streamed_package(tmp_path / "t.pt2", tmp_path / "t.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    with torch.no_grad():
+        assert (program(x) - model(x)).abs().max() < 1e-5
+    program.remove()
+
+
+def test_a_weights_file_that_cannot_be_written_leaves_no_package(tmp_path):
+    model, tokens = model_and_tokens()
+    out = tmp_path / "m.pt2"
+    with pytest.raises(FileNotFoundError):
+        toc.save_streamed_package(model, (tokens,), out, weights=tmp_path / "no" / "w.safetensors")
+    assert not out.exists()

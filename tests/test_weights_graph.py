@@ -536,3 +536,44 @@ def test_a_large_inference_tensor_argument_is_warned_about():
                 warnings.simplefilter("error")
                 g2(x, torch.zeros(8))
     h.remove()
+
+
+def test_a_first_run_that_raises_holds_nothing():
+    """On the CPU a capture's first run is where the call runs: when it raises, the graph is
+    dropped as a failed capture is on a GPU, so the next call may pass another tensor."""
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    fail = {"now": False}
+
+    def step(x, cache):
+        cache.add_(1)
+        if fail["now"]:
+            raise RuntimeError("boom")
+        return model(x)
+
+    g = h.cuda_graph(step)
+    x, cache = torch.randn(2, 8), torch.zeros(8)
+    g(x, cache)  # the warm-up: the cache is written, so the graph will hold it
+    fail["now"] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        g(x, cache)
+    fail["now"] = False
+    other = torch.zeros(8)
+    g(x, other)  # not refused: nothing was captured
+    assert other[0].item() == 1
+    h.remove()
+
+
+def test_a_held_argument_moved_to_other_memory_is_refused():
+    """The graph writes the memory it captured: the same tensor object pointed elsewhere
+    (``set_``) is other memory, refused, and the captured storage stays alive meanwhile."""
+    model = torch.nn.Linear(8, 8)
+    h = stream_weights(model, "cpu", budget_bytes=1 << 20)
+    g = h.cuda_graph(_counting(h))
+    x, cache = torch.randn(2, 8), torch.zeros(8)
+    for _ in range(3):
+        g(x, cache)
+    cache.set_(torch.zeros(8).untyped_storage())
+    with pytest.raises(ValueError, match="written in place"):
+        g(x, cache)
+    h.remove()

@@ -512,8 +512,12 @@ def save_streamed_package(
     if weights is not None:  # after the package is known good: a refusal writes nothing
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(model.named_buffers(remove_duplicate=False))
-        written = write_safetensors(weights, {n: named[n] for n in catalog.weights},
-                                    {"torchoffload": "weights of a streamed package"})  # fmt: skip
+        try:
+            meta = {"torchoffload": "weights of a streamed package"}
+            written = write_safetensors(weights, {n: named[n] for n in catalog.weights}, meta)
+        except BaseException:
+            package_path.unlink()  # a package without its catalog is of no use
+            raise
         catalog = replace(
             catalog,
             weights={n: _with_offset(e, written[n].offset) for n, e in catalog.weights.items()},

@@ -66,23 +66,24 @@ class GraphStats:
 
 
 # Note: [Arguments written in place]
-# A tensor argument is copied into a static input of the graph before a replay. An argument that the
-# function writes in place (a KV cache passed as a tensor) must not be: the writes would go to the
-# copy, the caller's tensor would never see them, and the next call would copy the stale tensor over
-# them (a CPU test saw a counter stay at 1 over four calls). Such an argument is found by its
+# A tensor argument is copied into a static input of the graph before a replay. An argument that
+# the function writes in place (a KV cache passed as a tensor) must not be: the writes would go to
+# the copy, the caller's tensor would never see them, and the next call would copy the stale tensor
+# over them (a CPU test saw a counter stay at 1 over four calls). Such an argument is found by its
 # version counter (``Tensor._version``, which every in-place op and a compiled function's write of
 # an input bump) across the warm-up call, and the graph then reads and writes that tensor itself:
 # later calls must pass the same tensor there (the same memory: a new view of it will do), and
-# another one is refused before anything runs. A write the warm-up did not show is seen the same way
-# at the capture (on the CPU, at each run), on the static copies: that graph is dropped (on the CPU,
-# where the call ran, the write is copied back to the caller's tensor) and the next call captures
-# the argument in place. Not seen: a write to a tensor made under `torch.inference_mode`, which has
-# no counter (make such state outside it, as a KV cache usually is; a capture under inference mode
-# warns about an inference tensor argument of 1 MiB or more). Not used, though they would see
-# those: a dispatch mode that records writes (Dynamo does not compile a function called under one,
-# so `cuda_graph(torch.compile(model))` would run eagerly: seen on the CPU), and static copies made
-# outside inference mode (their other dispatch keys made the compiled model compile again: 15 graphs
-# against 13, CPU).
+# another one is refused before anything runs. A write the warm-up did not show is seen the same
+# way at the capture (on the CPU, at each run), on the static copies: that graph is dropped (on the
+# CPU, where the call ran, the write is copied back to the caller's tensor) and the next call
+# captures the argument in place. Not seen: a write to a tensor made under `torch.inference_mode`,
+# which has no counter (make such state outside it, as a KV cache usually is; a capture under
+# inference mode warns about an inference tensor argument of 1 MiB or more), and, under inference
+# mode, a write the warm-up did not show (the static copies are inference tensors then). Not used,
+# though they would see those: a dispatch mode that records writes (Dynamo does not compile a
+# function called under one, so `cuda_graph(torch.compile(model))` would run eagerly: seen on the
+# CPU), and static copies made outside inference mode (their other dispatch keys made the compiled
+# model compile again: 15 graphs against 13, CPU).
 
 
 class _Captured:
@@ -97,7 +98,7 @@ class _Captured:
         self.positions: list[int] = []  # where they are among the flattened arguments
         # Note: [Arguments written in place]: their positions, and the tensors the graph holds
         self.written: frozenset[int] = written
-        self.held: list[tuple[int, torch.Tensor]] = []
+        self.held: list[tuple[int, Any, int]] = []  # (position, storage, data_ptr)
         self.outputs: Any = None
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
@@ -148,8 +149,8 @@ class StreamedGraph:
             if entry is not None:  # Note: [Arguments written in place]
                 entry.written |= _bumped(leaves, versions, range(len(leaves)))
             return out
-        for i, x in entry.held if entry.graph is not None else ():  # a failed capture: none
-            if leaves[i].data_ptr() != x.data_ptr():  # a new view of it is the same tensor
+        for i, _storage_kept, ptr in entry.held if entry.graph is not None else ():
+            if leaves[i].data_ptr() != ptr:  # the memory captured: a new view of it will do
                 raise ValueError(
                     f"argument {i} of the graphed call is written in place by the function, so "
                     "its graph reads and writes the tensor it was captured with: pass that "
@@ -229,7 +230,8 @@ class StreamedGraph:
         entry.positions, entry.inputs, entry.held = [], [], []  # a failed capture left nothing
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and i in entry.written:
-                entry.held.append((i, x))  # Note: [Arguments written in place]
+                # Note: [Arguments written in place]: its storage kept alive, its address
+                entry.held.append((i, x.untyped_storage(), x.data_ptr()))
             elif isinstance(x, torch.Tensor):
                 big = x.numel() * x.element_size() >= _WARN_INFERENCE_BYTES
                 if big and x.is_inference() and torch.is_inference_mode_enabled():
@@ -321,7 +323,12 @@ class StreamedGraph:
                 entry.graph.replay()
             else:
                 versions = _versions(entry.inputs)
-                out = self._run_on_host(entry)
+                try:
+                    out = self._run_on_host(entry)
+                except BaseException:
+                    if entry.outputs is None:  # its first run, as a failed capture: none
+                        entry.graph = None
+                    raise
                 written = _bumped(entry.inputs, versions, entry.positions)
                 if written:  # Note: [Arguments written in place]: this call's writes kept
                     entry.written |= written
