@@ -339,6 +339,20 @@ def test_resetting_the_ring_leaves_disjoint_regions_of_loaded_units(streamed):
         assert [u.index for u in loaded if u.fixed is None] == [u.index for u in keep]
 
 
+def _six_calls_at_the_least_budget(ref, model, depth, extra):
+    """``model`` streamed per leaf at its least budget plus ``extra`` units' worth, graphed,
+    called six times (warm-up, capture, replays), each call bitwise ``ref``'s."""
+    least = minimum_budget(model, prefetch_depth=depth, unit="leaves")
+    budget = least + extra * least // (depth + 1)  # room for a prime beside the tail's ring
+    h = stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=depth, unit="leaves")
+    g = h.cuda_graph(model)
+    for i in range(6):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            assert torch.equal(g(x), ref(x)), i
+    return h, g
+
+
 @pytest.mark.parametrize("layers, depth, extra", [(4, 1, 1), (6, 1, 1), (5, 2, 0), (8, 2, 0)])
 def test_primed_replays_of_a_call_shorter_than_its_pipeline(layers, depth, extra):
     """Calls of a few ring units at the least budget: the call's first units are among its
@@ -348,14 +362,7 @@ def test_primed_replays_of_a_call_shorter_than_its_pipeline(layers, depth, extra
     ref = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).eval()
     model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(layers)]).eval()
     model.load_state_dict(ref.state_dict())
-    least = minimum_budget(model, prefetch_depth=depth, unit="leaves")
-    budget = least + extra * least // (depth + 1)  # room for a prime beside the tail's ring
-    h = stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=depth, unit="leaves")
-    g = h.cuda_graph(model)
-    for i in range(6):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
-        with torch.no_grad():
-            assert torch.equal(g(x), ref(x)), i
+    h, g = _six_calls_at_the_least_budget(ref, model, depth, extra)
     s = g.stats()
     assert s.replays == 5 and min(s.primed_units) > 0, s
     assert h.stats().peak_device_bytes <= h.stats().budget_bytes
@@ -394,14 +401,7 @@ def test_primed_replays_of_a_layer_called_twice(n, order, depth, extra):
     torch.manual_seed(0)
     ref, model = _Reused(n, order).eval(), _Reused(n, order).eval()
     model.load_state_dict(ref.state_dict())
-    least = minimum_budget(model, prefetch_depth=depth, unit="leaves")
-    budget = least + extra * least // (depth + 1)
-    h = stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=depth, unit="leaves")
-    g = h.cuda_graph(model)
-    for i in range(6):
-        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
-        with torch.no_grad():
-            assert torch.equal(g(x), ref(x)), i
+    h, g = _six_calls_at_the_least_budget(ref, model, depth, extra)
     s = g.stats()
     assert s.captures == 1 and s.replays == 5 and s.primed_units == (1,), s
     assert h.stats().peak_device_bytes <= h.stats().budget_bytes
@@ -410,6 +410,7 @@ def test_primed_replays_of_a_layer_called_twice(n, order, depth, extra):
     ((index, _),) = next(iter(g._graphs.values())).primes
     prime, last = h._runtime.units[index].name, f"ls.{order[-1]}"
     hooks = testing.weight_test_hooks(h, trace=True)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(5))  # the last call's input
     with torch.no_grad():
         g(x)
     events = [(kind, name) for kind, name, *_ in hooks.trace]

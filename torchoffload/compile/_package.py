@@ -651,14 +651,14 @@ class StreamedPackage:
         # Dropped without remove(): release the store and the arena (the engine's registry of
         # streamed tensors would otherwise keep them alive).
         self._finalizer = weakref.finalize(self, runtime.restore, False)
+        self._written = frozenset(catalog.written_inputs)  # Note: [Arguments written in place]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         out, _weights = self._server.run(self._program, args, kwargs)
-        if self.catalog.written_inputs:  # Note: [Arguments written in place] (weights/_graph.py)
-            written = set(self.catalog.written_inputs)
+        if self._written:  # Note: [Arguments written in place] (weights/_graph.py)
             for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
                 tracked = isinstance(x, torch.Tensor) and not x.is_inference()
-                if tracked and pytree.keystr(path) in written:
+                if tracked and pytree.keystr(path) in self._written:
                     torch.autograd.graph.increment_version(x)
         return out
 

@@ -96,7 +96,7 @@ class _Captured:
         self.graph: Any = None  # torch.cuda.CUDAGraph, or None before the capture
         self.inputs: list[torch.Tensor] = []  # static copies of the tensor arguments
         self.positions: list[int] = []  # where they are among the flattened arguments
-        # Note: [Arguments written in place]: their positions, and the tensors the graph holds
+        # Note: [Arguments written in place]: positions written, and the memory the graph holds
         self.written: frozenset[int] = written
         self.held: list[tuple[int, Any, int]] = []  # (position, storage, data_ptr)
         self.outputs: Any = None
@@ -144,8 +144,8 @@ class StreamedGraph:
             versions = _versions(leaves)
             out = self._eagerly(args, kwargs)
             if entry is None and len(self._graphs) < self.max_graphs:
-                entry = self._graphs[key] = _Captured()  # after it returned: a failed one is
-                # no warm-up
+                # after it returned: a failed one is no warm-up
+                entry = self._graphs[key] = _Captured()
             if entry is not None:  # Note: [Arguments written in place]
                 entry.written |= _bumped(leaves, versions, range(len(leaves)))
             return out
@@ -233,11 +233,11 @@ class StreamedGraph:
                 # Note: [Arguments written in place]: its storage kept alive, its address
                 entry.held.append((i, x.untyped_storage(), x.data_ptr()))
             elif isinstance(x, torch.Tensor):
-                big = x.numel() * x.element_size() >= _WARN_INFERENCE_BYTES
+                big = x.nbytes >= _WARN_INFERENCE_BYTES
                 if big and x.is_inference() and torch.is_inference_mode_enabled():
                     warnings.warn(
                         f"argument {i} of the graphed call is an inference tensor of "
-                        f"{x.numel() * x.element_size() / 2**20:.1f} MiB: if the function "
+                        f"{x.nbytes / 2**20:.1f} MiB: if the function "
                         "writes it in place (a KV cache), the graph cannot see that (an "
                         "inference tensor has no version counter) and its writes go to the "
                         "graph's copy. Make such state outside torch.inference_mode (Note: "
