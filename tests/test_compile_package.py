@@ -523,6 +523,33 @@ def test_two_threads_run_two_programs(built):
     assert errors == []
 
 
+def test_four_threads_share_one_program(built):
+    """Note: [A package run without its container's events]: the package is loaded to run one
+    instance without AOTInductor's own thread guard, so calls from several threads must be run
+    one at a time by the weight runtime, each with the result it would have alone."""
+    program = load(built, 240 << 10)
+    xs = [torch.randint(0, CFG.vocab, (2, 16)) for _ in range(6)]
+    expected = [built["plain"](x) for x in xs]
+    errors: list = []
+
+    def work(k):
+        try:
+            for i in range(len(xs)):
+                j = (i + k) % len(xs)  # each thread in its own order
+                assert torch.equal(program(xs[j]), expected[j])
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert program.handle.stats().peak_device_bytes <= 240 << 10
+    program.remove()
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [

@@ -142,3 +142,36 @@ def test_an_argument_written_in_place_is_held_by_the_graph(first_write):
             assert torch.equal(cache, expected_cache), i
     assert g.stats().captures == first_write  # 2: the capture saw the write and captured again
     h.remove()
+
+
+def test_a_capture_that_fails_reports_its_cause_and_leaves_the_device_usable():
+    """Note: [A capture that fails]: a step that syncs the host (``.item()``) cannot be
+    captured; the caller gets the step's own error, not CUDA's "operation failed due to a
+    previous error during capture"; the device's random generator still works (PyTorch leaves
+    it in capture mode otherwise), nothing is held, and the handle serves the model as before."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * minimum_budget(model, prefetch_depth=0))
+    x = tokens((2, 16), 0)
+
+    def syncs(x):
+        out = model(x)[:, -1]
+        out.sum().item()  # a host sync: not allowed in a capture
+        return out
+
+    g = h.cuda_graph(syncs)
+    with torch.no_grad():
+        expected = ref(x)[:, -1]
+        assert torch.equal(g(x), expected)  # the warm-up runs eagerly
+        with pytest.raises(Exception) as info:
+            g(x)  # the capture
+    assert "previous error during capture" not in str(info.value), info.value
+    assert "capturing" in str(info.value), info.value  # CUDA's reason for the sync
+    torch.randint(0, 10, (4,), device="cuda")  # raised "Offset increment outside graph capture"
+    assert g.stats().captures == 0
+    with torch.no_grad():
+        assert torch.equal(model(x)[:, -1], expected)  # eager, after the failed capture
+        good = h.cuda_graph(lambda x: model(x)[:, -1])
+        for _ in range(3):
+            assert torch.equal(good(x), expected)
+    assert good.stats().replays == 2  # the capturing call replays too
+    h.remove()

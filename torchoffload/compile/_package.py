@@ -629,6 +629,18 @@ def read_catalog(package_path: str | os.PathLike[str]) -> Catalog:
     return Catalog.from_json(text, f"{p}'s catalog")
 
 
+# Note: [A package run without its container's events]
+# AOTInductor's model container keeps a pool of model instances for callers on several threads:
+# `run` records an event after each run and, before the next, queries (`cudaEventQuery`) or waits
+# on it to find a free instance. Neither is allowed inside a CUDA graph capture, so a package run
+# by `handle.cuda_graph` failed its capture ("operation not permitted when stream is capturing",
+# H100, torch 2.11). The package
+# is loaded with ``run_single_threaded=True``, which runs the one instance with no event (the
+# loader's documented use: "to avoid conflicts with CUDAGraphs"). What the pool guarded needs no
+# guard here: the weight runtime runs one call at a time (Note: [One call at a time]), so the
+# instance is never run from two threads at once.
+
+
 class _Holder(nn.Module):
     pass
 
@@ -720,9 +732,11 @@ def load_streamed_package(
     _check_catalog(catalog, checkpoint)
     runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
                                    pin_memory, checkpoint=checkpoint)  # fmt: skip
+    # Note: [A package run without its container's events]
     program = torch._inductor.aoti_load_package(
-        os.fspath(package_path), device_index=dev.index if dev.index is not None else -1
-    )
+        os.fspath(package_path), run_single_threaded=True,
+        device_index=dev.index if dev.index is not None else -1,
+    )  # fmt: skip
     return StreamedPackage(program, catalog, runtime, holder)
 
 

@@ -85,6 +85,20 @@ class GraphStats:
 # CPU), and static copies made outside inference mode (their other dispatch keys made the compiled
 # model compile again: 15 graphs against 13, CPU).
 
+# Note: [A capture that fails]
+# A function that does something a capture forbids (a host sync such as ``.item()``, an event
+# query) fails inside the capture, and CUDA then fails the end of the capture as well. Two things
+# follow in PyTorch (2.11): the error that reaches the caller is the second one ("operation failed
+# due to a previous error during capture"), which hides the cause; and `CUDAGraph.capture_end`
+# raises before it takes the device's random generators out of capture mode, so every later random
+# op on that device raises "Offset increment outside graph capture encountered unexpectedly" (seen
+# on an H100: a failed capture broke the next test's `torch.randint`). So the function's own error
+# is raised (the capture's is added as a note), and an empty capture on the same stream, whose
+# start and end run the generators' capture prologue and epilogue, restores them. The capture is
+# begun and ended here rather than with `torch.cuda.graph`, whose exit skips restoring the
+# caller's current stream when the end of the capture raises. Nothing is held after a failed
+# capture (its signature is captured again at its next call).
+
 
 class _Captured:
     __slots__ = (
@@ -285,13 +299,31 @@ class StreamedGraph:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         rt.prepare_capture(primes)
         end: Primes = ()
+        raised: BaseException | None = None  # what fn raised, if it did
         try:
-            with torch.cuda.graph(graph, stream=self._stream, capture_error_mode="thread_local"):
-                rt.start_capture(self._engine, primes)
+            # not torch.cuda.graph: its exit leaves the capture stream current when the end of
+            # the capture raises (Note: [A capture that fails])
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    outputs = self._fn(*args, **kwargs)
-                finally:  # joined even when fn raises: the capture ends with its error
-                    end = rt.finish_capture()
+                    rt.start_capture(self._engine, primes)
+                    try:
+                        outputs = self._fn(*args, **kwargs)
+                    except BaseException as e:
+                        raised = e
+                        raise
+                    finally:  # joined even when fn raises: the capture ends with its error
+                        end = rt.finish_capture()
+                finally:
+                    graph.capture_end()
+        except BaseException as e:  # Note: [A capture that fails]
+            _restore_generators(self._stream)
+            if raised is None or e is raised:
+                raise
+            if hasattr(raised, "add_note"):  # Python 3.11+
+                raised.add_note(f"(raised while handle.cuda_graph captured the call; the "
+                                f"capture then ended with: {e})")  # fmt: skip
+            raise raised from raised.__cause__  # its own cause kept; the capture's is a note
         finally:  # a capture runs nothing: the primes loaded before it are still there
             delta = rt.end_capture(keep=primes if end == primes else ())
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
@@ -349,6 +381,23 @@ class StreamedGraph:
                             static.copy_(x)
         self._rt.count_replay(entry.delta)
         self._replays += 1
+
+
+def _restore_generators(stream: Any) -> None:
+    """Note: [A capture that fails]: an empty capture on ``stream`` takes the device's CUDA
+    random generators out of the capture mode that a failed capture left them in."""
+    if torch.cuda.is_current_stream_capturing():
+        return  # inside someone else's capture: nothing can be captured here
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=stream):
+                pass
+            g.reset()
+    except Exception:  # the capture's own error is the one to report
+        _log.warning("could not restore the CUDA generators after a failed capture",
+                     exc_info=True)  # fmt: skip
 
 
 def _versions(xs: list[Any]) -> list[int | None]:
