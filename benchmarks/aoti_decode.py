@@ -11,7 +11,9 @@ program for the prefill and the one-token steps (the sequence length is dynamic)
 two input tensors written in place. Rows: ``aoti resident`` is the same package with a budget
 that keeps every unit in the arena (no copy after the first call): the compiled program's own
 speed, which is the bound's compute term; ``aoti streamed`` at each budget, the embedding
-table resident (``--resident``) as in benchmarks/decode.py. Each row decodes twice (warm-up,
+table resident (``--resident``) as in benchmarks/decode.py. With ``--graph``, ``graph
+resident`` and ``graph streamed`` are the same, replayed by ``program.handle.cuda_graph``; their
+bound's compute term is ``graph resident``'s time. Each row decodes twice (warm-up,
 timed) and its tokens, and the KV caches it wrote, must equal the resident row's. Columns as
 benchmarks/decode.py: ms per decoded token, weight bytes copied per token and their GB/s, the
 bound ``max(t_resident, bytes / bw)`` over the time (bw: pinned host-to-device bandwidth
@@ -134,14 +136,16 @@ def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None)
         c.zero_()
     tok = program(prompt, torch.arange(n, device=dev), *caches).argmax(-1, keepdim=True)
     toks = [tok]
-    positions = torch.arange(n, n + tokens, device=dev)
+    # one tensor each (a slice of one arange is not 16-byte aligned: AOTInductor copies it, and
+    # warns, at every call)
+    positions = [torch.full((1,), n + i, device=dev) for i in range(tokens)]
     if after_prefill is not None:
         after_prefill()
     for i in range(tokens - 1):
         if host_times is not None:
             sync(dev)
         t0 = time.perf_counter()
-        tok = program(tok, positions[i : i + 1], *caches).argmax(-1, keepdim=True)
+        tok = program(tok, positions[i], *caches).argmax(-1, keepdim=True)
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
         toks.append(tok)
@@ -170,6 +174,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="also time a plain AOTInductor package of the model (weights embedded, no "
         "probes): the compiled program without torchoffload",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile one more decode of each streamed row (GPU): the copy stream's busy "
+        "fraction, bandwidth while copying and gaps (benchmarks/profile_decode.py)",
     )
     p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
     p.add_argument("--json", type=Path, default=None)
@@ -222,11 +232,13 @@ def main(argv=None) -> int:
     )
     rows = []
     expected = expected_caches = None
-    t_resident = None
+    t_resident: dict[bool, float] = {}  # the all-kept row's time, eager and graph-replayed
     steps = args.tokens - 1
     budgets = args.budgets or default_budgets
     runs = [("aoti resident", None)] + [("aoti streamed", b) for b in budgets]
-    runs += [("aoti graph", b) for b in budgets] if args.graph else []
+    # the graph rows' compute term is the same package replayed with every unit kept
+    if args.graph:
+        runs += [("graph resident", None)] + [("graph streamed", b) for b in budgets]
     for name, budget_gib in runs:
         budget = int(budget_gib * GIB) if budget_gib is not None else weights + (64 << 20)
         resident = tuple(filter(None, args.resident.split(","))) if budget_gib else ()
@@ -235,7 +247,8 @@ def main(argv=None) -> int:
                                         device, budget_bytes=budget, resident=resident)  # fmt: skip
         load_s = time.perf_counter() - t0
         # Note: [Arguments written in place]: the caches are the same tensors every call
-        run = program.handle.cuda_graph(program) if name == "aoti graph" else program
+        graphed = name.startswith("graph")
+        run = program.handle.cuda_graph(program) if graphed else program
         with torch.inference_mode():
             decode(run, prompt, args.tokens, caches)  # warm-up (and the graphs' captures)
             sync(device)
@@ -254,10 +267,14 @@ def main(argv=None) -> int:
             moved = (program.handle.stats().h2d_bytes - start[0][1]) / steps
             host: list[float] = []
             decode(run, prompt, args.tokens, caches, host)
+            if args.profile and gpu and budget_gib is not None:
+                profiled = profile_copies(run, program, prompt, args.tokens, caches)
         ms = seconds * 1e3 / steps
         if expected is None:
-            expected, t_resident, expected_caches = toks, ms, final
-        bound = max(t_resident, moved / (bw * 1e9) * 1e3) if gpu else math.nan
+            expected, expected_caches = toks, final
+        if budget_gib is None:
+            t_resident[graphed] = ms
+        bound = max(t_resident[graphed], moved / (bw * 1e9) * 1e3) if gpu else math.nan
         peak = torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan
         row = dict(row=name, budget_gib=budget_gib, ms_per_token=ms, bytes_per_token=moved,
                    gbps=moved / seconds * steps / 1e9, bound_ms=bound, ratio=bound / ms,
@@ -270,6 +287,8 @@ def main(argv=None) -> int:
               f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
               f"({row['ratio']:.3f})  peak {peak:6.2f} GiB  host {row['host_ms']:6.2f} ms  "
               f"equal {row['equal']}  load {load_s:.1f} s", flush=True)  # fmt: skip
+        if args.profile and gpu and budget_gib is not None:
+            print("\n".join(f"      {line}" for line in profiled), flush=True)
         program.remove()
         del program, run
         gc.collect()
@@ -284,6 +303,22 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(dict(shape=args.shape, bw=bw, rows=rows), indent=1))
     return 0 if ok else 1
+
+
+def profile_copies(run, program, prompt, tokens, caches) -> list[str]:
+    """One decode under torch.profiler: the copy stream's timeline (`copy_timeline`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.profile_decode import copy_timeline
+
+    sync(prompt.device)
+    before = program.handle.stats().h2d_bytes
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode(run, prompt, tokens, caches)
+        sync(prompt.device)
+    moved = program.handle.stats().h2d_bytes - before
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    return copy_timeline(events, moved)
 
 
 def plain_row(path, prompt, tokens, caches, expected, device) -> dict:

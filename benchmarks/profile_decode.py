@@ -54,21 +54,10 @@ def main(argv=None) -> int:
     if args.trace is not None:
         prof.export_chrome_trace(str(args.trace))
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    copies = sorted((e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name)
-    busy = sum(b - a for a, b in copies)
-    span = copies[-1][1] - copies[0][0]
-    gaps = sorted(b[0] - a[1] for a, b in zip(copies, copies[1:], strict=False) if b[0] - a[1] > 20)
-    durations = sorted(b - a for a, b in copies)
     print(f"{args.shape}, budget {args.budget_gib} GiB, {len(h.kept)}/{len(h.units)} units kept; "
           f"one decode (prefill + {args.tokens - 1} steps)")  # fmt: skip
-    print(f"H2D copies {len(copies)}, {moved / 2**20:.1f} MiB, copy stream busy {busy / 1e3:.2f} "
-          f"ms of a {span / 1e3:.2f} ms span ({busy / span:.3f}), {moved / busy / 1e3:.1f} GB/s "
-          "while copying")  # fmt: skip
-    print(f"copy durations: min {durations[0]:.0f} us, median "
-          f"{durations[len(durations) // 2]:.0f}, max {durations[-1]:.0f}")  # fmt: skip
-    if gaps:
-        print(f"gaps over 20 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, median "
-              f"{gaps[len(gaps) // 2]:.0f} us")  # fmt: skip
+    for line in copy_timeline(events, moved):
+        print(line)
     if args.kernels:
         kernels: dict[str, list[float]] = {}
         for e in events:
@@ -80,6 +69,30 @@ def main(argv=None) -> int:
             print(f"  {sum(ts) / 1e3:8.2f} ms {len(ts):6d}x  {name[:100]}")
     h.remove()
     return 0
+
+
+def copy_timeline(events, moved: int) -> list[str]:
+    """How busy the copy stream was over the profiled CUDA ``events`` (``moved``: the bytes the
+    handle copied meanwhile): its busy fraction of the span from the first copy to the last,
+    the bandwidth while copying, and its gaps."""
+    copies = sorted((e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name)
+    if not copies:
+        return ["no host-to-device copies"]
+    busy = sum(b - a for a, b in copies)
+    span = copies[-1][1] - copies[0][0]
+    gaps = sorted(b[0] - a[1] for a, b in zip(copies, copies[1:], strict=False) if b[0] - a[1] > 20)
+    durations = sorted(b - a for a, b in copies)
+    out = [
+        f"H2D copies {len(copies)}, {moved / 2**20:.1f} MiB, copy stream busy {busy / 1e3:.2f} ms "
+        f"of a {span / 1e3:.2f} ms span ({busy / span:.3f}), {moved / busy / 1e3:.1f} GB/s while "
+        "copying",
+        f"copy durations: min {durations[0]:.0f} us, median {durations[len(durations) // 2]:.0f}, "
+        f"max {durations[-1]:.0f}",
+    ]
+    if gaps:
+        out.append(f"gaps over 20 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, median "
+                   f"{gaps[len(gaps) // 2]:.0f} us, largest {gaps[-1]:.0f} us")  # fmt: skip
+    return out
 
 
 if __name__ == "__main__":
