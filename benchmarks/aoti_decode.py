@@ -13,8 +13,9 @@ that keeps every unit in the arena (no copy after the first call): the compiled 
 speed, which is the bound's compute term; ``aoti streamed`` at each budget, the embedding
 table resident (``--resident``) as in benchmarks/decode.py. With ``--graph``, ``graph
 resident`` and ``graph streamed`` are the same, replayed by ``program.handle.cuda_graph``; their
-bound's compute term is ``graph resident``'s time. Each row decodes twice (warm-up,
-timed) and its tokens, and the KV caches it wrote, must equal the resident row's. Columns as
+bound's compute term is ``graph resident``'s time. Each row decodes once to warm up, then
+``--repeat`` times timed (the median is reported); its tokens, and the KV caches it wrote,
+must equal the resident row's. Columns as
 benchmarks/decode.py: ms per decoded token, weight bytes copied per token and their GB/s, the
 bound ``max(t_resident, bytes / bw)`` over the time (bw: pinned host-to-device bandwidth
 measured in this run), peak device memory, host ms per step.
@@ -181,6 +182,12 @@ def main(argv=None) -> int:
         help="profile one more decode of each streamed row (GPU): the copy stream's busy "
         "fraction, bandwidth while copying and gaps (benchmarks/profile_decode.py)",
     )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="timed decodes per row: ms/token is their median (the range is printed)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
@@ -254,22 +261,27 @@ def main(argv=None) -> int:
             sync(device)
             if gpu:
                 torch.cuda.reset_peak_memory_stats(device)
-            start = []
+            timed = []  # (seconds, bytes copied) of each timed decode's steps
+            for _ in range(args.repeat):
+                start = []
 
-            def after_prefill(start=start, program=program):
+                def after_prefill(start=start, program=program):
+                    sync(device)
+                    start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
+
+                toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill)
                 sync(device)
-                start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
-
-            toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill)
-            sync(device)
-            seconds = time.perf_counter() - start[0][0]
+                timed.append((time.perf_counter() - start[0][0],
+                              program.handle.stats().h2d_bytes - start[0][1]))  # fmt: skip
+            seconds = statistics.median(t for t, _ in timed)
             final = [c.clone() for c in caches]  # what the decode wrote: compared too
-            moved = (program.handle.stats().h2d_bytes - start[0][1]) / steps
+            moved = statistics.median(b for _, b in timed) / steps
             host: list[float] = []
             decode(run, prompt, args.tokens, caches, host)
             if args.profile and gpu and budget_gib is not None:
                 profiled = profile_copies(run, program, prompt, args.tokens, caches)
         ms = seconds * 1e3 / steps
+        runs_ms = sorted(t * 1e3 / steps for t, _ in timed)
         if expected is None:
             expected, expected_caches = toks, final
         if budget_gib is None:
@@ -281,12 +293,14 @@ def main(argv=None) -> int:
                    peak_gib=peak, host_ms=statistics.median(host) * 1e3,
                    equal=torch.equal(toks, expected) and all(
                        torch.equal(c, e) for c, e in zip(final, expected_caches, strict=True)
-                   ), load_s=load_s)  # fmt: skip
+                   ), load_s=load_s, runs_ms=runs_ms)  # fmt: skip
         rows.append(row)
         print(f"  {name:<14} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
               f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
               f"({row['ratio']:.3f})  peak {peak:6.2f} GiB  host {row['host_ms']:6.2f} ms  "
-              f"equal {row['equal']}  load {load_s:.1f} s", flush=True)  # fmt: skip
+              f"equal {row['equal']}  load {load_s:.1f} s"
+              + (f"  runs {runs_ms[0]:.2f}-{runs_ms[-1]:.2f} ms" if len(runs_ms) > 1 else ""),
+              flush=True)  # fmt: skip
         if args.profile and gpu and budget_gib is not None:
             print("\n".join(f"      {line}" for line in profiled), flush=True)
         program.remove()
