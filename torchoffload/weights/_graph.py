@@ -93,11 +93,17 @@ class GraphStats:
 # raises before it takes the device's random generators out of capture mode, so every later random
 # op on that device raises "Offset increment outside graph capture encountered unexpectedly" (seen
 # on an H100: a failed capture broke the next test's `torch.randint`). So the function's own error
-# is raised (the capture's is added as a note), and an empty capture on the same stream, whose
-# start and end run the generators' capture prologue and epilogue, restores them. The capture is
-# begun and ended here rather than with `torch.cuda.graph`, whose exit skips restoring the
-# caller's current stream when the end of the capture raises. Nothing is held after a failed
-# capture (its signature is captured again at its next call).
+# is raised (the capture's is added as a note), and after a capture whose end raised, an empty
+# capture on the same stream, whose start and end run the generators' capture prologue and
+# epilogue, restores them (harmless where PyTorch keeps generator state per capture). The capture
+# is begun and ended here rather than with `torch.cuda.graph`, whose exit skips restoring the
+# caller's current stream when the end of the capture raises. Not undone: in PyTorch 2.11 the same
+# early raise also skips ending the caching allocator's allocation to the capture's memory pool,
+# and the pool is never released (fixed in later releases: PyTorch PRs 180395 and 190348), so
+# the allocator keeps some memory and behaves as if a capture were still running (it defers
+# freeing blocks used on other streams). Nothing is held by the graph after a failed capture, and
+# its signature is captured again at its next call, which fails the same way: fix the function
+# rather than retry it.
 
 
 class _Captured:
@@ -300,6 +306,9 @@ class StreamedGraph:
         rt.prepare_capture(primes)
         end: Primes = ()
         raised: BaseException | None = None  # what fn raised, if it did
+        ended_in_error = False  # the end of the capture raised (Note: [A capture that fails])
+        reraise: BaseException | None = None
+        torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture allocates in its own pool
         try:
             # not torch.cuda.graph: its exit leaves the capture stream current when the end of
             # the capture raises (Note: [A capture that fails])
@@ -315,17 +324,24 @@ class StreamedGraph:
                     finally:  # joined even when fn raises: the capture ends with its error
                         end = rt.finish_capture()
                 finally:
-                    graph.capture_end()
+                    try:
+                        graph.capture_end()
+                    except BaseException:
+                        ended_in_error = True
+                        raise
         except BaseException as e:  # Note: [A capture that fails]
-            _restore_generators(self._stream)
+            if ended_in_error:
+                _restore_generators(self._stream)
             if raised is None or e is raised:
                 raise
             if hasattr(raised, "add_note"):  # Python 3.11+
-                raised.add_note(f"(raised while handle.cuda_graph captured the call; the "
-                                f"capture then ended with: {e})")  # fmt: skip
-            raise raised from raised.__cause__  # its own cause kept; the capture's is a note
+                raised.add_note(f"(raised while handle.cuda_graph captured the call; then "
+                                f"{type(e).__name__}: {e})")  # fmt: skip
+            reraise = raised  # raised below, outside this handler: its own context kept
         finally:  # a capture runs nothing: the primes loaded before it are still there
             delta = rt.end_capture(keep=primes if end == primes else ())
+        if reraise is not None:
+            raise reraise
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._captures += 1
         return graph, outputs, delta, end
@@ -392,7 +408,7 @@ def _restore_generators(stream: Any) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, stream=stream):
+            with torch.cuda.graph(g, stream=stream, capture_error_mode="thread_local"):
                 pass
             g.reset()
     except Exception:  # the capture's own error is the one to report
