@@ -191,6 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     hidden, inter, layers, heads, kv, vocab, default_budgets = SHAPES[args.shape]
@@ -262,6 +264,7 @@ def main(argv=None) -> int:
             if gpu:
                 torch.cuda.reset_peak_memory_stats(device)
             timed = []  # (seconds, bytes copied) of each timed decode's steps
+            all_toks = []
             for _ in range(args.repeat):
                 start = []
 
@@ -270,6 +273,7 @@ def main(argv=None) -> int:
                     start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
 
                 toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill)
+                all_toks.append(toks)
                 sync(device)
                 timed.append((time.perf_counter() - start[0][0],
                               program.handle.stats().h2d_bytes - start[0][1]))  # fmt: skip
@@ -291,7 +295,7 @@ def main(argv=None) -> int:
         row = dict(row=name, budget_gib=budget_gib, ms_per_token=ms, bytes_per_token=moved,
                    gbps=moved / seconds * steps / 1e9, bound_ms=bound, ratio=bound / ms,
                    peak_gib=peak, host_ms=statistics.median(host) * 1e3,
-                   equal=torch.equal(toks, expected) and all(
+                   equal=all(torch.equal(t, expected) for t in all_toks) and all(
                        torch.equal(c, e) for c, e in zip(final, expected_caches, strict=True)
                    ), load_s=load_s, runs_ms=runs_ms)  # fmt: skip
         rows.append(row)
@@ -308,12 +312,15 @@ def main(argv=None) -> int:
         gc.collect()
     ok = all(r["equal"] for r in rows)
     if args.plain:
-        rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches, expected, device))
+        rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches, expected, device,
+                              args.repeat))  # fmt: skip
         r = rows[-1]
         print(f"  {'aoti plain':<14} {'None':>6}  {r['ms_per_token']:8.2f} ms/token  "
               f"{0.0:9.1f} MiB/token  {0.0:5.1f} GB/s  {'':23}  peak {r['peak_gib']:6.2f} GiB  "
               f"host {r['host_ms']:6.2f} ms  same tokens {r['equal']}  load "
-              f"{r['load_s']:.1f} s", flush=True)  # fmt: skip
+              f"{r['load_s']:.1f} s"
+              + (f"  runs {r['runs_ms'][0]:.2f}-{r['runs_ms'][-1]:.2f} ms" if args.repeat > 1
+                 else ""), flush=True)  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(dict(shape=args.shape, bw=bw, rows=rows), indent=1))
     return 0 if ok else 1
@@ -335,7 +342,7 @@ def profile_copies(run, program, prompt, tokens, caches) -> list[str]:
     return copy_timeline(events, moved)
 
 
-def plain_row(path, prompt, tokens, caches, expected, device) -> dict:
+def plain_row(path, prompt, tokens, caches, expected, device, repeat=1) -> dict:
     """A plain AOTInductor package (weights embedded, no probes), timed as the other rows. Its
     tokens may differ from the streamed package's in low precision: its compiler may fuse
     across what are probes in the other (Note: [Ordering weights in a compiled program])."""
@@ -349,22 +356,25 @@ def plain_row(path, prompt, tokens, caches, expected, device) -> dict:
         sync(device)
         if gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        start: list[float] = []
+        timed, equal = [], True
+        for _ in range(repeat):
+            start: list[float] = []
 
-        def after_prefill():
+            def after_prefill(start=start):
+                sync(device)
+                start.append(time.perf_counter())
+
+            toks = decode(program, prompt, tokens, caches, after_prefill=after_prefill)
             sync(device)
-            start.append(time.perf_counter())
-
-        toks = decode(program, prompt, tokens, caches, after_prefill=after_prefill)
-        sync(device)
-        seconds = time.perf_counter() - start[0]
+            timed.append((time.perf_counter() - start[0]) * 1e3 / steps)
+            equal = equal and torch.equal(toks, expected)
         host: list[float] = []
         decode(program, prompt, tokens, caches, host)
-    return dict(row="aoti plain", budget_gib=None, ms_per_token=seconds * 1e3 / steps,
+    return dict(row="aoti plain", budget_gib=None, ms_per_token=statistics.median(timed),
                 bytes_per_token=0.0, gbps=0.0, bound_ms=math.nan, ratio=math.nan,
                 peak_gib=torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan,
-                host_ms=statistics.median(host) * 1e3, equal=torch.equal(toks, expected),
-                load_s=load_s)  # fmt: skip
+                host_ms=statistics.median(host) * 1e3, equal=equal, load_s=load_s,
+                runs_ms=sorted(timed))  # fmt: skip
 
 
 if __name__ == "__main__":
