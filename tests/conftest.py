@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -44,6 +45,25 @@ def assert_bitwise(a, b):
             assert x.dtype == y.dtype and torch.equal(x, y)
     for x, y in zip(pa, pb, strict=True):
         assert torch.equal(x, y)
+
+
+def in_threads(work, args) -> list[BaseException]:
+    """Run ``work(a)`` on a thread of its own for each ``a`` in ``args``, all at once; returns
+    what they raised (an assertion inside ``work`` included)."""
+    errors: list[BaseException] = []
+
+    def run(a):
+        try:
+            work(a)
+        except BaseException as e:  # noqa: BLE001 - returned to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(a,)) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
 
 
 @pytest.fixture

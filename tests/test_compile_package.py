@@ -10,12 +10,12 @@ from __future__ import annotations
 import gc
 import json
 import os
-import threading
 import weakref
 import zipfile
 
 import pytest
 import torch
+from conftest import in_threads
 from torch import nn
 
 import torchoffload.compile as toc
@@ -506,21 +506,12 @@ def test_two_threads_run_two_programs(built):
     programs = [load(built), load(built, 240 << 10)]
     xs = [torch.randint(0, CFG.vocab, (2, 16)) for _ in range(8)]
     expected = [built["plain"](x) for x in xs]
-    errors: list = []
 
     def work(program):
-        try:
-            for x, e in zip(xs, expected, strict=True):
-                assert torch.equal(program(x), e)
-        except BaseException as err:  # reported below
-            errors.append(err)
+        for x, e in zip(xs, expected, strict=True):
+            assert torch.equal(program(x), e)
 
-    threads = [threading.Thread(target=work, args=(p,)) for p in programs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert in_threads(work, programs) == []
 
 
 def test_four_threads_share_one_program(built):
@@ -530,22 +521,13 @@ def test_four_threads_share_one_program(built):
     program = load(built, 240 << 10)
     xs = [torch.randint(0, CFG.vocab, (2, 16)) for _ in range(6)]
     expected = [built["plain"](x) for x in xs]
-    errors: list = []
 
     def work(k):
-        try:
-            for i in range(len(xs)):
-                j = (i + k) % len(xs)  # each thread in its own order
-                assert torch.equal(program(xs[j]), expected[j])
-        except BaseException as err:  # reported below
-            errors.append(err)
+        for i in range(len(xs)):
+            j = (i + k) % len(xs)  # each thread in its own order
+            assert torch.equal(program(xs[j]), expected[j])
 
-    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert in_threads(work, range(4)) == []
     assert program.handle.stats().peak_device_bytes <= 240 << 10
     program.remove()
 

@@ -1,9 +1,8 @@
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from conftest import in_threads
 
 from torchoffload import PinnedPool, PoolExhaustedError
 
@@ -273,31 +272,23 @@ def test_pinning_without_accelerator_is_a_clear_error():
 
 def test_concurrent_allocate_and_free():
     pool = make_pool(capacity=1 << 22, slab=1 << 18)
-    errors = []
 
     def work(seed: int) -> None:
-        try:
-            g = torch.Generator().manual_seed(seed)
-            held = []
-            for _ in range(300):
-                n = int(torch.randint(1, 5000, (1,), generator=g))
-                b = pool.allocate(n)
-                b.tensor.fill_(seed)
-                held.append(b)
-                if len(held) > 8:
-                    old = held.pop(0)
-                    assert bool((old.tensor == seed).all())
-                    pool.free(old)
-            for b in held:
-                pool.free(b)
-        except Exception as e:  # pragma: no cover - reported below
-            errors.append(e)
+        g = torch.Generator().manual_seed(seed)
+        held = []
+        for _ in range(300):
+            n = int(torch.randint(1, 5000, (1,), generator=g))
+            b = pool.allocate(n)
+            b.tensor.fill_(seed)
+            held.append(b)
+            if len(held) > 8:
+                old = held.pop(0)
+                assert bool((old.tensor == seed).all())
+                pool.free(old)
+        for b in held:
+            pool.free(b)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(work, range(4))
     assert not errors
     assert pool.stats().used_bytes == 0
 

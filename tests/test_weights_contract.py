@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from conftest import in_threads
 from test_weights import QuantStack, make, stream, tokens  # tests/ is on sys.path
 from torch import nn
 
@@ -197,25 +198,17 @@ def test_threads_share_one_streamed_model():
     h = stream(model, 3 * (1 << 20) // 2, prefetch_depth=1)
     xs = [tokens(2, s, seed=s) for s in (4, 9, 16, 23)]
     expected = outputs(ref, xs)
-    errors: list[BaseException] = []
     wrong = []
 
     def serve(k):
-        try:
-            for i in range(12):
-                j = (k + i) % len(xs)
-                with torch.no_grad():
-                    out = model(xs[j])
-                if not torch.equal(out, expected[j]):
-                    wrong.append((k, i))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(12):
+            j = (k + i) % len(xs)
+            with torch.no_grad():
+                out = model(xs[j])
+            if not torch.equal(out, expected[j]):
+                wrong.append((k, i))
 
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(serve, range(4))
     assert not errors and not wrong
     assert h.stats().calls == 48
     h.remove()

@@ -3,11 +3,11 @@ flight, .to(dtype), threads serving one model, and a KeyboardInterrupt mid-forwa
 
 from __future__ import annotations
 
-import threading
 from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import in_threads
 from test_weights_gpu import CFG, block_bytes, inputs, make
 from torch import nn
 
@@ -68,24 +68,17 @@ def test_threads_serve_one_streamed_model():
     expected = _outs(ref, xs)
     model = make(device="cpu")
     h = stream_weights(model, "cuda", budget_bytes=3 * block_bytes() + 4096)
-    wrong, errors = [], []
+    wrong = []
 
     def serve(k):
-        try:
-            for i in range(8):
-                j = (k + i) % len(xs)
-                out = _outs(model, [xs[j]])[0]
-                torch.cuda.current_stream().synchronize()
-                if not torch.equal(out, expected[j]):
-                    wrong.append((k, i))
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
+        for i in range(8):
+            j = (k + i) % len(xs)
+            out = _outs(model, [xs[j]])[0]
+            torch.cuda.current_stream().synchronize()
+            if not torch.equal(out, expected[j]):
+                wrong.append((k, i))
 
-    threads = [threading.Thread(target=serve, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = in_threads(serve, range(3))
     print(f"\nthreads: {h.stats().calls} calls, wrong {wrong}, errors {errors}")
     assert not errors and not wrong and h.stats().calls == 24
     h.remove()

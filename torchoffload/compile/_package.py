@@ -634,11 +634,10 @@ def read_catalog(package_path: str | os.PathLike[str]) -> Catalog:
 # `run` records an event after each run and, before the next, queries (`cudaEventQuery`) or waits
 # on it to find a free instance. Neither is allowed inside a CUDA graph capture, so a package run
 # by `handle.cuda_graph` failed its capture ("operation not permitted when stream is capturing",
-# H100, torch 2.11). The package
-# is loaded with ``run_single_threaded=True``, which runs the one instance with no event (the
-# loader's documented use: "to avoid conflicts with CUDAGraphs"). What the pool guarded needs no
-# guard here: the weight runtime runs one call at a time (Note: [One call at a time]), so the
-# instance is never run from two threads at once.
+# H100, torch 2.11). The package is loaded with ``run_single_threaded=True``, which runs the one
+# instance with no event (the loader's documented use: "to avoid conflicts with CUDAGraphs").
+# What the pool guarded needs no guard here: the weight runtime runs one call at a time (Note:
+# [One call at a time]), so the instance is never run from two threads at once.
 
 
 class _Holder(nn.Module):
