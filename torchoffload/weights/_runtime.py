@@ -90,9 +90,9 @@ _MiB = 1 << 20
 # median gap per decode step of the demo Llama, 1.18x the link bound (benchmarks/README.md).
 # Eager calls avoid it by prefetching the next call's first units; a graph may do the same
 # only if the next replay finds them where its kernels read them, at addresses fixed at
-# capture. So a graph is captured with its *primes*: the schedule's first ring units (up to
-# ``prefetch_depth``) loaded side by side from the ring's start before it runs, and it loads
-# them there again at its end for the next replay.
+# capture. So a graph is captured with its *primes*: the schedule's first ring units loaded
+# side by side from the ring's start before it runs, and it loads them there again at its end
+# for the next replay.
 # - Where they land cannot be left to the ring: its head moves by the bytes a call copies,
 #   so the next call's first units land elsewhere each call (a cycle of 2 or 4 places for
 #   the GPU tests' model, run on the CPU). Instead the capture places them at their fixed
@@ -103,8 +103,18 @@ _MiB = 1 << 20
 #   for `finish_capture` (a prefetch found no room) are copied there. The capture checks
 #   that it ends with its primes in place; if not, it is captured again unprimed (never
 #   wrong, only slower).
-# - The primes leave room for two of the largest ring unit above them (the tail's ring);
-#   fewer are primed when the ring is smaller, none when nothing is prefetched.
+# - How many: as many first ring units as fit in the bytes of ``prefetch_depth`` of the
+#   largest ring unit (the most a call's prefetch has in flight), counted in bytes rather
+#   than units because the copy stream idles from the end of the primes' copies to the next
+#   launch: the kept units after the last ring unit compute meanwhile. The 8B AOTI decoder at
+#   12 GiB streams 8 and 32 MiB units; primed with its first two (16 MiB), its replays left
+#   the copy stream idle a median 284 us at each boundary (H100), and ran at 0.915-0.939 of
+#   the link bound; primed with the first eight (64 MiB: two of its largest), 43 us and
+#   0.997 (H200; benchmarks/README.md). Primes past what the tail's compute covers delay
+#   the next launch by the difference; bounded so, that is no more than a prefetch of the
+#   largest units could delay it. They also leave room for two of the largest ring unit
+#   above them (the tail's ring); fewer are primed when the ring is smaller, none when
+#   nothing is prefetched.
 # - Before a launch, `replaying` loads any prime not at its offset (after an eager call or
 #   `load_state_dict`), after its range's events; the launch is ordered after those copies
 #   on the stream. After the launch the primes stay loaded, guarded by the event recorded
@@ -614,17 +624,18 @@ class WeightRuntime:
 
     def primes(self) -> Primes:
         """The units a captured call should find loaded, and where (Note: [Primed replays]):
-        the schedule's first ring units, up to ``prefetch_depth``, side by side from the
-        ring's start, as many as leave room for two of the largest ring unit behind them.
-        Empty when nothing streams or nothing is prefetched."""
+        the schedule's first ring units, side by side from the ring's start, as many as fit
+        in ``prefetch_depth`` of the largest ring unit and leave room for two of it behind
+        them. Empty when nothing streams or nothing is prefetched."""
         order = self.schedule.order
         ring = [self.units[i] for i in dict.fromkeys(order or ()) if self.units[i].fixed is None]
         if not ring or not self.config.prefetch_depth:
             return ()
-        room = self.arena.ring_cap - 2 * max(u.nbytes for u in ring)
+        largest = max(u.nbytes for u in ring)
+        room = min(self.arena.ring_cap - 2 * largest, self.config.prefetch_depth * largest)
         out: list[tuple[int, int]] = []
         at = 0
-        for unit in ring[: self.config.prefetch_depth]:
+        for unit in ring:
             if at + unit.nbytes > room:
                 break
             out.append((unit.index, at))
