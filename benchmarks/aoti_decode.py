@@ -130,7 +130,9 @@ class Decoder(nn.Module):
         return self.lm_head(self.model.norm(x[:, -1:]))[:, -1].float()
 
 
-def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None):
+def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None, events=None):
+    """Greedy decode of ``tokens`` tokens after ``prompt``; ``events`` (GPU): a list that
+    gets a timing event recorded after the prefill and after each step's launch."""
     dev = prompt.device
     n = prompt.shape[1]
     for c in caches:
@@ -142,6 +144,9 @@ def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None)
     positions = [torch.full((1,), n + i, device=dev) for i in range(tokens)]
     if after_prefill is not None:
         after_prefill()
+    if events is not None:
+        events.append(torch.cuda.Event(enable_timing=True))
+        events[-1].record()
     for i in range(tokens - 1):
         if host_times is not None:
             sync(dev)
@@ -149,6 +154,9 @@ def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None)
         tok = program(tok, positions[i], *caches).argmax(-1, keepdim=True)
         if host_times is not None:
             host_times.append(time.perf_counter() - t0)
+        if events is not None:
+            events.append(torch.cuda.Event(enable_timing=True))
+            events[-1].record()
         toks.append(tok)
     return torch.cat(toks, 1)
 
@@ -263,29 +271,37 @@ def main(argv=None) -> int:
             sync(device)
             if gpu:
                 torch.cuda.reset_peak_memory_stats(device)
-            timed = []  # (seconds, bytes copied) of each timed decode's steps
+            timed = []  # (seconds, bytes, copies) of each timed decode's steps
             all_toks = []
+            step_ms = []  # each timed step's device time (between the events of its neighbours)
             for _ in range(args.repeat):
+                events = [] if gpu else None
                 start = []
 
                 def after_prefill(start=start, program=program):
                     sync(device)
-                    start.append((time.perf_counter(), program.handle.stats().h2d_bytes))
+                    st = program.handle.stats()
+                    start.append((time.perf_counter(), st.h2d_bytes, st.h2d_copies))
 
-                toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill)
+                toks = decode(run, prompt, args.tokens, caches, after_prefill=after_prefill,
+                              events=events)  # fmt: skip
                 all_toks.append(toks)
                 sync(device)
-                timed.append((time.perf_counter() - start[0][0],
-                              program.handle.stats().h2d_bytes - start[0][1]))  # fmt: skip
-            seconds = statistics.median(t for t, _ in timed)
+                events = events or []
+                step_ms += [a.elapsed_time(b) for a, b in zip(events, events[1:], strict=False)]
+                st = program.handle.stats()
+                timed.append((time.perf_counter() - start[0][0], st.h2d_bytes - start[0][1],
+                              st.h2d_copies - start[0][2]))  # fmt: skip
+            seconds = statistics.median(t for t, _, _ in timed)
             final = [c.clone() for c in caches]  # what the decode wrote: compared too
-            moved = statistics.median(b for _, b in timed) / steps
+            moved = statistics.median(b for _, b, _ in timed) / steps
+            copies = statistics.median(c for _, _, c in timed) / steps
             host: list[float] = []
             decode(run, prompt, args.tokens, caches, host)
             if args.profile and gpu and budget_gib is not None:
                 profiled = profile_copies(run, program, prompt, args.tokens, caches)
         ms = seconds * 1e3 / steps
-        runs_ms = sorted(t * 1e3 / steps for t, _ in timed)
+        runs_ms = sorted(t * 1e3 / steps for t, _, _ in timed)
         if expected is None:
             expected, expected_caches = toks, final
         if budget_gib is None:
@@ -297,7 +313,8 @@ def main(argv=None) -> int:
                    peak_gib=peak, host_ms=statistics.median(host) * 1e3,
                    equal=all(torch.equal(t, expected) for t in all_toks) and all(
                        torch.equal(c, e) for c, e in zip(final, expected_caches, strict=True)
-                   ), load_s=load_s, runs_ms=runs_ms)  # fmt: skip
+                   ), load_s=load_s, runs_ms=runs_ms, step_ms=step_ms, copies_per_token=copies,
+                   graph=graph_stats(run) if graphed else None)  # fmt: skip
         rows.append(row)
         print(f"  {name:<14} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
               f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
@@ -305,6 +322,13 @@ def main(argv=None) -> int:
               f"equal {row['equal']}  load {load_s:.1f} s"
               + (f"  runs {runs_ms[0]:.2f}-{runs_ms[-1]:.2f} ms" if len(runs_ms) > 1 else ""),
               flush=True)  # fmt: skip
+        if step_ms:
+            q = statistics.quantiles(step_ms, n=10)
+            print(f"      steps (device time): min {min(step_ms):.2f} ms, 10% {q[0]:.2f}, median "
+                  f"{statistics.median(step_ms):.2f}, 90% {q[-1]:.2f}, max {max(step_ms):.2f}",
+                  flush=True)  # fmt: skip
+        if graphed:
+            print(f"      graphs: {row['graph']}; copies per token {copies:.0f}", flush=True)
         if args.profile and gpu and budget_gib is not None:
             print("\n".join(f"      {line}" for line in profiled), flush=True)
         program.remove()
@@ -333,13 +357,22 @@ def profile_copies(run, program, prompt, tokens, caches) -> list[str]:
     from benchmarks.profile_decode import copy_timeline
 
     sync(prompt.device)
-    before = program.handle.stats().h2d_bytes
+    before = program.handle.stats()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode(run, prompt, tokens, caches)
         sync(prompt.device)
-    moved = program.handle.stats().h2d_bytes - before
+    after = program.handle.stats()
+    copies = after.h2d_copies - before.h2d_copies
+    per_call = copies // tokens if copies % tokens == 0 else None  # the prefill and the steps
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return copy_timeline(events, moved)
+    return copy_timeline(events, after.h2d_bytes - before.h2d_bytes, per_call)
+
+
+def graph_stats(run) -> dict:
+    """What a `StreamedGraph` did: captures, replays, primed units per graph."""
+    s = run.stats()
+    return dict(captures=s.captures, replays=s.replays, eager_calls=s.eager_calls,
+                primed_units=list(s.primed_units), prime_loads=s.prime_loads)  # fmt: skip
 
 
 def plain_row(path, prompt, tokens, caches, expected, device, repeat=1) -> dict:

@@ -71,16 +71,19 @@ def main(argv=None) -> int:
     return 0
 
 
-def copy_timeline(events, moved: int) -> list[str]:
+def copy_timeline(events, moved: int, per_call: int | None = None) -> list[str]:
     """How busy the copy stream was over the profiled CUDA ``events`` (``moved``: the bytes the
     handle copied meanwhile): its busy fraction of the span from the first copy to the last,
-    the bandwidth while copying, and its gaps."""
+    the bandwidth while copying, and its gaps. With ``per_call`` (copies per call, every call
+    alike), also where the gaps fall: the position in its call of the copy after each."""
     copies = sorted((e.time_range.start, e.time_range.end) for e in events if "HtoD" in e.name)
     if not copies:
         return ["no host-to-device copies"]
     busy = sum(b - a for a, b in copies)
     span = copies[-1][1] - copies[0][0]
-    gaps = sorted(b[0] - a[1] for a, b in zip(copies, copies[1:], strict=False) if b[0] - a[1] > 20)
+    after = [(b[0] - a[1], i + 1) for i, (a, b) in enumerate(zip(copies, copies[1:], strict=False))
+             if b[0] - a[1] > 20]  # fmt: skip
+    gaps = sorted(g for g, _ in after)
     durations = sorted(b - a for a, b in copies)
     out = [
         f"H2D copies {len(copies)}, {moved / 2**20:.1f} MiB, copy stream busy {busy / 1e3:.2f} ms "
@@ -92,6 +95,14 @@ def copy_timeline(events, moved: int) -> list[str]:
     if gaps:
         out.append(f"gaps over 20 us: {len(gaps)}, total {sum(gaps) / 1e3:.2f} ms, median "
                    f"{gaps[len(gaps) // 2]:.0f} us, largest {gaps[-1]:.0f} us")  # fmt: skip
+        if per_call and len(copies) % per_call == 0:
+            where: dict[int, list[float]] = {}
+            for g, i in after:
+                where.setdefault(i % per_call, []).append(g)
+            top = sorted(where.items(), key=lambda kv: -sum(kv[1]))[:4]
+            out.append(f"gaps by the position in its call ({per_call} copies) of the copy after: "
+                       + ", ".join(f"{pos}: {len(v)} gaps, {sum(v) / 1e3:.2f} ms"
+                                   for pos, v in top))  # fmt: skip
     return out
 
 
