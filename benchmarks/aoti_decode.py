@@ -18,7 +18,10 @@ bound's compute term is ``graph resident``'s time. Each row decodes once to warm
 must equal the resident row's. Columns as
 benchmarks/decode.py: ms per decoded token, weight bytes copied per token and their GB/s, the
 bound ``max(t_resident, bytes / bw)`` over the time (bw: pinned host-to-device bandwidth
-measured in this run), peak device memory, host ms per step.
+measured in this run), peak device memory, host ms per step. Under a row (GPU): each timed
+step's device time (CUDA events recorded after consecutive launches); for the graph rows the
+graphs' captures, replays and primed units and the copies per token; with ``--profile`` the
+copy stream's timeline, with where in its call each gap falls.
 """
 
 from __future__ import annotations
@@ -322,7 +325,7 @@ def main(argv=None) -> int:
               f"equal {row['equal']}  load {load_s:.1f} s"
               + (f"  runs {runs_ms[0]:.2f}-{runs_ms[-1]:.2f} ms" if len(runs_ms) > 1 else ""),
               flush=True)  # fmt: skip
-        if step_ms:
+        if len(step_ms) > 1:
             q = statistics.quantiles(step_ms, n=10)
             print(f"      steps (device time): min {min(step_ms):.2f} ms, 10% {q[0]:.2f}, median "
                   f"{statistics.median(step_ms):.2f}, 90% {q[-1]:.2f}, max {max(step_ms):.2f}",
