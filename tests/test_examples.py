@@ -102,3 +102,26 @@ def test_aoti_decode_graph_smoke():
         ["aoti", "resident"], ["aoti", "streamed"], ["graph", "resident"], ["graph", "streamed"]
     ], out  # fmt: skip
     assert out.count("equal True") == 4, out
+
+
+def test_copy_timeline_places_the_gaps_in_their_calls(monkeypatch):
+    """benchmarks/profile_decode.py's `copy_timeline` on a made-up timeline: three calls of
+    four 100 us copies, 5 us apart within a call and 300 us apart between calls."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1]))
+    from benchmarks.profile_decode import copy_timeline
+
+    events, t = [], 0.0
+    for _ in range(3):
+        for k in range(4):
+            span = SimpleNamespace(start=t, end=t + 100)
+            events.append(SimpleNamespace(name="Memcpy HtoD (Pinned -> Device)", time_range=span))
+            t += 100 + (5 if k < 3 else 300)
+    events.append(SimpleNamespace(name="a kernel", time_range=SimpleNamespace(start=0, end=9e9)))
+    lines = copy_timeline(events, 12 << 20, per_call=4)
+    assert "busy 1.20 ms of a 1.84 ms span (0.650)" in lines[0], lines  # 1845 us
+    assert lines[2].startswith("gaps over 20 us: 2, total 0.60 ms, median 300 us"), lines
+    assert lines[3].endswith("0: 2 gaps, 0.60 ms"), lines
+    assert len(copy_timeline(events, 12 << 20, per_call=5)) == 3  # 12 copies: not 5 a call
