@@ -109,8 +109,8 @@ _MiB = 1 << 20
 #   launch: the kept units after the last ring unit compute meanwhile. The 8B AOTI decoder at
 #   12 GiB streams 8 and 32 MiB units; primed with its first two (16 MiB), its replays left
 #   the copy stream idle a median 284 us at each boundary (H100), and ran at 0.915-0.939 of
-#   the link bound; primed with the first eight (64 MiB: two of its largest), 43 us and
-#   0.997 (H200; benchmarks/README.md). Primes past what the tail's compute covers delay
+#   the link bound; primed with the first eight (64 MiB: two of its largest), 47 us and
+#   0.992-0.997 (H200; benchmarks/README.md). Primes past what the tail's compute covers delay
 #   the next launch by the difference; bounded so, that is no more than a prefetch of the
 #   largest units could delay it. They also leave room for two of the largest ring unit
 #   above them (the tail's ring); fewer are primed when the ring is smaller, none when
