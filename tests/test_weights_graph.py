@@ -581,3 +581,23 @@ def test_a_held_argument_moved_to_other_memory_is_refused():
     with pytest.raises(ValueError, match="written in place"):
         g(x, cache)
     h.remove()
+
+
+def test_a_compiled_function_is_not_compiled_again_at_the_capture(streamed):
+    """Note: [Static inputs mirror their arguments]: a prompt made outside inference mode and
+    decoded inside it; the static input the capture reads is a normal tensor as the prompt is,
+    so Dynamo's guards pass and the capture runs what the warm-up compiled (on a GPU a compile
+    inside a capture fails)."""
+    ref, model, h = streamed
+    compiled = torch.compile(model)
+    g = h.cuda_graph(compiled)
+    x = tokens((2, 16), 0)  # a normal tensor
+    with torch.inference_mode():
+        expected = g(x).clone()  # the warm-up compiles (Inductor's kernels: not bitwise eager)
+        torch.testing.assert_close(expected, ref(x))
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):  # the capture, then replays
+                assert torch.equal(g(x), expected)
+    s = g.stats()
+    assert (s.captures, s.replays) == (1, 3)
+    torch._dynamo.reset()

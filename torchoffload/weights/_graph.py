@@ -79,11 +79,25 @@ class GraphStats:
 # captures the argument in place. Not seen: a write to a tensor made under `torch.inference_mode`,
 # which has no counter (make such state outside it, as a KV cache usually is; a capture under
 # inference mode warns about an inference tensor argument of 1 MiB or more), and, under inference
-# mode, a write the warm-up did not show (the static copies are inference tensors then). Not used,
-# though they would see those: a dispatch mode that records writes (Dynamo does not compile a
-# function called under one, so `cuda_graph(torch.compile(model))` would run eagerly: seen on the
-# CPU), and static copies made outside inference mode (their other dispatch keys made the compiled
-# model compile again: 15 graphs against 13, CPU).
+# mode, a write the warm-up did not show to an inference tensor argument (its static copy is one:
+# Note: [Static inputs mirror their arguments]). Not used, though it would see those: a
+# dispatch mode that records writes (Dynamo does not compile a function called under one, so
+# `cuda_graph(torch.compile(model))` would run eagerly: seen on the CPU).
+
+# Note: [Static inputs mirror their arguments]
+# A static input is made as its argument was: a normal tensor for a normal one, even under
+# `torch.inference_mode`, and requiring grad only if the argument does. Dynamo guards a compiled
+# function's tensor inputs on their dispatch keys and ``requires_grad``; a static input made
+# otherwise than the warm-up call's argument (a prompt made outside inference mode, decoded
+# inside it) fails those guards, so the capture compiles the function again, and Inductor's
+# compile syncs the host (constant folding calls ``.item()``), which a capture forbids (seen on
+# an H200: `handle.cuda_graph` of a `compile_streamed` program failed its first capture with
+# "operation not permitted when stream is capturing"). One exception, for correctness: an
+# inference tensor argument called outside inference mode gets a normal static input, whose
+# version counter shows a write the warm-up could not (Note: [Arguments written in place]); a
+# compiled function then compiles again at the capture, which raises rather than misleads. A
+# static inference tensor is written, at a replay outside inference mode, inside it (the only
+# place it may be).
 
 # Note: [A capture that fails]
 # A function that does something a capture forbids (a host sync such as ``.item()``, an event
@@ -186,7 +200,7 @@ class StreamedGraph:
             else:
                 for i, static in zip(entry.positions, entry.inputs, strict=True):
                     if leaves[i] is not static:
-                        static.copy_(leaves[i])
+                        _copy_in(static, leaves[i])
             self._replay(entry, leaves)
         if entry.graph is None:  # a write seen only now: captured again in place next call
             self._graphs[key] = _Captured(entry.written)
@@ -264,8 +278,7 @@ class StreamedGraph:
                         "[Arguments written in place])",
                         stacklevel=4,
                     )
-                s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-                statics[i] = s.copy_(x)
+                statics[i] = s = _static_like(x)
                 entry.positions.append(i)
                 entry.inputs.append(s)
         entry.arena = self._arena_state()
@@ -414,6 +427,25 @@ def _restore_generators(stream: Any) -> None:
     except Exception:  # the capture's own error is the one to report
         _log.warning("could not restore the CUDA generators after a failed capture",
                      exc_info=True)  # fmt: skip
+
+
+def _static_like(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` in new memory of its layout, an inference tensor only if ``x`` is one
+    and inference mode is on, requiring grad only if ``x`` does (Note: [Static inputs mirror
+    their arguments])."""
+    inference = x.is_inference() and torch.is_inference_mode_enabled()
+    with torch.inference_mode(inference), torch.no_grad():
+        s = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+    return s.requires_grad_() if x.requires_grad else s
+
+
+def _copy_in(static: torch.Tensor, x: torch.Tensor) -> None:
+    """Write argument ``x`` into its static input before a replay."""
+    if static.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():  # Note: [Static inputs mirror their arguments]
+            static.copy_(x)
+    else:
+        static.copy_(x)
 
 
 def _versions(xs: list[Any]) -> list[int | None]:
