@@ -22,6 +22,14 @@ measured in this run), peak device memory, host ms per step. Under a row (GPU): 
 step's device time (CUDA events recorded after consecutive launches); for the graph rows the
 graphs' captures, replays and primed units and the copies per token; with ``--profile`` the
 copy stream's timeline, with where in its call each gap falls.
+
+With ``--compiled``, the same rows for `torchoffload.compile.compile_streamed`: the model
+exported with its weight probes and compiled by ``torch.compile`` (Inductor, default mode) into
+one graph, no package, its weights read from the same safetensors file into pinned memory
+(the model rebuilt on ``meta``): ``compiled resident`` (every unit kept: its compute term),
+``compiled streamed`` at each budget, and with ``--graph`` ``compiled graph resident`` and
+``compiled graph streamed``, the same programs replayed by ``program.handle.cuda_graph``.
+``--no-aoti`` leaves out the package and its rows (the weights file is still written).
 """
 
 from __future__ import annotations
@@ -45,7 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.decode import SHAPES, sync  # noqa: E402
 from benchmarks.weights import h2d_bandwidth  # noqa: E402
-from torchoffload.compile import load_streamed_package, save_streamed_package  # noqa: E402
+from torchoffload.compile import (  # noqa: E402
+    compile_streamed,
+    load_streamed_package,
+    save_streamed_package,
+)
+from torchoffload.weights._checkpoint import write_safetensors  # noqa: E402
 
 GIB = 1 << 30
 
@@ -199,11 +212,26 @@ def main(argv=None) -> int:
         default=1,
         help="timed decodes per row: ms/token is their median (the range is printed)",
     )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time compile_streamed (one torch.compile graph, weights probed), resident "
+        "and at each budget (replayed too with --graph)",
+    )
+    p.add_argument(
+        "--no-aoti",
+        action="store_true",
+        help="leave out the AOTInductor package and its rows (with --compiled)",
+    )
     p.add_argument("--dir", type=Path, default=None, help="where the package goes (temp)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.no_aoti and not args.compiled:
+        p.error("--no-aoti leaves no rows without --compiled")
+    if args.no_aoti and args.plain:
+        p.error("--plain is compared with the package's rows: leave out --no-aoti")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     hidden, inter, layers, heads, kv, vocab, default_budgets = SHAPES[args.shape]
@@ -222,12 +250,17 @@ def main(argv=None) -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="aoti_decode_"))
     work.mkdir(parents=True, exist_ok=True)
     seq = torch.export.Dim("seq", min=1, max=max_len)
+    example = (prompt, torch.arange(args.prompt, device=device), *caches)
+    dynamic = ({1: seq}, {0: seq}, None, None)
     t0 = time.perf_counter()
-    catalog = save_streamed_package(
-        model, (prompt, torch.arange(args.prompt, device=device), *caches),
-        work / "decoder.pt2", weights=work / "decoder.safetensors",
-        dynamic_shapes=({1: seq}, {0: seq}, None, None),
-    )  # fmt: skip
+    if args.no_aoti:
+        write_safetensors(work / "decoder.safetensors", model.state_dict())
+        probes = "no package"
+    else:
+        catalog = save_streamed_package(model, example, work / "decoder.pt2",
+                                        weights=work / "decoder.safetensors",
+                                        dynamic_shapes=dynamic)  # fmt: skip
+        probes = f"{len(catalog.probes)} probes"
     save_s = time.perf_counter() - t0
     if args.plain:
         ep = torch.export.export(
@@ -237,37 +270,66 @@ def main(argv=None) -> int:
         torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "plain.pt2"))
         ep = None
     model = None
+    if args.compiled:  # the compiled rows read the weights file: the model only gives the graph
+        with torch.device("meta"):
+            model = Decoder(hidden, inter, layers, heads, kv, vocab).to(dtype).eval()
+        # a non-persistent buffer is not in the weights file: the program keeps it
+        hd = hidden // heads
+        model.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device).float() / hd))
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
     bw = h2d_bandwidth(device)
-    pt2 = (work / "decoder.pt2").stat().st_size
+    pt2 = 0 if args.no_aoti else (work / "decoder.pt2").stat().st_size
     print(
         f"# {datetime.date.today()} {torch.cuda.get_device_name(device) if gpu else 'cpu'} "
         f"torch {torch.__version__}; {args.shape}: {weights / GIB:.2f} GiB of weights, "
-        f"{len(catalog.probes)} probes; package {pt2 / 2**20:.1f} MiB ({pt2 / weights:.4%} of "
+        f"{probes}; package {pt2 / 2**20:.1f} MiB ({pt2 / weights:.4%} of "
         f"the weights), saved in {save_s:.0f} s; prompt {args.prompt}, {args.tokens} tokens; "
         f"pinned H2D {bw:.1f} GB/s",
         flush=True,
     )
     rows = []
-    expected = expected_caches = None
-    t_resident: dict[bool, float] = {}  # the all-kept row's time, eager and graph-replayed
+    # each kind's resident row's tokens and caches, which its other rows must equal (Inductor
+    # may compile the package and the torch.compile program into different kernels)
+    expected: dict[str, tuple] = {}
+    # the all-kept row's time per kind of program (package or compiled), eager and replayed
+    t_resident: dict[tuple[str, bool], float] = {}
     steps = args.tokens - 1
     budgets = args.budgets or default_budgets
-    runs = [("aoti resident", None)] + [("aoti streamed", b) for b in budgets]
-    # the graph rows' compute term is the same package replayed with every unit kept
-    if args.graph:
-        runs += [("graph resident", None)] + [("graph streamed", b) for b in budgets]
-    for name, budget_gib in runs:
+    runs = []  # (row, budget GiB or None for every unit kept, program kind, replayed)
+    kinds = ([] if args.no_aoti else ["aoti"]) + (["compiled"] if args.compiled else [])
+    for kind in kinds:
+        for b in [None, *budgets]:
+            # the graph rows' compute term is the same program replayed with every unit kept
+            for graphed in (False, True) if args.graph else (False,):
+                prefix = {
+                    ("aoti", False): "aoti",
+                    ("aoti", True): "graph",
+                    ("compiled", False): "compiled",
+                    ("compiled", True): "compiled graph",
+                }
+                name = prefix[kind, graphed] + (" resident" if b is None else " streamed")
+                runs.append((name, b, kind, graphed))  # fmt: skip
+    compiled: dict = {}  # budget -> the compiled program, shared by its eager and graph rows
+    for name, budget_gib, kind, graphed in runs:
         budget = int(budget_gib * GIB) if budget_gib is not None else weights + (64 << 20)
         resident = tuple(filter(None, args.resident.split(","))) if budget_gib else ()
         t0 = time.perf_counter()
-        program = load_streamed_package(work / "decoder.pt2", work / "decoder.safetensors",
-                                        device, budget_bytes=budget, resident=resident)  # fmt: skip
+        if kind == "aoti":
+            program = load_streamed_package(work / "decoder.pt2", work / "decoder.safetensors",
+                                            device, budget_bytes=budget,
+                                            resident=resident)  # fmt: skip
+        elif budget_gib in compiled:
+            program = compiled.pop(budget_gib)
+        else:  # export, compile (Inductor's cache serves the later budgets) and load
+            program = compile_streamed(model, example, budget_bytes=budget, device=device,
+                                       resident=resident, dynamic_shapes=dynamic,
+                                       checkpoint=work / "decoder.safetensors")  # fmt: skip
+            if args.graph:
+                compiled[budget_gib] = program  # its graph row comes next
         load_s = time.perf_counter() - t0
         # Note: [Arguments written in place]: the caches are the same tensors every call
-        graphed = name.startswith("graph")
         run = program.handle.cuda_graph(program) if graphed else program
         with torch.inference_mode():
             decode(run, prompt, args.tokens, caches)  # warm-up (and the graphs' captures)
@@ -305,21 +367,22 @@ def main(argv=None) -> int:
                 profiled = profile_copies(run, program, prompt, args.tokens, caches)
         ms = seconds * 1e3 / steps
         runs_ms = sorted(t * 1e3 / steps for t, _, _ in timed)
-        if expected is None:
-            expected, expected_caches = toks, final
+        if kind not in expected:
+            expected[kind] = toks, final
+        want, want_caches = expected[kind]
         if budget_gib is None:
-            t_resident[graphed] = ms
-        bound = max(t_resident[graphed], moved / (bw * 1e9) * 1e3) if gpu else math.nan
+            t_resident[kind, graphed] = ms
+        bound = max(t_resident[kind, graphed], moved / (bw * 1e9) * 1e3) if gpu else math.nan
         peak = torch.cuda.max_memory_allocated(device) / GIB if gpu else math.nan
         row = dict(row=name, budget_gib=budget_gib, ms_per_token=ms, bytes_per_token=moved,
                    gbps=moved / seconds * steps / 1e9, bound_ms=bound, ratio=bound / ms,
                    peak_gib=peak, host_ms=statistics.median(host) * 1e3,
-                   equal=all(torch.equal(t, expected) for t in all_toks) and all(
-                       torch.equal(c, e) for c, e in zip(final, expected_caches, strict=True)
+                   equal=all(torch.equal(t, want) for t in all_toks) and all(
+                       torch.equal(c, e) for c, e in zip(final, want_caches, strict=True)
                    ), load_s=load_s, runs_ms=runs_ms, step_ms=step_ms, copies_per_token=copies,
                    graph=graph_stats(run) if graphed else None)  # fmt: skip
         rows.append(row)
-        print(f"  {name:<14} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
+        print(f"  {name:<23} {budget_gib!s:>6}  {ms:8.2f} ms/token  "
               f"{moved / 2**20:9.1f} MiB/token  {row['gbps']:5.1f} GB/s  bound {bound:8.2f} ms "
               f"({row['ratio']:.3f})  peak {peak:6.2f} GiB  host {row['host_ms']:6.2f} ms  "
               f"equal {row['equal']}  load {load_s:.1f} s"
@@ -334,15 +397,16 @@ def main(argv=None) -> int:
             print(f"      graphs: {row['graph']}; copies per token {copies:.0f}", flush=True)
         if args.profile and gpu and budget_gib is not None:
             print("\n".join(f"      {line}" for line in profiled), flush=True)
-        program.remove()
+        if budget_gib not in compiled or kind == "aoti":
+            program.remove()
         del program, run
         gc.collect()
     ok = all(r["equal"] for r in rows)
     if args.plain:
-        rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches, expected, device,
-                              args.repeat))  # fmt: skip
+        rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches,
+                              expected["aoti"][0], device, args.repeat))  # fmt: skip
         r = rows[-1]
-        print(f"  {'aoti plain':<14} {'None':>6}  {r['ms_per_token']:8.2f} ms/token  "
+        print(f"  {'aoti plain':<23} {'None':>6}  {r['ms_per_token']:8.2f} ms/token  "
               f"{0.0:9.1f} MiB/token  {0.0:5.1f} GB/s  {'':23}  peak {r['peak_gib']:6.2f} GiB  "
               f"host {r['host_ms']:6.2f} ms  same tokens {r['equal']}  load "
               f"{r['load_s']:.1f} s"

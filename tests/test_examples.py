@@ -27,10 +27,11 @@ BACKGROUND = {
         "--intermediate", "512", "--vocab", "2048", "--seq", "64",
     ), needs=("transformers",)),
     # The AOTI decode benchmark at its smoke shape: a package whose program writes its KV
-    # caches in place, replayed by cuda_graph with the caches held (tokens checked).
+    # caches in place, replayed by cuda_graph with the caches held (tokens checked); the same
+    # for compile_streamed's program, its weights read from the file into a model on meta.
     "test_aoti_decode_graph_smoke": Job((
         "benchmarks/aoti_decode.py", "--shape", "tiny", "--prompt", "16", "--tokens", "4",
-        "--budgets", "0.008", "--graph",
+        "--budgets", "0.008", "--graph", "--compiled",
     )),
     # Two decoder layers (the default is four): the AOTInductor compile is most of the time,
     # and it grows with the layers; two still stream through a budget below the weights.
@@ -95,13 +96,16 @@ def test_generate_streamed_aoti():
 def test_aoti_decode_graph_smoke():
     """Note: [Arguments written in place]: the graphed package's tokens equal the resident
     package's (the script exits 1 otherwise) although its program writes the caches it is
-    passed."""
+    passed; so do compile_streamed's, eager and replayed, against its own resident row."""
     out = script_output("test_aoti_decode_graph_smoke")
-    rows = [line.split()[:2] for line in out.splitlines() if line.startswith(("  aoti", "  graph"))]
+    names = ("  aoti", "  graph", "  compiled")
+    rows = [line[2:25].strip() for line in out.splitlines() if line.startswith(names)]
     assert rows == [
-        ["aoti", "resident"], ["aoti", "streamed"], ["graph", "resident"], ["graph", "streamed"]
+        "aoti resident", "graph resident", "aoti streamed", "graph streamed",
+        "compiled resident", "compiled graph resident", "compiled streamed",
+        "compiled graph streamed",
     ], out  # fmt: skip
-    assert out.count("equal True") == 4, out
+    assert out.count("equal True") == 8, out
 
 
 def test_copy_timeline_places_the_gaps_in_their_calls(monkeypatch):
