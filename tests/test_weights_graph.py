@@ -4,6 +4,7 @@ with the runtime in capture mode and no graph (tests/test_weights_graph_gpu.py c
 
 from __future__ import annotations
 
+import copy
 import threading
 import warnings
 
@@ -284,6 +285,35 @@ def test_a_replay_copies_the_next_replays_first_units():
     h.remove()
 
 
+def test_primes_leave_room_for_the_calls_tail():
+    """Note: [Primed replays]: the primes and the call's tail (its last ``prefetch_depth + 1``
+    ring units, placed above the primes) fit in the ring together, so the tail's copies do not
+    wait for its own compute. Eight small layers, then four large ones at the end: under the
+    old rule (room for two of the largest above the primes) all eight small layers were primed
+    and the tail, three large units, did not fit beside them."""
+    torch.manual_seed(0)
+    small = [torch.nn.Linear(32, 32) for _ in range(8)]
+    large = [torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Linear(256, 32))
+             for _ in range(4)]  # fmt: skip
+    ref = torch.nn.Sequential(*small, *large).eval()
+    model = copy.deepcopy(ref)
+    least = minimum_budget(model, unit="leaves")
+    h = stream_weights(model, "cpu", budget_bytes=least * 6 // 5, unit="leaves")
+    g = h.cuda_graph(model)
+    for i in range(4):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(i))
+        with torch.no_grad():
+            assert torch.equal(g(x), ref(x)), i
+    rt = h._runtime
+    ring = [rt.units[i] for i in rt.schedule.order if rt.units[i].fixed is None]
+    tail = sum(u.nbytes for u in ring[-3:])  # prefetch_depth 2, plus the one computing
+    primes = next(iter(g._graphs.values())).primes
+    assert 0 < len(primes) < 8, primes
+    assert sum(rt.units[i].nbytes for i, _ in primes) + tail <= rt.arena.ring_cap
+    assert g.stats().primed_units == (len(primes),)
+    h.remove()
+
+
 def test_primes_lost_to_an_eager_call_or_a_load_are_copied_before_the_replay(streamed):
     ref, model, h = streamed
     g = h.cuda_graph(model)
@@ -356,7 +386,7 @@ def _six_calls_at_the_least_budget(ref, model, depth, extra):
     return h, g
 
 
-@pytest.mark.parametrize("layers, depth, extra", [(4, 1, 1), (6, 1, 1), (5, 2, 0), (8, 2, 0)])
+@pytest.mark.parametrize("layers, depth, extra", [(4, 1, 1), (6, 1, 1), (5, 2, 1), (8, 2, 1)])
 def test_primed_replays_of_a_call_shorter_than_its_pipeline(layers, depth, extra):
     """Calls of a few ring units at the least budget: the call's first units are among its
     last ones (the prefetch wraps to a prime while it is still loaded or computing).
@@ -391,7 +421,7 @@ class _Reused(torch.nn.Module):
     [
         (4, [1, 0, 2, 3, 0, 1], 1, 1),  # the next call's prime is computing elsewhere
         (6, [0, 1, 2, 3, 4, 0, 5], 1, 1),  # it is loaded elsewhere: moved to its place
-        (6, [0, 1, 2, 3, 4, 0, 5], 2, 0),  # both, one after the other
+        (7, [0, 1, 2, 3, 4, 5, 0, 6], 2, 1),  # both, one after the other
     ],
 )
 def test_primed_replays_of_a_layer_called_twice(n, order, depth, extra):

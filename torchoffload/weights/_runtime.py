@@ -112,9 +112,15 @@ _MiB = 1 << 20
 #   the link bound; primed with the first eight (64 MiB: two of its largest), 47 us and
 #   0.992-0.997 (H200; benchmarks/README.md). Primes past what the tail's compute covers delay
 #   the next launch by the difference; bounded so, that is no more than a prefetch of the
-#   largest units could delay it. They also leave room for two of the largest ring unit
-#   above them (the tail's ring); fewer are primed when the ring is smaller, none when
-#   nothing is prefetched.
+#   largest units could delay it.
+# - They leave room above them for the tail, its last ``prefetch_depth + 1`` ring units (at
+#   least two of the largest ring unit); fewer are primed when the ring is smaller, none when
+#   nothing is prefetched. A tail that does not fit waits for its own compute: the demo
+#   Llama at 0.2 GiB (a 22.3 MiB ring, its tail the last MLP's three 5.5 MiB units) primed
+#   10.5 MiB with room for only two of them, and its replays took 1.35 ms against 1.15
+#   unprimed (Hugging Face model, H200); with the tail's room, 5.5 MiB primed, 1.18 ms, and
+#   the compiled program of benchmarks/aoti_decode.py 1.12 ms against 1.19. The 8B decoder's
+#   primes are the same under both rules.
 # - Before a launch, `replaying` loads any prime not at its offset (after an eager call or
 #   `load_state_dict`), after its range's events; the launch is ordered after those copies
 #   on the stream. After the launch the primes stay loaded, guarded by the event recorded
@@ -625,14 +631,18 @@ class WeightRuntime:
     def primes(self) -> Primes:
         """The units a captured call should find loaded, and where (Note: [Primed replays]):
         the schedule's first ring units, side by side from the ring's start, as many as fit
-        in ``prefetch_depth`` of the largest ring unit and leave room for two of it behind
-        them. Empty when nothing streams or nothing is prefetched."""
+        in ``prefetch_depth`` of the largest ring unit and leave room behind them for the
+        call's tail (its last ``prefetch_depth + 1`` ring units, and at least two of the
+        largest). Empty when nothing streams or nothing is prefetched."""
         order = self.schedule.order
         ring = [self.units[i] for i in dict.fromkeys(order or ()) if self.units[i].fixed is None]
-        if not ring or not self.config.prefetch_depth:
+        depth = self.config.prefetch_depth
+        if not ring or not depth:
             return ()
         largest = max(u.nbytes for u in ring)
-        room = min(self.arena.ring_cap - 2 * largest, self.config.prefetch_depth * largest)
+        tail = [i for i in order if self.units[i].fixed is None][-(depth + 1) :]
+        tail_bytes = sum(self.units[i].nbytes for i in dict.fromkeys(tail))
+        room = min(self.arena.ring_cap - max(tail_bytes, 2 * largest), depth * largest)
         out: list[tuple[int, int]] = []
         at = 0
         for unit in ring:
