@@ -343,7 +343,8 @@ def main(argv=None) -> int:
         if "error" not in r and r["row"] in ("graph resident", "compiled resident r-o")
     ]
     t_res = min(graphed) if graphed else rows[0]["ms_per_token"]
-    print(f"\nbound = max({t_res:.2f} ms resident in a graph, bytes / {bw:.1f} GB/s)")
+    how = "in a graph" if graphed else "eagerly (no graph row ran)"
+    print(f"\nbound = max({t_res:.2f} ms resident {how}, bytes / {bw:.1f} GB/s)")
     print(
         "| row | budget GiB | ms/token | MiB/token | GB/s | bound ms | bound/time | peak GiB "
         "| host ms/token | tokens equal |"
