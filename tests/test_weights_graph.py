@@ -631,3 +631,19 @@ def test_a_compiled_function_is_not_compiled_again_at_the_capture(streamed):
     s = g.stats()
     assert (s.captures, s.replays) == (1, 3)
     torch._dynamo.reset()
+
+
+def test_a_replay_outside_inference_mode_of_a_graph_captured_inside_it(streamed):
+    """Note: [Static inputs mirror their arguments]: captured under inference mode with an
+    inference tensor argument, the static input is an inference tensor; a later replay outside
+    inference mode writes it inside inference mode (outside, writing it raises)."""
+    ref, model, h = streamed
+    g = h.cuda_graph(model)
+    with torch.inference_mode():
+        x = tokens((2, 8), 0)
+        g(x)  # the warm-up
+        g(x)  # the capture
+    y = tokens((2, 8), 1)  # a normal tensor, outside inference mode
+    with torch.no_grad():
+        assert torch.equal(g(y), ref(y))
+    assert g.stats().replays == 2

@@ -175,3 +175,30 @@ def test_a_capture_that_fails_reports_its_cause_and_leaves_the_device_usable():
             assert torch.equal(good(x), expected)
     assert good.stats().replays == 2  # the capturing call replays too
     h.remove()
+
+
+def test_static_inputs_mirror_their_arguments():
+    """Note: [Static inputs mirror their arguments], on a GPU. A compiled model whose warm-up
+    saw a normal tensor (made outside inference mode, called inside it) is not compiled again
+    inside the capture, where Inductor's compile fails ("operation not permitted when stream is
+    capturing"); and a graph captured under inference mode, its argument an inference tensor,
+    replays outside inference mode."""
+    model = make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * minimum_budget(model, prefetch_depth=0))
+    g = h.cuda_graph(torch.compile(model))
+    x = tokens((2, 64), 0)
+    with torch.inference_mode():
+        expected = g(x).clone()  # the warm-up compiles
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(3):  # the capture, then replays
+                assert torch.equal(g(x), expected)
+    torch._dynamo.reset()
+    g2 = h.cuda_graph(model)
+    with torch.inference_mode():
+        y = tokens((2, 64), 1)  # an inference tensor
+        g2(y)  # the warm-up
+        first = g2(y).clone()  # the capture
+    with torch.no_grad():
+        assert torch.equal(g2(tokens((2, 64), 1)), first)  # a replay outside inference mode
+    assert (g.stats().replays, g2.stats().replays) == (3, 2)
+    h.remove()

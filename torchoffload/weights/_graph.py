@@ -407,7 +407,7 @@ class StreamedGraph:
                 else:
                     for static, x in zip(tree_flatten(entry.outputs)[0], outs, strict=True):
                         if isinstance(static, torch.Tensor):
-                            static.copy_(x)
+                            _copy_in(static, x)  # made under inference mode, maybe
         self._rt.count_replay(entry.delta)
         self._replays += 1
 
@@ -440,7 +440,8 @@ def _static_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _copy_in(static: torch.Tensor, x: torch.Tensor) -> None:
-    """Write argument ``x`` into its static input before a replay."""
+    """Write ``x`` into a static tensor of the graph (an input before a replay; on the CPU, an
+    output after it), inside inference mode if the static tensor is an inference tensor."""
     if static.is_inference() and not torch.is_inference_mode_enabled():
         with torch.inference_mode():  # Note: [Static inputs mirror their arguments]
             static.copy_(x)
