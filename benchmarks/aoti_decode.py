@@ -28,7 +28,10 @@ exported with its weight probes and compiled by ``torch.compile`` (Inductor, def
 one graph, no package, its weights read from the same safetensors file into pinned memory
 (the model rebuilt on ``meta``): ``compiled resident`` (every unit kept: its compute term),
 ``compiled streamed`` at each budget, and with ``--graph`` ``compiled graph resident`` and
-``compiled graph streamed``, the same programs replayed by ``program.handle.cuda_graph``.
+``compiled graph streamed``, the same programs replayed by ``program.handle.cuda_graph``
+(each after its eager row, on the same program: its ``load`` column is 0). A line after the
+rows says whether the compiled program's tokens equal the package's (they may differ as
+kernels compiled differently do; each kind's rows must equal its own resident row).
 ``--no-aoti`` leaves out the package and its rows (the weights file is still written).
 """
 
@@ -255,12 +258,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     if args.no_aoti:
         write_safetensors(work / "decoder.safetensors", model.state_dict())
-        probes = "no package"
     else:
         catalog = save_streamed_package(model, example, work / "decoder.pt2",
                                         weights=work / "decoder.safetensors",
                                         dynamic_shapes=dynamic)  # fmt: skip
-        probes = f"{len(catalog.probes)} probes"
     save_s = time.perf_counter() - t0
     if args.plain:
         ep = torch.export.export(
@@ -269,24 +270,27 @@ def main(argv=None) -> int:
         )  # fmt: skip
         torch._inductor.aoti_compile_and_package(ep, package_path=str(work / "plain.pt2"))
         ep = None
+    inv_freq = model.inv_freq  # in the model's dtype, as the package has it
     model = None
     if args.compiled:  # the compiled rows read the weights file: the model only gives the graph
         with torch.device("meta"):
             model = Decoder(hidden, inter, layers, heads, kv, vocab).to(dtype).eval()
-        # a non-persistent buffer is not in the weights file: the program keeps it
-        hd = hidden // heads
-        model.inv_freq = 1.0 / (500000.0 ** (torch.arange(0, hd, 2, device=device).float() / hd))
+        # a non-persistent buffer is not in the weights file: the program keeps the model's
+        model.inv_freq = inv_freq
     gc.collect()
     if gpu:
         torch.cuda.empty_cache()
     bw = h2d_bandwidth(device)
-    pt2 = 0 if args.no_aoti else (work / "decoder.pt2").stat().st_size
+    if args.no_aoti:
+        saved = f"no package; weights file written in {save_s:.0f} s"
+    else:
+        pt2 = (work / "decoder.pt2").stat().st_size
+        saved = (f"{len(catalog.probes)} probes; package {pt2 / 2**20:.1f} MiB "
+                 f"({pt2 / weights:.4%} of the weights), saved in {save_s:.0f} s")  # fmt: skip
     print(
         f"# {datetime.date.today()} {torch.cuda.get_device_name(device) if gpu else 'cpu'} "
         f"torch {torch.__version__}; {args.shape}: {weights / GIB:.2f} GiB of weights, "
-        f"{probes}; package {pt2 / 2**20:.1f} MiB ({pt2 / weights:.4%} of "
-        f"the weights), saved in {save_s:.0f} s; prompt {args.prompt}, {args.tokens} tokens; "
-        f"pinned H2D {bw:.1f} GB/s",
+        f"{saved}; prompt {args.prompt}, {args.tokens} tokens; pinned H2D {bw:.1f} GB/s",
         flush=True,
     )
     rows = []
@@ -402,6 +406,9 @@ def main(argv=None) -> int:
         del program, run
         gc.collect()
     ok = all(r["equal"] for r in rows)
+    if len(expected) == 2:  # the two kinds of program: informative, not required to match
+        same = torch.equal(expected["aoti"][0], expected["compiled"][0])
+        print(f"  compiled resident tokens equal the package's: {same}", flush=True)
     if args.plain:
         rows.append(plain_row(work / "plain.pt2", prompt, args.tokens, caches,
                               expected["aoti"][0], device, args.repeat))  # fmt: skip

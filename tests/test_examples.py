@@ -99,13 +99,15 @@ def test_aoti_decode_graph_smoke():
     passed; so do compile_streamed's, eager and replayed, against its own resident row."""
     out = script_output("test_aoti_decode_graph_smoke")
     names = ("  aoti", "  graph", "  compiled")
-    rows = [line[2:25].strip() for line in out.splitlines() if line.startswith(names)]
+    rows = [line[2:25].strip() for line in out.splitlines()
+            if line.startswith(names) and "ms/token" in line]  # fmt: skip
     assert rows == [
         "aoti resident", "graph resident", "aoti streamed", "graph streamed",
         "compiled resident", "compiled graph resident", "compiled streamed",
         "compiled graph streamed",
     ], out  # fmt: skip
     assert out.count("equal True") == 8, out
+    assert "compiled resident tokens equal the package's: " in out, out
 
 
 def test_copy_timeline_places_the_gaps_in_their_calls(monkeypatch):

@@ -482,8 +482,10 @@ def test_an_argument_written_in_place_is_the_graphs_own():
             assert torch.equal(g(x, cache), expected), i
         assert torch.equal(cache, expected_cache), i
     assert g.stats().captures == 1 and g.stats().replays == 4
+    with torch.inference_mode():
+        x = torch.randn(2, 8)  # an inference tensor, as before: the same signature
     with pytest.raises(ValueError, match="argument 1 of the graphed call is written in place"):
-        g(torch.randn(2, 8), torch.zeros(8))  # another tensor would not see the graph's writes
+        g(x, torch.zeros(8))  # another tensor would not see the graph's writes
     assert torch.equal(cache, expected_cache)  # refused before anything ran
     h.remove()
 
@@ -622,28 +624,36 @@ def test_a_compiled_function_is_not_compiled_again_at_the_capture(streamed):
     compiled = torch.compile(model)
     g = h.cuda_graph(compiled)
     x = tokens((2, 16), 0)  # a normal tensor
-    with torch.inference_mode():
-        expected = g(x).clone()  # the warm-up compiles (Inductor's kernels: not bitwise eager)
-        torch.testing.assert_close(expected, ref(x))
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(3):  # the capture, then replays
-                assert torch.equal(g(x), expected)
-    s = g.stats()
-    assert (s.captures, s.replays) == (1, 3)
-    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            expected = g(x).clone()  # the warm-up compiles (Inductor's kernels: not eager's)
+            torch.testing.assert_close(expected, ref(x))
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for _ in range(3):  # the capture, then replays
+                    assert torch.equal(g(x), expected)
+        s = g.stats()
+        assert (s.captures, s.replays) == (1, 3)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_a_replay_outside_inference_mode_of_a_graph_captured_inside_it(streamed):
     """Note: [Static inputs mirror their arguments]: captured under inference mode with an
     inference tensor argument, the static input is an inference tensor; a later replay outside
-    inference mode writes it inside inference mode (outside, writing it raises)."""
+    inference mode writes it inside inference mode (outside, writing it raises). A normal
+    tensor in its place is another signature: its own warm-up and graph."""
     ref, model, h = streamed
     g = h.cuda_graph(model)
     with torch.inference_mode():
-        x = tokens((2, 8), 0)
+        x, y = tokens((2, 8), 0), tokens((2, 8), 1)  # inference tensors
         g(x)  # the warm-up
         g(x)  # the capture
-    y = tokens((2, 8), 1)  # a normal tensor, outside inference mode
     with torch.no_grad():
-        assert torch.equal(g(y), ref(y))
-    assert g.stats().replays == 2
+        assert torch.equal(g(y), ref(y))  # a replay, outside inference mode
+        s = g.stats()
+        assert (s.graphs, s.eager_calls, s.replays) == (1, 1, 2)
+        z = tokens((2, 8), 2)  # a normal tensor
+        for _ in range(3):
+            assert torch.equal(g(z), ref(z))
+    s = g.stats()
+    assert (s.graphs, s.eager_calls, s.replays) == (2, 2, 4)

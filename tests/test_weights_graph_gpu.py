@@ -185,20 +185,23 @@ def test_static_inputs_mirror_their_arguments():
     replays outside inference mode."""
     model = make()
     h = stream_weights(model, "cuda", budget_bytes=3 * minimum_budget(model, prefetch_depth=0))
-    g = h.cuda_graph(torch.compile(model))
-    x = tokens((2, 64), 0)
-    with torch.inference_mode():
-        expected = g(x).clone()  # the warm-up compiles
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            for _ in range(3):  # the capture, then replays
-                assert torch.equal(g(x), expected)
-    torch._dynamo.reset()
-    g2 = h.cuda_graph(model)
-    with torch.inference_mode():
-        y = tokens((2, 64), 1)  # an inference tensor
-        g2(y)  # the warm-up
-        first = g2(y).clone()  # the capture
-    with torch.no_grad():
-        assert torch.equal(g2(tokens((2, 64), 1)), first)  # a replay outside inference mode
-    assert (g.stats().replays, g2.stats().replays) == (3, 2)
-    h.remove()
+    try:
+        g = h.cuda_graph(torch.compile(model))
+        x = tokens((2, 64), 0)
+        with torch.inference_mode():
+            expected = g(x).clone()  # the warm-up compiles
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for _ in range(3):  # the capture, then replays
+                    assert torch.equal(g(x), expected)
+        torch._dynamo.reset()
+        g2 = h.cuda_graph(model)
+        with torch.inference_mode():
+            y, z = tokens((2, 64), 1), tokens((2, 64), 1)  # inference tensors
+            g2(y)  # the warm-up
+            first = g2(y).clone()  # the capture
+        with torch.no_grad():
+            assert torch.equal(g2(z), first)  # a replay outside inference mode
+        assert (g.stats().replays, g2.stats().replays) == (3, 2)
+    finally:
+        torch._dynamo.reset()
+        h.remove()

@@ -8,16 +8,16 @@ for _ in range(n):
 ```
 
 Note: [Captured calls by signature]
-A graph is captured per *signature* of the arguments: for a tensor its shape, stride, dtype
-and device; for anything else its type and value (hashable objects by their own equality,
-so an object such as a KV cache is matched by identity, and the graph keeps it alive). The
-first call of a signature runs eagerly (a warm-up: lazy initialization, the weight schedule,
-kept units), the second is captured and replayed, later ones are replayed. Each call runs
-the function's work once. Tensor arguments are copied into the graph's static inputs before a
-replay (but those it writes in place: Note: [Arguments written in place]); the outputs are
-the graph's static outputs, overwritten by its next replay (clone to keep them), as with any
-CUDA graph. A new signature captures a new graph, up to
-``max_graphs``; beyond that calls run eagerly (``stats().eager_calls``). Control flow that
+A graph is captured per *signature* of the arguments: for a tensor its shape, stride, dtype,
+device, whether it is an inference tensor and whether it requires grad; for anything else its
+type and value (hashable objects by their own equality, so an object such as a KV cache is
+matched by identity, and the graph keeps it alive). The first call of a signature runs eagerly
+(a warm-up: lazy initialization, the weight schedule, kept units), the second is captured and
+replayed, later ones are replayed. Each call runs the function's work once. Tensor arguments
+are copied into the graph's static inputs before a replay (but those it writes in place: Note:
+[Arguments written in place]); the outputs are the graph's static outputs, overwritten by its
+next replay (clone to keep them), as with any CUDA graph. A new signature captures a new graph,
+up to ``max_graphs``; beyond that calls run eagerly (``stats().eager_calls``). Control flow that
 depends on tensor values is fixed at capture, as in any CUDA graph: such a function must be
 captured per branch by the caller. Weights are never stale: ring weights are copied from the
 host store in every replay and kept units are checked before it (Note: [Weights in a
@@ -97,7 +97,11 @@ class GraphStats:
 # version counter shows a write the warm-up could not (Note: [Arguments written in place]); a
 # compiled function then compiles again at the capture, which raises rather than misleads. A
 # static inference tensor is written, at a replay outside inference mode, inside it (the only
-# place it may be).
+# place it may be). Whether an argument is an inference tensor, and whether it requires grad,
+# are part of a graph's signature (Note: [Captured calls by signature]): a normal tensor
+# passed where the capture saw an inference one gets its own warm-up, which sees its writes,
+# and its own static input, rather than a copy into a static input that has no version
+# counter.
 
 # Note: [A capture that fails]
 # A function that does something a capture forbids (a host sync such as ``.item()``, an event
@@ -237,7 +241,10 @@ class StreamedGraph:
                     f"argument {i} of the graphed call is on {x.device}: tensors a CUDA graph "
                     f"reads must be on {self.device} (a host value would be baked in)"
                 )
-            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device)
+            # inference-ness and requires_grad too: a static input mirrors them (Note: [Static
+            # inputs mirror their arguments]), so another kind of tensor is another graph
+            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device, x.is_inference(),
+                    x.requires_grad)  # fmt: skip
         try:
             hash(x)
         except TypeError:

@@ -120,7 +120,10 @@ _MiB = 1 << 20
 #   10.5 MiB with room for only two of them, and its replays took 1.35 ms against 1.15
 #   unprimed (Hugging Face model, H200); with the tail's room, 5.5 MiB primed, 1.18 ms, and
 #   the compiled program of benchmarks/aoti_decode.py 1.12 ms against 1.19. The 8B decoder's
-#   primes are the same under both rules.
+#   primes at 12 GiB are the same under both rules. A ring that holds only the tail (the least
+#   budget, for units of one size) primes nothing; the tail's bytes are counted even where a
+#   tail unit is also one of the call's first units (a short call), which reserves more room
+#   than such a call needs.
 # - Before a launch, `replaying` loads any prime not at its offset (after an eager call or
 #   `load_state_dict`), after its range's events; the launch is ordered after those copies
 #   on the stream. After the launch the primes stay loaded, guarded by the event recorded
