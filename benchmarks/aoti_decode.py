@@ -303,16 +303,12 @@ def main(argv=None) -> int:
     budgets = args.budgets or default_budgets
     runs = []  # (row, budget GiB or None for every unit kept, program kind, replayed)
     kinds = ([] if args.no_aoti else ["aoti"]) + (["compiled"] if args.compiled else [])
+    prefix = {("aoti", False): "aoti", ("aoti", True): "graph",
+              ("compiled", False): "compiled", ("compiled", True): "compiled graph"}  # fmt: skip
     for kind in kinds:
         for b in [None, *budgets]:
             # the graph rows' compute term is the same program replayed with every unit kept
             for graphed in (False, True) if args.graph else (False,):
-                prefix = {
-                    ("aoti", False): "aoti",
-                    ("aoti", True): "graph",
-                    ("compiled", False): "compiled",
-                    ("compiled", True): "compiled graph",
-                }
                 name = prefix[kind, graphed] + (" resident" if b is None else " streamed")
                 runs.append((name, b, kind, graphed))  # fmt: skip
     compiled: dict = {}  # budget -> the compiled program, shared by its eager and graph rows

@@ -204,7 +204,7 @@ class StreamedGraph:
             else:
                 for i, static in zip(entry.positions, entry.inputs, strict=True):
                     if leaves[i] is not static:
-                        _copy_in(static, leaves[i])
+                        _write(static, leaves[i])
             self._replay(entry, leaves)
         if entry.graph is None:  # a write seen only now: captured again in place next call
             self._graphs[key] = _Captured(entry.written)
@@ -403,8 +403,7 @@ class StreamedGraph:
                     entry.graph = None  # first: a failed copy below still recaptures
                     for i, static in zip(entry.positions, entry.inputs, strict=True):
                         if i in written:
-                            with torch.inference_mode(leaves[i].is_inference()):
-                                leaves[i].copy_(static)
+                            _write(leaves[i], static)
                 r.primes = entry.primes
                 outs, spec = tree_flatten(out)
                 if entry.outputs is None:
@@ -414,7 +413,7 @@ class StreamedGraph:
                 else:
                     for static, x in zip(tree_flatten(entry.outputs)[0], outs, strict=True):
                         if isinstance(static, torch.Tensor):
-                            _copy_in(static, x)  # made under inference mode, maybe
+                            _write(static, x)  # made under inference mode, maybe
         self._rt.count_replay(entry.delta)
         self._replays += 1
 
@@ -446,14 +445,15 @@ def _static_like(x: torch.Tensor) -> torch.Tensor:
     return s.requires_grad_() if x.requires_grad else s
 
 
-def _copy_in(static: torch.Tensor, x: torch.Tensor) -> None:
-    """Write ``x`` into a static tensor of the graph (an input before a replay; on the CPU, an
-    output after it), inside inference mode if the static tensor is an inference tensor."""
-    if static.is_inference() and not torch.is_inference_mode_enabled():
-        with torch.inference_mode():  # Note: [Static inputs mirror their arguments]
-            static.copy_(x)
+def _write(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, inside inference mode if ``dst`` is an inference tensor (the only
+    place it may be written): a static input before a replay, a static output after one on the
+    CPU, a caller's tensor written back (Note: [Static inputs mirror their arguments])."""
+    if dst.is_inference() and not torch.is_inference_mode_enabled():
+        with torch.inference_mode():
+            dst.copy_(src)
     else:
-        static.copy_(x)
+        dst.copy_(src)
 
 
 def _versions(xs: list[Any]) -> list[int | None]:
