@@ -100,7 +100,7 @@ def test_streamed_training_is_bitwise_resident_training(variant):
     for k in want:
         assert torch.equal(got[k], want[k]), k
     # Between steps the streamed parameters hold no device bytes.
-    assert all(p.numel() == 0 for p in m.layers.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.layers.parameters())
     stats = handle.stats()
     assert stats.backward_passes == 3 * run["accumulate"]
     assert stats.peak_loaded_bytes <= budget and stats.over_budget == 0
@@ -123,7 +123,9 @@ def test_units_hold_device_bytes_only_around_their_forward_and_backward():
 
     def probe(i):
         def hook(mod, args):
-            loaded = [j for j, b in enumerate(m.layers) if b.fc1.weight.numel() > 0]
+            loaded = [
+                j for j, b in enumerate(m.layers) if b.fc1.weight.untyped_storage().nbytes() > 0
+            ]
             seen.append((i, torch._C._current_graph_task_id() != -1, loaded))
 
         return hook
@@ -151,7 +153,7 @@ def test_saved_views_read_the_bytes_loaded_again_for_backward():
     ref = copy.deepcopy(m)
     x = torch.randn(4, 8)
     to.stream_parameters(m, 4096, unit=list(m), prefetch_depth=0)
-    assert all(p.numel() == 0 for p in m.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.parameters())
     m(x).square().sum().backward()
     ref(x).square().sum().backward()
     for p, q in zip(m.parameters(), ref.parameters(), strict=True):
@@ -203,15 +205,36 @@ def test_no_grad_forward_streams_like_inference():
     handle.remove()
 
 
-def test_state_dict_returns_host_values_and_load_state_dict_is_refused():
+def test_state_dict_returns_host_values_and_load_state_dict_writes_them():
+    """One contract with stream_weights: state_dict() reads the host store, load_state_dict()
+    writes it, and an OffloadedOptimizer then steps from the loaded values (as the plain
+    optimizer class would after a load)."""
     m = gpt()
+    ref = copy.deepcopy(m)
     want = copy.deepcopy(m.state_dict())
     handle = to.stream_parameters(m, 10 << 20)
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     sd = m.state_dict()
     assert sd.keys() == want.keys()
     assert all(torch.equal(sd[k], want[k]) for k in want)
-    with pytest.raises(RuntimeError, match="load_state_dict on a model under stream_parameters"):
-        m.load_state_dict(want)
+    for model, o in ((m, opt), (ref, ref_opt)):
+        model.loss(tokens(0)).backward()
+        o.step()
+        o.zero_grad()
+    assert not torch.equal(m.state_dict()["layers.0.fc1.weight"], want["layers.0.fc1.weight"])
+    m.load_state_dict(want)
+    ref.load_state_dict(want)
+    assert all(torch.equal(v, want[k]) for k, v in m.state_dict().items())
+    for model, o in ((m, opt), (ref, ref_opt)):
+        model.loss(tokens(1)).backward()
+        o.step()
+        o.zero_grad()
+    got, expected = m.state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    with pytest.raises(RuntimeError, match="assign=True"):
+        m.load_state_dict(want, assign=True)
+    opt.remove()
     handle.remove()
     m.load_state_dict(want)
 
@@ -269,7 +292,7 @@ def test_a_backward_that_raised_leaves_nothing_loaded_after_the_next_forward():
         Boom.apply(logits).sum().backward()
     loss = m.loss(x)
     loss.backward()
-    assert all(p.numel() == 0 for p in m.layers.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.layers.parameters())
     rt = handle._runtime
     assert rt.loaded_bytes == 0
     handle.remove()
@@ -312,7 +335,7 @@ def test_hugging_face_llama_with_gradient_checkpointing_is_bitwise(reentrant):
     sd, ref_sd = m.state_dict(), ref.state_dict()
     assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
     assert handle.stats().backward_passes == 3
-    assert all(p.numel() == 0 for p in m.model.layers.parameters())
+    assert all(p.untyped_storage().nbytes() == 0 for p in m.model.layers.parameters())
 
 
 def test_a_write_to_the_host_store_makes_a_loaded_copy_stale():

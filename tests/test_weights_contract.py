@@ -56,10 +56,13 @@ def test_blocks_kept_when_leaves_do_not_fit(depth):
 def test_dtype_conversion_while_streaming_raises_and_remove_restores(convert):
     ref = make()
     model = copy.deepcopy(ref)
-    h = stream(model, 1 << 22)
-    convert(model)
-    with torch.no_grad(), pytest.raises(RuntimeError, match=r"model.to\(\).*remove\(\) first"):
-        model(tokens())
+    h = stream(model, 1 << 22, resident=("ln_f",))
+    with pytest.raises(RuntimeError, match=r"model.to\(\).*Nothing was converted.*remove\(\)"):
+        convert(model)
+    # Refused before any tensor changed: resident ones too, and the model still runs.
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, q), name
+    assert torch.equal(outputs(model, [tokens()])[0], outputs(ref, [tokens()])[0])
     h.remove()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         assert p.dtype == torch.float32 and torch.equal(p, q), name
@@ -106,7 +109,11 @@ def test_state_dict_holds_the_real_values():
     fresh = GPT(ref.config).eval()
     fresh.load_state_dict(torch.load(buf))
     assert torch.equal(outputs(fresh, [tokens()])[0], outputs(ref, [tokens()])[0])
-    assert all(p.numel() == 0 for n, p in model.named_parameters() if not n.startswith("ln_f"))
+    assert all(  # placeholders: no device bytes (Note: [Placeholders never answer])
+        p.untyped_storage().nbytes() == 0
+        for n, p in model.named_parameters()
+        if not n.startswith("ln_f")
+    )
     h.remove()
 
 
@@ -300,8 +307,13 @@ def test_hooks_added_after_streaming_see_bound_then_empty_weights():
     h = stream(model, 1 << 22, unit="blocks")
     seen = {}
     fc1 = model.layers[2].fc1
-    model.layers[2].register_forward_pre_hook(lambda m, a: seen.update(pre=fc1.weight.numel()))
-    model.layers[2].register_forward_hook(lambda m, a, o: seen.update(post=fc1.weight.numel()))
+
+    def nbytes(w):
+        return w.untyped_storage().nbytes()
+
+    model.layers[2].register_forward_pre_hook(lambda m, a: seen.update(pre=nbytes(fc1.weight)))
+    model.layers[2].register_forward_hook(lambda m, a, o: seen.update(post=nbytes(fc1.weight)))
     outputs(model, [tokens()])
-    assert seen == {"pre": 256 * 64, "post": 0}  # fc1: 4 * hidden x hidden
+    assert seen["pre"] >= 256 * 64 * 4 and seen["post"] == 0  # fc1: 4 * hidden x hidden
+    assert fc1.weight.numel() == 256 * 64  # a placeholder answers with the real geometry
     h.remove()

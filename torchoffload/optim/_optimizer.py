@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from torchoffload._hosted import HOSTED, MANAGED
+from torchoffload._hosted import HOSTED, MANAGED, HostedParameter
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._runtime import (
     HostStepRuntime,
@@ -395,7 +395,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, HostedParameter)  # Note: [Placeholders never answer]
 
 
 def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:

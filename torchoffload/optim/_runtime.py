@@ -224,9 +224,12 @@ class MovedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> MovedGrad:
-        return torch.Tensor._make_wrapper_subclass(
-            cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
-        )
+        # ``like``'s own geometry: a streamed parameter's placeholder is empty and must take a
+        # gradient of its own size (Note: [Placeholders never answer]).
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor._make_wrapper_subclass(
+                cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
+            )
 
     def __repr__(self) -> str:  # the default repr would run ops
         return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"

@@ -90,7 +90,7 @@ class UnitState:
 
     __slots__ = (
         "layout", "index", "nbytes", "segments", "binds", "loc", "region", "ready", "pending",
-        "busy", "fixed", "versions",
+        "busy", "fixed", "versions", "classes",
     )  # fmt: skip
 
     def __init__(self, layout: UnitLayout, index: int, host: torch.Tensor):
@@ -106,6 +106,8 @@ class UnitState:
         self.busy = False  # between its pre-forward and its forward hook
         self.fixed: int | None = None  # arena offset when kept (Note: [Kept units])
         self.versions: list[int] = []
+        # per bind: (its class while bound, its placeholder class) or None (not hosted)
+        self.classes: list[tuple[type, type] | None] = []
 
     @property
     def name(self) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
@@ -211,11 +212,7 @@ class WeightStreamHandle:
         )
 
 
-_NO_COPY = (
-    "cannot copy or pickle a model while stream_weights is active: its streamed weights live in "
-    "the handle's host store, not in the model. Save model.state_dict() (it holds the real "
-    "values), or call the handle's remove() before copy.deepcopy / torch.save(model)"
-)
+_NO_COPY = _hosted.no_copy_message("stream_weights")
 
 
 # -- setup ------------------------------------------------------------------------------------
@@ -286,6 +283,7 @@ def stream_weights(
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, source)
     hooks = install_hooks(runtime, model)
+    hooks += _hosted.guard_conversions(model, "stream_weights", _NO_COPY)
     handle = WeightStreamHandle(runtime, hooks, model, time.perf_counter() - start_time)
     setattr(model, _ATTR, handle)
     _log.info(

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from torchoffload import _hosted
 from torchoffload._calls import running
 from torchoffload._flatten import flatten, is_composite
 from torchoffload._pool import pinned_buffer
@@ -247,6 +248,7 @@ class WeightRuntime:
         self.resident_names = [q for s in layout.resident for _, _, q in s.where]
         for unit in self.units:
             unit.binds = [(self.bound[leaf], off, leaf) for leaf, off in unit.layout.binds]
+            unit.classes = [self._classes.get(id(t)) for t, _, _ in unit.binds]
         for slot in layout.streamed:
             STREAMED[slot.tensor] = self
         # - Call state (Note: [One call at a time])
@@ -316,6 +318,9 @@ class WeightRuntime:
 
     def _empty_sources(self) -> None:
         dev = self.device
+        self._classes: dict[int, tuple[type, type]] = {}
+        plain = {id(leaf.source) for s in self.layout.streamed if not is_composite(s.tensor)
+                 for leaf in s.leaves}  # fmt: skip
         for leaf in self.layout.leaves:
             t = self.bound[leaf]
             if t.device != dev:
@@ -324,6 +329,14 @@ class WeightRuntime:
             if leaf.source is not t:  # a rebuilt composite's original buffer: free its bytes
                 gone = torch.empty(0, dtype=torch.uint8, device=leaf.device).untyped_storage()
                 leaf.source.set_(gone, 0, (0,), (1,))
+            hosted = _hosted.hosted_class(type(t))
+            if id(t) in plain and hosted is not None and id(t) not in self._classes:
+                lo = self.layout.pieces[leaf.key][0]
+                offset = (leaf.start - lo) // t.element_size()
+                ref = _hosted.Ref(self, leaf.key, offset, leaf.size, leaf.stride, leaf.dtype,
+                                  leaf.name, type(t))  # fmt: skip
+                self._classes[id(t)] = (type(t), hosted)
+                _hosted.register(t, ref)  # Note: [Placeholders never answer]
 
     def _move_resident(self) -> int:
         dev = self.device
@@ -749,9 +762,13 @@ class WeightRuntime:
         versions.clear()
         index = self._device_index  # get_device(): an int, no torch.device made per tensor
         # Gradients are off here (`enter` checked), so set_ on a leaf needs no no_grad().
+        classes = unit.classes
         for k, (t, off, leaf) in enumerate(unit.binds):
+            cls = classes[k]
+            if cls is not None:
+                t.__class__ = cls[0]  # Note: [Placeholders never answer]
             if t.dtype is not leaf.dtype or t.get_device() != index:
-                self._unbind(unit, k)
+                self._unbind(unit, k + 1)  # this one too: its class is swapped
                 raise RuntimeError(self._converted(leaf, t))
             t.set_(storage, (base + off) // t.element_size(), leaf.size, leaf.stride)
         # Read after all set_ calls: views of one storage share a version counter.
@@ -770,10 +787,16 @@ class WeightRuntime:
         """Unbind the unit's tensors (its first ``count`` of them)."""
         empty = self._empty
         grad = torch.is_grad_enabled()  # a forward may have turned them on inside its unit
+        classes = unit.classes
         with torch.no_grad() if grad else contextlib.nullcontext():
             binds = unit.binds if count is None else unit.binds[:count]  # no copy per call
-            for t, _, _ in binds:
+            for k, (t, _, _) in enumerate(binds):
+                cls = classes[k]
+                if cls is not None:
+                    t.__class__ = cls[0]
                 t.set_(empty, 0, (0,), (1,))
+                if cls is not None:
+                    t.__class__ = cls[1]
 
     def _check(self, unit: UnitState, output: Any) -> str | None:
         for (t, _, leaf), version in zip(unit.binds, unit.versions, strict=True):
@@ -856,6 +879,40 @@ class WeightRuntime:
             self._copies.clear()
         return None
 
+    # -- the host store of placeholders (Note: [Placeholders never answer]) ----------------------
+
+    def read_piece(self, key: Any) -> torch.Tensor:
+        """_hosted.HostStore: the piece's bytes, copied to the device on the compute stream. The
+        host store changes only between calls (`write_host`, `write_piece`), so a read inside a
+        call needs no wait."""
+        with self._lock:
+            if self.removed:
+                raise _hosted.HostedError(
+                    "this streamed tensor's WeightStreamHandle was removed: the tensor is a "
+                    "leftover view of it; take it from the model again"
+                )
+            lo, hi, off = self.layout.pieces[key]
+            data = self.host[off : off + hi - lo]
+            if self.device.type == "cpu":
+                return data.clone()
+            out = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)
+            out.copy_(data)  # synchronous for the host: the store may change after it
+            return out
+
+    def write_piece(self, key: Any, data: torch.Tensor) -> None:
+        """_hosted.HostStore: write the piece's bytes into the host store; the arena forgets
+        what it holds (as `write_host`)."""
+        with self._lock:
+            if self.removed:
+                raise _hosted.HostedError("this streamed tensor's WeightStreamHandle was removed")
+            self._wait_idle("a write to a streamed tensor outside its unit")
+            self._sync()  # nothing may still read the host bytes
+            lo, hi, off = self.layout.pieces[key]
+            with torch.no_grad():
+                self.host[off : off + hi - lo].copy_(data)
+            self.arena.clear(self.units)
+            self._copies.clear()
+
     def _host_view(self, leaf: Leaf) -> torch.Tensor:
         lo, _, off = self.layout.pieces[leaf.key]
         v = torch.empty(0, dtype=leaf.dtype)
@@ -874,6 +931,8 @@ class WeightRuntime:
             self._wait_idle("remove()")
             self.removed = True
             self._sync()
+            for leaf in self.layout.leaves:  # plain tensors again before they are rebound
+                _hosted.unregister(self.bound[leaf])
             if keep_values:
                 with torch.inference_mode(False), torch.no_grad():
                     self._restore()

@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from torchoffload import _hosted
 from torchoffload._hosted import HOSTED, MANAGED, Hosted
 from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import compute_device, copy_engine
@@ -150,6 +151,7 @@ class ParameterRuntime:
                 piece.leaves.append((leaf.source, (leaf.start - lo) // leaf.source.element_size(),
                                      leaf.size, leaf.stride))  # fmt: skip
             self.pieces[key] = piece
+        self._names = {id(leaf.source): leaf.name for leaf in layout.leaves}
         # - The parameters now hold the (empty) device storages; the originals are released
         for piece in self.pieces.values():
             _bind(piece, full=False)
@@ -163,8 +165,11 @@ class ParameterRuntime:
                 hosted = Hosted(v, _before_write(self, piece))
                 HOSTED[leaf.source] = hosted
                 self.hosted.append((leaf.source, hosted))
-            for t, _, _, _ in piece.leaves:
+            for t, offset, size, stride in piece.leaves:
                 STREAMED[t] = self
+                # Note: [Placeholders never answer]
+                _hosted.register(t, _hosted.Ref(self, key, offset, size, stride, t.dtype,
+                                                 self._names[id(t)], nn.Parameter))  # fmt: skip
         self.units = [
             _Unit(i, u.name, u.module, list({self.pieces[leaf.key]: None for leaf, _ in u.binds}))
             for i, u in enumerate(layout.units)
@@ -206,7 +211,6 @@ class ParameterRuntime:
             self.prefetched += 1
         else:
             self.on_demand += 1
-        _bind(piece, full=True)
 
     def _drop(self, piece: _Piece) -> None:
         if not piece.loaded:
@@ -218,10 +222,12 @@ class ParameterRuntime:
         self.loaded_bytes -= piece.nbytes
 
     def _hold(self, unit: _Unit) -> None:
-        """Load ``unit`` (or find it loaded) and make the compute stream wait for it."""
+        """Load ``unit`` (or find it loaded), bind it (a prefetched piece stays a placeholder
+        until then) and make the compute stream wait for it."""
         for piece in unit.pieces:
             self._load(piece, ahead=False)
             piece.holders.add(unit.index)
+            _bind(piece, full=True)
         for piece in unit.pieces:
             self.engine.wait(piece.ready)
 
@@ -390,6 +396,41 @@ class ParameterRuntime:
             piece.holders.clear()
             self._drop(piece)
 
+    # -- the host store of placeholders (Note: [Placeholders never answer]) ------------------
+
+    def read_piece(self, key: Any) -> torch.Tensor:
+        """_hosted.HostStore: the piece's current bytes on the device (a host step still
+        running for one of its parameters is finished first)."""
+        with self._lock:
+            piece = self._piece(key)
+            _settle(piece)
+            if self.device.type == "cpu":
+                return piece.host.clone()
+            out = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
+            out.copy_(piece.host)  # on the compute stream, synchronous for the host
+            return out
+
+    def write_piece(self, key: Any, data: torch.Tensor) -> None:
+        """_hosted.HostStore: write the piece's bytes into the host store. A device copy made
+        before is stale (loaded again at its next use); a host optimizer reads its masters
+        again (``Hosted.version``)."""
+        with self._lock:
+            piece = self._piece(key)
+            _settle(piece)
+            self.before_write(piece)
+            with torch.no_grad():
+                piece.host.copy_(data)
+            for t, _, _, _ in piece.leaves:
+                HOSTED[t].version += 1
+
+    def _piece(self, key: Any) -> _Piece:
+        if self.removed:
+            raise _hosted.HostedError(
+                "this streamed parameter's ParameterStreamHandle was removed: the tensor is a "
+                "leftover view of it; take it from the model again"
+            )
+        return self.pieces[key]
+
     # -- the real values ----------------------------------------------------------------------
 
     def host_value(self, t: torch.Tensor) -> torch.Tensor:
@@ -412,9 +453,12 @@ class ParameterRuntime:
                 piece.holders.clear()
                 self._load(piece, ahead=False)
                 self.engine.wait(piece.ready)
+            for piece in self.pieces.values():
+                _bind(piece, full=True)
             for t, _ in self.hosted:
                 HOSTED.pop(t, None)
                 STREAMED.pop(t, None)
+                _hosted.unregister(t)
             self.removed = True
             self.pieces = {}
             self.host = None  # type: ignore[assignment]
@@ -434,12 +478,24 @@ def _bind(piece: _Piece, full: bool) -> None:
     its post-accumulate-grad hooks run, once per load: an optimizer would step a partial
     gradient."""
     for t, offset, size, stride in piece.leaves:
+        _hosted.bound(t)  # a plain parameter while bound (Note: [Placeholders never answer])
         v = torch.empty(0, dtype=t.dtype, device=piece.storage.device)
         if full:
             v.set_(piece.storage, offset, size, stride)
         else:
             v.set_(piece.storage, 0, (0,), (1,))
         t.data = v
+        if not full:
+            _hosted.unbound(t)
+
+
+def _settle(piece: _Piece) -> None:
+    """Finish a host step still running for a parameter of ``piece`` (its host values are
+    about to be read or written)."""
+    for t, _, _, _ in piece.leaves:
+        rt = MANAGED.get(t)
+        if rt is not None:
+            rt.settle()
 
 
 def _before_write(runtime: ParameterRuntime, piece: _Piece) -> Any:
@@ -585,8 +641,10 @@ def stream_parameters(
     (patterns over dotted names) stay on the device. ``prefetch_depth``: units loaded ahead, in
     the recorded forward order and in reverse in backward. Parameters may be on the CPU or on
     ``device``; their device and host copies are replaced by the host store.
-    `model.state_dict()` returns the host values; `model.load_state_dict` is refused while
-    streaming (load before, or after `remove()`).
+    Outside its unit a streamed parameter is a placeholder whose every read and write is served
+    with the host values or refused (Note: [Placeholders never answer]): `model.state_dict()`
+    returns the host values, `model.load_state_dict` writes them (an `OffloadedOptimizer`
+    reads its masters again), conversions and copies of the model are refused.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -654,8 +712,23 @@ def stream_parameters(
     for p in params.values():
         hooks.append(p.register_post_accumulate_grad_hook(_Accumulated(ref)))
     hooks.append(model.register_state_dict_post_hook(_StateDict(ref, layout)))
-    hooks.append(model.register_load_state_dict_pre_hook(_refuse_load(ref, layout)))
+    hooks.append(model.register_load_state_dict_pre_hook(_RefuseAssign(ref)))
+    hooks += _hosted.guard_conversions(model, "stream_parameters", _NO_COPY)
     return ParameterStreamHandle(runtime, hooks)
+
+
+_NO_COPY = _hosted.no_copy_message("stream_parameters")
+
+
+class _Hook:
+    """A hook of a streamed model: copying or pickling it (a deepcopy or torch.save of the
+    model) raises with the cause and the fix, as under `stream_weights`."""
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(_NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(_NO_COPY)
 
 
 def _unit_bytes(layout: _layout.Layout, unit: _layout.UnitLayout) -> int:
@@ -672,7 +745,7 @@ def _pick(model: nn.Module, resident: tuple[str, ...], unit: Any) -> _layout.Lay
     return options[0]
 
 
-class _PreForward:
+class _PreForward(_Hook):
     def __init__(self, ref: weakref.ref, i: int):
         self.ref, self.i = ref, i
 
@@ -681,7 +754,7 @@ class _PreForward:
         return None if rt is None else rt.pre_forward(self.i, args, kwargs)
 
 
-class _PostForward:
+class _PostForward(_Hook):
     def __init__(self, ref: weakref.ref, i: int):
         self.ref, self.i = ref, i
 
@@ -691,7 +764,7 @@ class _PostForward:
             rt.post_forward(self.i, output)
 
 
-class _Accumulated:
+class _Accumulated(_Hook):
     def __init__(self, ref: weakref.ref):
         self.ref = ref
 
@@ -701,7 +774,7 @@ class _Accumulated:
             rt.accumulated(param)
 
 
-class _StateDict:
+class _StateDict(_Hook):
     def __init__(self, ref: weakref.ref, layout: _layout.Layout):
         self.ref = ref
         self.names = [(s.tensor, [q for _, _, q in s.where]) for s in layout.streamed]
@@ -720,18 +793,20 @@ class _StateDict:
                     state_dict[key] = copies[id(t)]
 
 
-def _refuse_load(ref: weakref.ref, layout: _layout.Layout) -> Any:
-    names = {q for s in layout.streamed for _, _, q in s.where}
+class _RefuseAssign(_Hook):
+    """``load_state_dict`` writes the streamed parameters' host values (each placeholder's
+    ``copy_``, Note: [Placeholders never answer]); ``assign=True`` would replace them."""
 
-    def hook(module, state_dict, prefix, *args: Any) -> None:
-        rt = ref()
+    def __init__(self, ref: weakref.ref):
+        self.ref = ref
+
+    def __call__(self, module, state_dict, prefix, local_metadata, *args: Any) -> None:
+        rt = self.ref()
         if rt is None or rt.removed:
             return
-        if any(prefix + q in state_dict for q in names):
+        if local_metadata.get("assign_to_params_buffers", False):
             raise RuntimeError(
-                "load_state_dict on a model under stream_parameters: its streamed parameters "
-                "live in the host store and an OffloadedOptimizer's fp32 masters follow them; "
-                "load before stream_parameters, or remove() the optimizer and the handle first"
+                "load_state_dict(assign=True) would replace parameters that stream_parameters "
+                "streams; load without assign (it writes the host store), or remove() the "
+                "handle first"
             )
-
-    return hook

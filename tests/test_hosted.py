@@ -1,0 +1,235 @@
+"""Hosted tensors (Note: [Placeholders never answer]): outside its unit a streamed tensor of
+either engine answers every read and write with its real values or refuses before anything
+changes. Each test compares with the same operations on a plain model. CPU."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import torchoffload as to
+from torchoffload._hosted import HostedError, is_placeholder
+from torchoffload.models import GPT, GPTConfig
+
+CFG = GPTConfig(hidden=32, layers=3, heads=4, vocab=64, max_seq=16)
+ENGINES = ["weights", "parameters"]
+
+
+def gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(CFG)
+
+
+def tokens(i, n=12):
+    return torch.randint(0, CFG.vocab, (2, n), generator=torch.Generator().manual_seed(i))
+
+
+def stream(model, engine):
+    if engine == "weights":
+        model.eval()
+        budget = to.minimum_budget(model, prefetch_depth=1)
+        return to.stream_weights(model, "cpu", budget_bytes=budget, prefetch_depth=1)
+    return to.stream_parameters(model, 1 << 20, device="cpu")
+
+
+def run(model, engine, i=0):
+    if engine == "weights":
+        with torch.no_grad():
+            return model(tokens(i))
+    return model.loss(tokens(i))
+
+
+def same_params(a, b):
+    return all(
+        torch.equal(p.detach(), q.detach())
+        for p, q in zip(a.parameters(), b.parameters(), strict=True)
+    )
+
+
+# -- item 2: conversions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "convert",
+    [
+        lambda m: m.half(),
+        lambda m: m.bfloat16(),
+        lambda m: m.double(),
+        lambda m: m.to(torch.float16),
+        lambda m: m.layers[1].to(torch.float64),
+    ],
+    ids=["half", "bfloat16", "double", "to", "submodule"],
+)
+def test_a_conversion_is_refused_before_anything_changes(engine, convert):
+    """Issue 38 item 2: stream_parameters reinterpreted the fp32 host bytes (garbage forward,
+    bit patterns after remove()); both engines now refuse alike, and nothing moved."""
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    with pytest.raises(HostedError, match=r"would be converted.*Nothing was converted.*remove"):
+        convert(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert same_params(model, ref)
+    assert torch.equal(run(model, engine), run(ref, engine))
+    model.to("cpu").float()  # changes nothing: runs
+    handle.remove()
+    assert same_params(model, ref)
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+    convert(model)  # a plain model again
+
+
+# -- item 3: reads and writes outside the unit --------------------------------------------------
+
+
+def test_in_place_edits_and_reads_between_steps_are_those_of_resident_training():
+    """Issue 38 item 3: manual weight decay, clamping, renorm and norm logging acted on empty
+    device tensors (norm 0.0; weights 1.1-4.0 off after training). Now bitwise."""
+
+    def train(model, opt):
+        logs = []
+        for s in range(3):
+            model.loss(tokens(s)).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.9)
+                model.layers[0].fc1.weight.clamp_(-0.05, 0.05)
+                w = model.layers[1].fc2.weight
+                w.copy_(torch.renorm(w, 2, 0, 0.5))
+                logs.append(torch.stack([p.norm() for p in model.parameters()]))
+                logs.append(model.layers[2].qkv.weight.detach().t()[3].clone())
+        return torch.stack(logs[::2]), logs[1::2]
+
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = to.stream_parameters(model, 1 << 20, device="cpu")
+    opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    got_norms, got_rows = train(model, opt)
+    want_norms, want_rows = train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    assert torch.equal(got_norms, want_norms)
+    assert all(torch.equal(a, b) for a, b in zip(got_rows, want_rows, strict=True))
+    assert got_norms.min() > 0
+    opt.remove()
+    handle.remove()
+    assert same_params(model, ref)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reads_are_served_with_the_real_values(engine):
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    run(model, engine)
+    w, v = model.layers[1].fc1.weight, ref.layers[1].fc1.weight
+    assert is_placeholder(w) and w.untyped_storage().nbytes() == 0
+    assert w.shape == v.shape and w.numel() == v.numel() and w.stride() == v.stride()
+    assert len(w) == len(v) and w.dim() == 2 and w.is_contiguous()
+    with torch.no_grad():
+        assert torch.equal(w.norm(), v.norm())
+        assert torch.equal(w @ v.t(), v @ v.t())
+        assert torch.equal(w.sum(0), v.sum(0)) and float(w.max()) == float(v.max())
+        assert w.tolist() == v.tolist() and repr(w) == repr(v)
+    assert torch.equal(w.detach().cpu(), v.detach())
+    assert torch.equal(w.data.clone(), v.data)
+    assert torch.equal(copy.deepcopy(w), v) and type(copy.deepcopy(w)) is nn.Parameter
+    buf = io.BytesIO()
+    torch.save(w, buf)
+    assert torch.equal(torch.load(buf.getvalue() and io.BytesIO(buf.getvalue())), v)
+    assert torch.equal(pickle.loads(pickle.dumps(model.layers[1].fc1.bias)), ref.layers[1].fc1.bias)
+    handle.remove()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_writes_through_views_reach_the_host_store(engine):
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    for m in (model, ref):
+        w = m.layers[0].fc2.weight
+        with torch.no_grad():
+            w.data.mul_(2)
+            w.t()[1].copy_(torch.arange(w.shape[0], dtype=w.dtype))
+            w.detach()[:, 2].zero_()
+            m.layers[2].ln1.weight.add_(1)
+            nn.init.normal_(m.layers[1].qkv.weight, generator=torch.Generator().manual_seed(3))
+    assert same_params(model, ref)
+    assert torch.equal(run(model, engine), run(ref, engine))
+    handle.remove()
+    assert same_params(model, ref)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_what_cannot_be_served_is_refused_with_nothing_changed(engine):
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    w = model.layers[0].fc1.weight
+    with pytest.raises(HostedError, match="autograd recording.*no_grad"):
+        sum(p.pow(2).sum() for p in model.parameters())  # an L2 penalty outside the forward
+    with pytest.raises(HostedError, match="autograd"):
+        w.t()
+    with pytest.raises(HostedError, match=r"\.data = "):
+        w.data = torch.zeros_like(ref.layers[0].fc1.weight)
+    with torch.no_grad():
+        with pytest.raises(HostedError, match="resize_"):
+            w.resize_(3)
+        with pytest.raises(HostedError, match="numpy"):
+            w.detach().numpy()
+        with pytest.raises(HostedError, match="reshape memory"):
+            w.unsqueeze_(0)
+    assert w.shape == ref.layers[0].fc1.weight.shape
+    assert same_params(model, ref)
+    assert torch.equal(run(model, engine), run(ref, engine))
+    handle.remove()
+
+
+def test_an_edit_between_forward_and_backward_fails_as_it_would_resident():
+    """A saved weight edited before backward: autograd's version check, as without
+    streaming (the write-back bumps the placeholder's version counter)."""
+    for streamed in (False, True):
+        model = gpt()
+        if streamed:
+            to.stream_parameters(model, 1 << 20, device="cpu")
+        loss = model.loss(tokens(0))
+        with torch.no_grad():
+            model.layers[1].fc1.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+# -- item 7: copies of the model ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_copying_the_model_is_refused_alike(engine):
+    """Issue 38 item 7: deepcopy under stream_parameters gave a broken copy (KeyError on a
+    weakref, "handle was removed" forever); both engines now refuse, naming the way out."""
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    with pytest.raises(TypeError, match=r"cannot copy or pickle.*state_dict\(\).*remove\(\)"):
+        copy.deepcopy(model)
+    with pytest.raises(TypeError, match="cannot copy or pickle"):
+        torch.save(model, io.BytesIO())
+    fresh = GPT(CFG)
+    fresh.load_state_dict(model.state_dict())  # the documented way: the real values
+    assert same_params(fresh, ref)
+    handle.remove()
+    clone = copy.deepcopy(model)
+    assert same_params(clone, ref)
+
+
+def test_a_leftover_view_after_remove_raises():
+    model = gpt()
+    handle = to.stream_parameters(model, 1 << 20, device="cpu")
+    view = model.layers[0].fc1.weight.detach()
+    handle.remove()
+    with pytest.raises(HostedError, match="removed"):
+        view.sum()
