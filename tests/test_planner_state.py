@@ -306,3 +306,17 @@ def test_the_70b_plan_fits_80_gib_with_parameters_and_state_on_the_host(capsys, 
     assert "more than this machine's 128.00 GiB" in need
     row = next(line for line in out.splitlines() if line.startswith("this plan"))
     assert float(row.split()[2]) <= 80.0  # predicted peak GiB
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [dict(optimizer_state="host"), dict(optimizer_state="host", parameters="host"),
+     dict(optimizer_state="host", offload_fraction=0.5)],
+)  # fmt: skip
+def test_the_plotted_timelines_are_the_placed_ones(profile, placement):
+    """`memory_timelines` (what `plot` draws) use the plan's placement: the plan's curve peaks
+    at its predicted peak at most, the no-plan curve at the baseline's."""
+    plan = plan_from_profile(profile, None, hardware=HW, host_budget_bytes=64 << 30, **placement)
+    base, planned = plan.memory_timelines()
+    assert max(planned) <= plan.predicted.peak_bytes
+    assert max(base) <= plan.baseline.peak_bytes

@@ -288,8 +288,13 @@ class Plan:
         return "\n".join(lines)
 
     def memory_timelines(self) -> tuple[list[int], list[int]]:
-        """Predicted live bytes over forward and backward: (no plan, this plan)."""
-        model = CostModel(self.profile, self.hardware, self.defer_layers, self.prefetch_layers)
+        """Predicted live bytes over forward and backward: (no plan, this plan), both with the
+        optimizer state and the parameters where the plan places them (as `baseline`)."""
+        model = CostModel(
+            self.profile, self.hardware, self.defer_layers, self.prefetch_layers,
+            host_optimizer=self.optimizer_state == OptimizerState.HOST,
+            host_params=self.parameters == "host", host_fraction=self.offload_fraction,
+        )  # fmt: skip
         base = model.timeline([KEEP] * len(self.decisions))
         return base, model.stream()[1] if self.stream else model.timeline(self.decisions)
 
