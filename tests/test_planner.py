@@ -100,6 +100,20 @@ def test_trace_keeps_the_optimizer_out_of_backward():
     assert adamw.optimizer_bytes > 0 == none.optimizer_bytes
 
 
+def test_trace_counts_sgd_momentum_and_names_the_optimizer_streaming_needs():
+    """optimizer="sgd" is SGD with momentum: one buffer per parameter. Parameters streamed for
+    training need state on the host; a profile without any says which optimizers have it."""
+    model = ReluStack()
+    x = torch.randn(4, 64)
+    sgd = trace(model, (x,), layers=model.layers, optimizer="sgd")
+    assert sgd.optimizer_bytes == sgd.param_bytes == 3 * 64 * 64 * 4
+    plan = plan_from_profile(sgd, None, parameters="host", host_budget_bytes=1 << 30)
+    assert plan.parameters == "host"
+    none = trace(model, (x,), layers=model.layers, optimizer="none")
+    with pytest.raises(ValueError, match="traced with optimizer='none'.*'adamw' or 'sgd'"):
+        plan_from_profile(none, None, parameters="host")
+
+
 def test_trace_leaves_the_model_alone_and_allocates_nothing():
     model = GPT(GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -422,9 +422,10 @@ def plan_from_profile(
     if parameters == "host":
         if not streamable:
             raise ValueError(
-                "parameters='host': the profile's parameters are trainable without optimizer "
-                "state to place (optimizer 'none'); streamed trainable parameters are stepped "
-                "by an OffloadedOptimizer"
+                "parameters='host': the profile counts no optimizer state for its trainable "
+                "parameters (traced with optimizer='none'); streamed trainable parameters are "
+                "stepped on the host by an OffloadedOptimizer: trace with optimizer='adamw' or "
+                "'sgd' (--optimizer on the command line)"
             )
         placements = [(stepped, True)]
     # "auto": parameters go to the host only when nothing else fits (tried last, if needed)
