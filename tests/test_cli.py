@@ -125,13 +125,19 @@ def test_plan_unwritable_plot_fails_before_the_plan(capsys, no_work, tmp_path):
 
 
 def test_plan_hf_config_of_an_unknown_model_type(capsys, no_work, tmp_path):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "no-such-model", "hidden_size": 64}')
     line = one_line_error(capsys, ["plan", "--hf-config", str(path)])
     assert "--hf-config: model_type 'no-such-model'" in line and "e.g. llama" in line
     line = one_line_error(capsys, ["plan", "--hf-config", str(tmp_path)])  # its folder
     assert "model_type 'no-such-model'" in line
+    try:  # transformers 5 validates a config's shape when it loads it
+        transformers.LlamaConfig(hidden_size=100, num_attention_heads=7)
+    except Exception:  # noqa: BLE001 - whatever it raises becomes one line
+        path.write_text('{"model_type": "llama", "hidden_size": 100, "num_attention_heads": 7}')
+        line = one_line_error(capsys, ["plan", "--hf-config", str(path)])
+        assert "--hf-config: " in line and "(100) is not a multiple of the number of" in line
     path.write_text("{not json")
     assert "is not a readable config.json" in one_line_error(
         capsys, ["plan", "--hf-config", str(path)]

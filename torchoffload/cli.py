@@ -355,8 +355,9 @@ def _hf_config(p: argparse.ArgumentParser, path: str) -> Any:
         p.error(f"argument --hf-config: model_type {model_type!r} in {file}: allowed is {allowed}")
     try:
         return transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    except Exception as e:  # noqa: BLE001 - any config transformers refuses: one line
+        cause = e.__cause__ or e
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         p.error(f"argument --hf-config: {file}: {first}")
 
 
@@ -498,7 +499,10 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
         help="state counted: adamw (two values per parameter), sgd (with momentum: one), none",
     )  # fmt: skip
     p.add_argument(
-        "--budget", type=parse_bytes, default=None, help="peak device memory, e.g. 60GiB"
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="peak device memory, e.g. 60GiB (the plan keeps a margin below it)",
     )
     p.add_argument(
         "--optimizer-state", choices=["auto", "device", "host"], default="auto",
