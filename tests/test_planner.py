@@ -100,6 +100,20 @@ def test_trace_keeps_the_optimizer_out_of_backward():
     assert adamw.optimizer_bytes > 0 == none.optimizer_bytes
 
 
+def test_trace_counts_sgd_momentum_and_names_the_optimizer_streaming_needs():
+    """optimizer="sgd" is SGD with momentum: one buffer per parameter. Parameters streamed for
+    training need state on the host; a profile without any says which optimizers have it."""
+    model = ReluStack()
+    x = torch.randn(4, 64)
+    sgd = trace(model, (x,), layers=model.layers, optimizer="sgd")
+    assert sgd.optimizer_bytes == sgd.param_bytes == 3 * 64 * 64 * 4
+    plan = plan_from_profile(sgd, None, parameters="host", host_budget_bytes=1 << 30)
+    assert plan.parameters == "host"
+    none = trace(model, (x,), layers=model.layers, optimizer="none")
+    with pytest.raises(ValueError, match="traced with optimizer='none'.*'adamw' or 'sgd'"):
+        plan_from_profile(none, None, parameters="host")
+
+
 def test_trace_leaves_the_model_alone_and_allocates_nothing():
     model = GPT(GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33))
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -241,9 +255,58 @@ def test_tighter_budgets_cost_more_and_fit():
     for frac in (0.75, 0.5, 0.25):
         budget = int(prof.peak_bytes * frac)
         plan = plan_from_profile(prof, budget, hardware=hw)
-        assert plan.predicted.peak_bytes <= budget
+        assert plan.margin_bytes == hw.margin(budget) > 0
+        assert plan.predicted.peak_bytes + plan.margin_bytes <= budget
         steps.append(plan.predicted.step_s)
     assert steps == sorted(steps)
+
+
+# Issue 38: on an H100 the plan for 75% of the measured no-offload peak of this GPT (bf16,
+# AdamW) was predicted at 11.824 GiB and measured at 11.889 GiB, over its 11.855 GiB budget.
+ISSUE38_GPT = GPTConfig(hidden=2048, layers=12, heads=16, vocab=1024, max_seq=2048)
+ISSUE38_BUDGET = int(11.855 * 2**30)
+ISSUE38_ERROR = int((11.889 - 11.824) * 2**30)  # measured minus predicted peak: 65 MiB
+
+
+@pytest.fixture(scope="module")
+def issue38_profile():
+    with torch.device("meta"):
+        model = GPT(ISSUE38_GPT).to(torch.bfloat16)
+    tokens = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    return trace(model, (tokens,), loss_fn=lambda out: out.float().mean())
+
+
+def test_a_plan_keeps_the_measured_prediction_error_free_below_its_budget(issue38_profile):
+    """Note: [The planning margin]. Planned to the byte, the issue's plan leaves less room than
+    the error measured for it; the plan now keeps a margin that covers it, and says so."""
+    exact = Hardware(margin_bytes=0, margin_fraction=0.0)
+    to_the_byte = plan_from_profile(issue38_profile, ISSUE38_BUDGET, hardware=exact)
+    assert to_the_byte.predicted.peak_bytes + ISSUE38_ERROR > ISSUE38_BUDGET  # the overshoot
+    plan = plan_from_profile(issue38_profile, ISSUE38_BUDGET, hardware=Hardware())
+    assert plan.predicted.peak_bytes + ISSUE38_ERROR <= ISSUE38_BUDGET
+    assert ISSUE38_ERROR < plan.margin_bytes == Hardware().margin(ISSUE38_BUDGET)
+    assert plan.predicted.peak_bytes + plan.margin_bytes <= ISSUE38_BUDGET
+    spare = ISSUE38_BUDGET - plan.predicted.peak_bytes - plan.margin_bytes
+    gib = 2**30
+    assert (
+        f"budget {ISSUE38_BUDGET / gib:.2f} GiB = predicted peak "
+        f"{plan.predicted.peak_bytes / gib:.2f} + margin {plan.margin_bytes / gib:.2f} (for what "
+        f"the model does not count) + {spare / gib:.2f} spare"
+    ) in str(plan)
+
+
+def test_a_budget_the_margin_does_not_leave_room_in_is_refused():
+    """A budget above the least peak but within the margin of it is refused, naming the
+    margin; without a plan that fits by less than the margin, layers are still changed."""
+    hw = Hardware(link_gbps=55, compute_tflops=100, efficiency=1.0)
+    prof = synthetic_profile(layers=8, saved_bytes=100 * MB, fwd_flops=10**12, static_bytes=MB)
+    floor = least_peak(CostModel(prof, hw, 1, 1))[1]
+    with pytest.raises(InfeasibleBudgetError, match="keeps .* of the budget free"):
+        plan_from_profile(prof, floor + hw.margin_bytes // 2, hardware=hw)
+    baseline = plan_from_profile(prof, None, hardware=hw).baseline.peak_bytes
+    plan = plan_from_profile(prof, baseline + MB, hardware=hw)  # fits, but not by the margin
+    assert set(plan.decisions) != {"keep"}
+    assert plan.predicted.peak_bytes + plan.margin_bytes <= baseline + MB
 
 
 # -- applying a plan ----------------------------------------------------------------------------
@@ -371,13 +434,14 @@ GPT_ARGS = ["plan", "--model", "gpt", "--hidden", "256", "--layers", "4", "--hea
 
 
 def test_cli_prints_a_table(capsys):
-    assert main([*GPT_ARGS, "--budget", "110MiB"]) == 0
+    assert main([*GPT_ARGS, "--budget", "140MiB"]) == 0
     out = capsys.readouterr().out
     assert "layer   saved MiB  offloadable   fwd GFLOP   bwd GFLOP  decision" in out
-    assert "no plan" in out and "this plan" in out and "budget 110.00 MiB" in out
+    assert "no plan" in out and "this plan" in out and "budget 140.00 MiB = predicted" in out
     assert "decisions: keep" in out
     peak = float(out.split("this plan")[1].split()[0])
-    assert peak <= 110.0
+    margin = float(out.split("+ margin ")[1].split()[0])
+    assert margin > 32 and peak + margin <= 140.0
 
 
 def test_cli_infeasible_budget(capsys):
@@ -389,7 +453,7 @@ def test_cli_infeasible_budget(capsys):
 def test_cli_plot_writes_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "memory.png"
-    assert main([*GPT_ARGS, "--budget", "110MiB", "--plot", str(path)]) == 0
+    assert main([*GPT_ARGS, "--budget", "140MiB", "--plot", str(path)]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -4,6 +4,8 @@ device and a host budget, refusals that say what the plan is made of, and `plan.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,7 +27,8 @@ from torchoffload.planner._cost import (
 )
 
 CFG = GPTConfig(hidden=256, layers=4, heads=4, vocab=32000, max_seq=128)
-HW = Hardware(workspace_bytes=0)
+# Placement at exact thresholds: no workspaces and no margin (test_planner.py tests the margin)
+HW = Hardware(workspace_bytes=0, margin_bytes=0, margin_fraction=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +161,7 @@ def test_the_planner_chooses_the_fraction_that_is_fastest_within_the_budget(prof
     """A host step slower than backward: a part of the state on the device shortens it, so
     the planner keeps on the device as much as the budget allows; a host step hidden by
     backward: all of the state goes to the host (less device memory, same time)."""
-    slow_host = Hardware(workspace_bytes=0, host_adam_params_per_s=1e6)
+    slow_host = dataclasses.replace(HW, host_adam_params_per_s=1e6)
     half = least(profile, True, fraction=0.5, hw=slow_host)
     quarter = least(profile, True, fraction=0.25, hw=slow_host)
     assert half < quarter
@@ -182,7 +185,7 @@ def test_the_planner_chooses_the_fraction_that_is_fastest_within_the_budget(prof
 
 
 def test_plan_optimizer_builds_the_fraction_it_chose(profile):
-    slow_host = Hardware(workspace_bytes=0, host_adam_params_per_s=1e6)
+    slow_host = dataclasses.replace(HW, host_adam_params_per_s=1e6)
     budget = least(profile, True, fraction=0.25, hw=slow_host)
     plan = plan_from_profile(profile, budget, hardware=slow_host, host_budget_bytes=64 << 30,
                              optimizer_state="host")  # fmt: skip
@@ -303,3 +306,17 @@ def test_the_70b_plan_fits_80_gib_with_parameters_and_state_on_the_host(capsys, 
     assert "more than this machine's 128.00 GiB" in need
     row = next(line for line in out.splitlines() if line.startswith("this plan"))
     assert float(row.split()[2]) <= 80.0  # predicted peak GiB
+
+
+@pytest.mark.parametrize(
+    "placement",
+    [dict(optimizer_state="host"), dict(optimizer_state="host", parameters="host"),
+     dict(optimizer_state="host", offload_fraction=0.5)],
+)  # fmt: skip
+def test_the_plotted_timelines_are_the_placed_ones(profile, placement):
+    """`memory_timelines` (what `plot` draws) use the plan's placement: the plan's curve peaks
+    at its predicted peak at most, the no-plan curve at the baseline's."""
+    plan = plan_from_profile(profile, None, hardware=HW, host_budget_bytes=64 << 30, **placement)
+    base, planned = plan.memory_timelines()
+    assert max(planned) <= plan.predicted.peak_bytes
+    assert max(base) <= plan.baseline.peak_bytes

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
+import math
 import os
 import statistics
 import sys
@@ -14,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import Any, NoReturn
 
 import torch
 
@@ -127,6 +130,31 @@ def _inference(model: GPT, device: torch.device, seq: int) -> bool:
     return same
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with each error one line: ``prog: error: argument --flag: what is allowed``
+    (exit status 2), without the usage block above it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
+def _number(low: float, high: float | None = None):
+    """An argparse type: a finite number > ``low``, at most ``high``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (math.isfinite(value) and value > low and (high is None or value <= high)):
+            allowed = f"> {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"must be a number {allowed}, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def _fraction(text: str) -> float | str:
     """An argparse type: "auto" or a number in (0, 1]."""
     if text == "auto":
@@ -156,8 +184,28 @@ def _at_least(minimum: int):
     return parse
 
 
+def _demo_device(p: argparse.ArgumentParser, text: str | None) -> torch.device:
+    """--device as a usable device of this machine, or a one-line error naming the allowed."""
+    allowed = "cpu"
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        allowed += (
+            f", {acc.type} or {acc.type}:0 to {acc.type}:{torch.accelerator.device_count() - 1}"
+        )
+    try:
+        device = compute_device(text)
+        if device.type != "cpu":
+            module = torch.get_device_module(device.type)
+            if not module.is_available() or device.index >= module.device_count():
+                raise ValueError(f"no {device} on this machine")
+    except (AssertionError, RuntimeError, ValueError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        p.error(f"argument --device: {text!r}: {reason} (allowed: {allowed})")
+    return device
+
+
 def demo(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchoffload demo", description=demo.__doc__)
+    p = _Parser(prog="torchoffload demo", description=demo.__doc__)
     p.add_argument("--device", default=None, help="compute device (default: best available)")
     p.add_argument("--steps", type=_at_least(1), default=4, help="training steps (default 4)")
     p.add_argument(
@@ -172,7 +220,7 @@ def demo(argv: Sequence[str] | None = None) -> int:
         help="tokens per sequence, at least 16: generation decodes seq - 8 (GPU 1024, CPU 128)",
     )
     args = p.parse_args(argv)
-    device = compute_device(args.device)
+    device = _demo_device(p, args.device)
     on_gpu = device.type == "cuda"
     if on_gpu:  # bitwise comparison needs deterministic kernels
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -267,17 +315,139 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def _build_for_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, str]:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    if args.hf_config or args.model == "llama":
+def _transformers(p: argparse.ArgumentParser, flag: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        p.error(f"argument {flag}: this model needs transformers (pip install torchoffload[hf])")
+    return transformers
+
+
+def _divisors_near(n: int, value: int, count: int = 6) -> str:
+    """Up to ``count`` divisors of ``n`` nearest ``value``, in order, for an error message."""
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    return ", ".join(map(str, sorted(sorted(divisors, key=lambda d: abs(d - value))[:count])))
+
+
+def _hf_config(p: argparse.ArgumentParser, path: str) -> Any:
+    """The Hugging Face config at ``path`` (a config.json or its folder), checked to name a
+    causal language model that transformers knows; a one-line error otherwise."""
+    if not os.path.exists(path):
+        p.error(f"argument --hf-config: no such file or folder: {path}")
+    transformers = _transformers(p, "--hf-config")
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as e:
+        p.error(f"argument --hf-config: {file} is not a readable config.json: {e}")
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        causal = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    except ImportError:  # pragma: no cover - another layout of transformers
+        causal = []
+    examples = [t for t in ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2") if t in causal]
+    allowed = f"a causal language model type of transformers {transformers.__version__} " + (
+        f"({len(causal)}, e.g. {', '.join(examples)})" if causal else ""
+    )
+    if causal and model_type not in causal:
+        p.error(f"argument --hf-config: model_type {model_type!r} in {file}: allowed is {allowed}")
+    try:
+        return transformers.AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any config transformers refuses: one line
+        cause = e.__cause__ or e
+        first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+        p.error(f"argument --hf-config: {file}: {first}")
+
+
+def _check_plan_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """Every check the plan command can make before tracing, each failing as one line that
+    names the flag and what it allows (exit status 2). Returns the Hugging Face config, if
+    one was given."""
+    if args.hf_config:
+        for flag, value in (("--kv-heads", args.kv_heads), ("--intermediate", args.intermediate)):
+            if value is not None:
+                p.error(f"argument {flag}: the model's shape comes from --hf-config; drop {flag}")
+    else:
+        if args.hidden % args.heads:
+            p.error(
+                f"argument --heads: must divide --hidden {args.hidden}, got {args.heads} "
+                f"(allowed near it: {_divisors_near(args.hidden, args.heads)})"
+            )
+        head_dim = args.hidden // args.heads
+        if args.model == "llama" and args.hidden % 2:
+            p.error(f"argument --hidden: llama's rotary embeddings need it even, got {args.hidden}")
+        if args.model == "llama" and head_dim % 2:
+            p.error(
+                f"argument --heads: --hidden {args.hidden} / --heads {args.heads} = {head_dim} "
+                "per head, which rotary embeddings need even (allowed near it: "
+                f"{_divisors_near(args.hidden // 2, args.heads)})"
+            )
+        if args.model == "gpt":
+            for flag, value in (("--kv-heads", args.kv_heads),
+                                ("--intermediate", args.intermediate)):  # fmt: skip
+                if value is not None:
+                    p.error(f"argument {flag}: only --model llama has it (GPT: --heads, 4x MLP)")
+        elif args.kv_heads is not None and args.heads % args.kv_heads:
+            p.error(
+                f"argument --kv-heads: must divide --heads {args.heads}, got {args.kv_heads} "
+                f"(allowed: {_divisors_near(args.heads, args.kv_heads, count=args.heads)})"
+            )
+    if not args.hf_config and args.model == "llama":
+        _transformers(p, "--model")
+    if args.parameters == "host" and args.optimizer_state == "device":
+        p.error(
+            "argument --parameters: 'host' needs --optimizer-state host or auto (streamed "
+            "trainable parameters are stepped on the host), got --optimizer-state device"
+        )
+    if args.optimizer == "none" and "host" in (args.parameters, args.optimizer_state):
+        flag = "--parameters" if args.parameters == "host" else "--optimizer-state"
+        p.error(
+            f"argument {flag}: 'host' places optimizer state, and --optimizer none counts none: "
+            "allowed with --optimizer adamw or sgd"
+        )
+    fraction = args.offload_fraction
+    if fraction != "auto" and (
+        args.optimizer_state == "device" or (args.parameters == "host" and fraction < 1.0)
+    ):
+        p.error(
+            f"argument --offload-fraction: {fraction} of the optimizer state on the host needs "
+            "--optimizer-state host or auto, and below 1 --parameters device or auto"
+        )
+    if args.plot:
         try:
-            import transformers
+            import matplotlib  # noqa: F401
         except ImportError:
-            raise SystemExit(
-                "torchoffload plan: this model needs transformers (pip install torchoffload[hf])"
-            ) from None
-        if args.hf_config:
-            config = transformers.AutoConfig.from_pretrained(args.hf_config)
+            p.error("argument --plot: needs matplotlib (pip install matplotlib)")
+        problem = _unwritable(args.plot)
+        if problem:
+            p.error(f"argument --plot: cannot write {args.plot}: {problem}")
+    return _hf_config(p, args.hf_config) if args.hf_config else None
+
+
+def _unwritable(path: str) -> str | None:
+    """Why a new file cannot be written at ``path``, or None (checked before planning, so that
+    a bad path fails before the work, not after it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a folder"
+    if not os.path.isdir(folder):
+        return f"no such folder {folder}"
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        return "permission denied"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"permission denied in {folder}"
+    return None
+
+
+def _build_for_plan(args: argparse.Namespace, hf_config: Any) -> tuple[torch.nn.Module, dict, str]:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    if hf_config is not None or args.model == "llama":
+        import transformers  # checked by _check_plan_args
+
+        if hf_config is not None:
+            config = hf_config
         else:
             hidden = args.hidden
             config = transformers.LlamaConfig(
@@ -306,13 +476,17 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     optimizer state lives (device or host) for a memory budget."""
     from torchoffload.planner import Hardware, InfeasibleBudgetError, plan_from_profile, trace
 
-    p = argparse.ArgumentParser(prog="torchoffload plan", description=plan_command.__doc__)
+    p = _Parser(prog="torchoffload plan", description=plan_command.__doc__)
     p.add_argument("--model", choices=["llama", "gpt"], default="llama", help="architecture")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its folder)")
     p.add_argument("--hidden", type=_at_least(1), default=4096, help="model width (4096)")
     p.add_argument("--layers", type=_at_least(1), default=32, help="blocks (32)")
-    p.add_argument("--heads", type=_at_least(1), default=32, help="attention heads (32)")
-    p.add_argument("--kv-heads", type=_at_least(1), default=None, help="KV heads (= heads)")
+    p.add_argument(
+        "--heads", type=_at_least(1), default=32, help="attention heads, dividing --hidden (32)"
+    )
+    p.add_argument(
+        "--kv-heads", type=_at_least(1), default=None, help="KV heads, dividing --heads (= heads)"
+    )
     p.add_argument(
         "--intermediate", type=_at_least(1), default=None, help="MLP width (llama: 3.5x hidden)"
     )
@@ -321,14 +495,18 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seq", type=_at_least(1), default=4096, help="tokens per sequence (4096)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="weights")
     p.add_argument(
-        "--optimizer", choices=["adamw", "sgd", "none"], default="adamw", help="state counted"
-    )
+        "--optimizer", choices=["adamw", "sgd", "none"], default="adamw",
+        help="state counted: adamw (two values per parameter), sgd (with momentum: one), none",
+    )  # fmt: skip
     p.add_argument(
-        "--budget", type=parse_bytes, default=None, help="peak device memory, e.g. 60GiB"
+        "--budget",
+        type=parse_bytes,
+        default=None,
+        help="peak device memory, e.g. 60GiB (the plan keeps a margin below it)",
     )
     p.add_argument(
         "--optimizer-state", choices=["auto", "device", "host"], default="auto",
-        help="where AdamW's state lives: auto (the faster that fits), device, or host",
+        help="where the optimizer state lives: auto (the faster that fits), device, or host",
     )  # fmt: skip
     p.add_argument(
         "--host-budget", type=parse_bytes, default=None,
@@ -344,9 +522,12 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
         help="with the optimizer state on the host: the fraction of it there, the rest stepped "
         "on the device (auto: the fastest that fits; 1 for all of it)",
     )  # fmt: skip
-    p.add_argument("--link-gbps", type=float, default=None, help="default: measured, or 55")
-    p.add_argument("--tflops", type=float, default=None, help="default: measured, or 790")
-    p.add_argument("--efficiency", type=float, default=None, help="achieved share of --tflops")
+    p.add_argument("--link-gbps", type=_number(0), default=None, help="default: measured, or 55")
+    p.add_argument("--tflops", type=_number(0), default=None, help="default: measured, or 790")
+    p.add_argument(
+        "--efficiency", type=_number(0, 1), default=None,
+        help="achieved share of --tflops, in (0, 1]",
+    )  # fmt: skip
     p.add_argument(
         "--prefetch-layers", type=_at_least(0), default=1, help="reloads issued this early (1)"
     )
@@ -358,18 +539,8 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--plot", default=None, help="write memory over one step to this PNG")
     args = p.parse_args(argv)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            print("torchoffload plan: --plot needs matplotlib (pip install matplotlib)",
-                  file=sys.stderr)  # fmt: skip
-            return 1
-    if args.hf_config and not os.path.exists(args.hf_config):
-        print(f"torchoffload plan: --hf-config {args.hf_config}: no such file or folder",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    model, inputs, name = _build_for_plan(args)
+    hf_config = _check_plan_args(p, args)
+    model, inputs, name = _build_for_plan(args, hf_config)
     loss_fn = (lambda out: out.float().mean()) if name == "GPT" else None
     start = time.perf_counter()
     last = [0.0]
@@ -408,7 +579,7 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchoffload")
+    p = _Parser(prog="torchoffload")
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "demo", help="train and run a small GPT with and without offloading", add_help=False

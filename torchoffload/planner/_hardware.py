@@ -49,6 +49,10 @@ class Hardware:
     host_us_checkpoint_fwd: float = 48.5  # per storage a checkpointed layer saves, in forward
     host_us_checkpoint_bwd: float = 75.7  # and in backward, beyond replaying its ops
     workspace_bytes: int = 64 << 20  # cuBLAS/attention workspaces the allocator holds
+    # What a plan keeps free below its budget for what the model does not count: Note:
+    # [The planning margin] (measured prediction errors, not measured by `detect`).
+    margin_bytes: int = 32 << 20
+    margin_fraction: float = 0.01  # of the budget
     # The host optimizer (OffloadedOptimizer): a fused fp32 AdamW step on the H100 machine's 16
     # cores took 754-921 ms over 3.21 B parameters, and a host fp32 triad moved 75-94 GB/s
     # (benchmarks/optim.py, two machines). Not measured by `detect`.
@@ -63,11 +67,17 @@ class Hardware:
             check_number(f"Hardware.{name}", getattr(self, name), maximum=1.0)
         for name in (
             "kernel_us", "host_us_fwd", "host_us_bwd", "host_us_saved", "host_us_layer",
-            "host_us_checkpoint_fwd", "host_us_checkpoint_bwd", "workspace_bytes",
+            "host_us_checkpoint_fwd", "host_us_checkpoint_bwd", "workspace_bytes", "margin_bytes",
         ):  # fmt: skip
             check_number(f"Hardware.{name}", getattr(self, name), positive=False)
         for name in ("host_adam_params_per_s", "host_memory_gbps"):
             check_number(f"Hardware.{name}", getattr(self, name), positive=False)
+        check_number("Hardware.margin_fraction", self.margin_fraction, positive=False,
+                     maximum=0.5)  # fmt: skip
+
+    def margin(self, budget_bytes: int) -> int:
+        """The bytes a plan keeps free below ``budget_bytes``: Note: [The planning margin]."""
+        return int(self.margin_bytes + self.margin_fraction * budget_bytes)
 
     @property
     def flops_per_s(self) -> float:

@@ -75,6 +75,9 @@ class Plan:
     defer_layers: int
     predicted: Prediction
     baseline: Prediction
+    # kept free below the budget: predicted.peak_bytes + margin_bytes <= budget_bytes (Note:
+    # [The planning margin])
+    margin_bytes: int = 0
     optimizer_state: OptimizerState = OptimizerState.DEVICE
     host_bytes: int = 0  # host memory the plan needs (optimizer copies, offloaded activations)
     host_budget_bytes: int | None = None
@@ -266,7 +269,12 @@ class Plan:
                 f"{pr.offloaded_bytes / gib:>15.2f}"
             )
         if self.budget_bytes is not None:
-            lines.append(f"budget {self.budget_bytes / gib:.2f} {unit}")
+            spare = self.budget_bytes - q.peak_bytes - self.margin_bytes
+            lines.append(
+                f"budget {self.budget_bytes / gib:.2f} {unit} = predicted peak "
+                f"{q.peak_bytes / gib:.2f} + margin {self.margin_bytes / gib:.2f} (for what the "
+                f"model does not count) + {spare / gib:.2f} spare"
+            )
         counts = {d: self.decisions.count(d) for d in (*DECISIONS, STREAM)}
         lines.append(
             f"decisions: keep {counts[KEEP]}, offload {counts[OFFLOAD]}, recompute "
@@ -280,8 +288,13 @@ class Plan:
         return "\n".join(lines)
 
     def memory_timelines(self) -> tuple[list[int], list[int]]:
-        """Predicted live bytes over forward and backward: (no plan, this plan)."""
-        model = CostModel(self.profile, self.hardware, self.defer_layers, self.prefetch_layers)
+        """Predicted live bytes over forward and backward: (no plan, this plan), both with the
+        optimizer state and the parameters where the plan places them (as `baseline`)."""
+        model = CostModel(
+            self.profile, self.hardware, self.defer_layers, self.prefetch_layers,
+            host_optimizer=self.optimizer_state == OptimizerState.HOST,
+            host_params=self.parameters == "host", host_fraction=self.offload_fraction,
+        )  # fmt: skip
         base = model.timeline([KEEP] * len(self.decisions))
         return base, model.stream()[1] if self.stream else model.timeline(self.decisions)
 
@@ -308,6 +321,9 @@ class Plan:
         )
         if self.budget_bytes is not None:
             ax.axhline(self.budget_bytes / gib, color="grey", linestyle="--", label="budget")
+            if self.margin_bytes:
+                ax.axhline((self.budget_bytes - self.margin_bytes) / gib, color="grey",
+                           linestyle=":", label="budget less the margin")  # fmt: skip
         ax.axvline(self.profile.step_marks["forward_end"], color="grey", linewidth=0.5)
         ax.set_xlabel("allocation events in one step (forward | backward)")
         ax.set_ylabel("device GiB")
@@ -319,29 +335,30 @@ class Plan:
 
 
 def _choose(
-    profile: Profile, model: CostModel, budget_bytes: int | None
+    profile: Profile, model: CostModel, limit: int | None
 ) -> tuple[list[str], Prediction, Prediction, int]:
-    """The fastest activation decisions under ``budget_bytes`` for one placement: (decisions,
-    prediction, baseline, least peak); decisions empty when nothing fits."""
+    """The fastest activation decisions whose predicted peak is at most ``limit`` (the budget
+    less the margin, Note: [The planning margin]) for one placement: (decisions, prediction,
+    baseline, least peak); decisions empty when nothing fits."""
     keep = [KEEP] * model.n
     baseline = model.predict(keep)
-    if budget_bytes is None or baseline.peak_bytes <= budget_bytes:
+    if limit is None or baseline.peak_bytes <= limit:
         return keep, baseline, baseline, baseline.peak_bytes
     least, least_bytes = least_peak(model)
     stream, _ = model.stream()
     floor = min(least_bytes, stream.peak_bytes) if profile.saved_storages else least_bytes
     options = []
-    if least_bytes <= budget_bytes:
+    if least_bytes <= limit:
         # Offloading any layer installs the engine's hooks on all of them, which the greedy
         # step by step cannot weigh: so also try recomputation alone.
         for allowed in (DECISIONS, (KEEP, RECOMPUTE)):
-            decisions = choose_decisions(model, budget_bytes, allowed)
+            decisions = choose_decisions(model, limit, allowed)
             pred = model.predict(decisions)
-            if pred.peak_bytes <= budget_bytes:
+            if pred.peak_bytes <= limit:
                 options.append((pred.step_s, decisions, pred))
         if not options:  # the greedy got stuck; the least-peak decisions fit
             options.append((model.predict(least).step_s, least, model.predict(least)))
-    if profile.saved_storages and stream.peak_bytes <= budget_bytes:
+    if profile.saved_storages and stream.peak_bytes <= limit:
         options.append((stream.step_s, [STREAM] * model.n, stream))
     if not options:
         return [], baseline, baseline, floor
@@ -382,6 +399,9 @@ def plan_from_profile(
     # returned with its host need stated and a warning (planning for a bigger host, as for a
     # 70B model on a laptop, is what the planner is for). A host budget given is a limit: a
     # plan that needs more is refused.
+    # See Note: [The planning margin]
+    margin = 0 if budget_bytes is None else hw.margin(budget_bytes)
+    limit = None if budget_bytes is None else budget_bytes - margin
     machine = host_budget_bytes is None
     if machine:
         host_budget_bytes = physical_memory()
@@ -402,9 +422,10 @@ def plan_from_profile(
     if parameters == "host":
         if not streamable:
             raise ValueError(
-                "parameters='host': the profile's parameters are trainable without optimizer "
-                "state to place (optimizer 'none'); streamed trainable parameters are stepped "
-                "by an OffloadedOptimizer"
+                "parameters='host': the profile counts no optimizer state for its trainable "
+                "parameters (traced with optimizer='none'); streamed trainable parameters are "
+                "stepped on the host by an OffloadedOptimizer: trace with optimizer='adamw' or "
+                "'sgd' (--optimizer on the command line)"
             )
         placements = [(stepped, True)]
     # "auto": parameters go to the host only when nothing else fits (tried last, if needed)
@@ -414,7 +435,7 @@ def plan_from_profile(
     def attempt(host: bool, params: bool, fraction: float = 1.0) -> None:
         model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host,
                           host_params=params, host_fraction=fraction)  # fmt: skip
-        decisions, pred, baseline, floor = _choose(profile, model, budget_bytes)
+        decisions, pred, baseline, floor = _choose(profile, model, limit)
         host_need = (
             (host_optimizer_bytes(profile, fraction) if host else 0)
             + (profile.param_bytes if params else 0)
@@ -432,7 +453,9 @@ def plan_from_profile(
     if not fits and machine:
         fits = [t for t in tried if t[1]]  # fits the device: returned with a warning
     if not fits:
-        raise InfeasibleBudgetError(_refusal(profile, hw, budget_bytes, host_budget_bytes, tried))
+        raise InfeasibleBudgetError(
+            _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin)
+        )
     # the fastest; among equals, the least on the device
     (host, params, fraction), decisions, pred, baseline, _, host_need = min(
         fits, key=lambda t: (t[2].step_s, t[0][:2], -t[0][2])
@@ -455,6 +478,7 @@ def plan_from_profile(
         defer_layers=defer_layers,
         predicted=pred,
         baseline=baseline,
+        margin_bytes=margin,
         optimizer_state=OptimizerState.HOST if host else OptimizerState.DEVICE,
         host_bytes=host_need,
         host_budget_bytes=host_budget_bytes,
@@ -488,7 +512,7 @@ def _check_parameters(parameters: object, where: OptimizerState) -> None:
         )
 
 
-def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
+def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin) -> str:
     g = _human
     p = profile
     parts = []
@@ -530,7 +554,7 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
     if (
         not streamed
         and budget_bytes is not None
-        and p.param_bytes + hw.workspace_bytes > budget_bytes
+        and p.param_bytes + hw.workspace_bytes + margin > budget_bytes
     ):
         tail = (
             " The parameters alone do not fit: allow them on the host "
@@ -539,7 +563,14 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried) -> str:
     return (
         f"{budget} (host budget {g(host_budget_bytes)}) is too small even with every layer "
         "offloaded or recomputed: " + "; ".join(parts) + f". The device's workspaces take "
-        f"{g(hw.workspace_bytes)}; without a plan the peak is {g(tried[0][3].peak_bytes)}." + tail
+        f"{g(hw.workspace_bytes)}; without a plan the peak is {g(tried[0][3].peak_bytes)}."
+        + (
+            f" A plan keeps {g(margin)} of the budget free for what the model does not count "
+            "(the planning margin, Hardware.margin_bytes and margin_fraction)."
+            if margin
+            else ""
+        )
+        + tail
     )
 
 

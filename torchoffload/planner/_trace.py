@@ -387,7 +387,7 @@ def trace(
     of keyword arguments) whose shapes and dtypes matter, not their values. ``loss_fn`` maps
     the output to a scalar (default: ``output.loss`` when there is one, else the mean of the
     first tensor). ``optimizer`` decides what state is counted (AdamW: two tensors per
-    parameter).
+    parameter; SGD with momentum: one; "none", as plain SGD: none).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -527,8 +527,8 @@ def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
 def _make_optimizer(kind: str, params: list[torch.Tensor]) -> torch.optim.Optimizer | None:
     if kind == "none" or not params:
         return None
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=1e-3)
+    if kind == "sgd":  # with momentum: its buffer is the state (plain SGD keeps none: "none")
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
     return torch.optim.AdamW(params, lr=1e-3, foreach=False)
 
 
