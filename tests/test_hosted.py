@@ -121,6 +121,32 @@ def test_in_place_edits_and_reads_between_steps_are_those_of_resident_training()
     assert same_params(model, ref)
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False),
+    ],
+    ids=["sgd", "adamw-foreach", "adamw-for-loop"],
+)
+def test_a_plain_optimizer_steps_streamed_parameters_bitwise(make_opt):
+    """Not the fast way (OffloadedOptimizer is), but never a wrong one: its reads and writes of
+    the placeholders reach the host store."""
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = to.stream_parameters(model, 1 << 20, device="cpu")
+    pairs = [(model, make_opt(model.parameters())), (ref, make_opt(ref.parameters()))]
+    for s in range(3):
+        for m, opt in pairs:
+            m.loss(tokens(s)).backward()
+            opt.step()
+            opt.zero_grad()
+    assert same_params(model, ref)
+    handle.remove()
+    assert same_params(model, ref)
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_reads_are_served_with_the_real_values(engine):
     ref = gpt()

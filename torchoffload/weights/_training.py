@@ -632,8 +632,9 @@ def stream_parameters(
     ```
 
     Trainable streamed parameters are stepped by an `OffloadedOptimizer` built after this
-    call, which steps them in the host store (Note: [Hosted parameters]); another optimizer
-    would write to empty device tensors and fails. Frozen streamed parameters (a base model
+    call, which steps them in the host store (Note: [Hosted parameters]). Another optimizer
+    reads and writes them through their placeholders (the same bits, but every step copies
+    every streamed parameter to the device and back). Frozen streamed parameters (a base model
     under adapters) work with any optimizer of the other parameters.
 
     ``unit``: ``"blocks"`` (the model's repeated blocks, the default), ``"leaves"`` or a list
