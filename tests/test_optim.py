@@ -138,6 +138,7 @@ def test_copies_that_convert_in_chunks_are_bitwise_the_host_conversion(dtype, mo
         for m, opt in zip((a, b), opts, strict=True):
             loss_of(m, batch(i, dtype)).backward()
             opt.step()
+            opt.zero_grad()
         assert same_params(a, b), i
     for x, y in zip(*(o._runtime.records for o in opts), strict=True):
         assert torch.equal(x.master, y.master) and torch.equal(x.grad, y.grad)
@@ -161,6 +162,7 @@ def test_gradient_accumulation_keeps_gradients_on_the_device_until_the_last_back
                 assert all(type(p.grad) is to.optim.MovedGrad for p in a.parameters())
             ref.backward(x)
         opt.step()
+        opt.zero_grad()
         ref.step()
         assert all(p.grad is None for p in a.parameters())
         assert same_params(a, ref.twin)
@@ -175,6 +177,7 @@ def test_step_after_only_accumulating_backwards_takes_the_gradients_at_step():
         loss_of(a, batch(0)).backward()
         loss_of(a, batch(1)).backward()
     opt.step()
+    opt.zero_grad()
     ref.backward(batch(0))
     ref.backward(batch(1))
     ref.step()
@@ -194,6 +197,7 @@ def test_a_second_final_backward_before_step_raises_and_names_accumulating(overl
     opt.zero_grad()
     loss_of(a, batch(2)).backward()  # usable again
     opt.step()
+    opt.zero_grad()
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["clipped", "not-clipped"])
@@ -218,6 +222,7 @@ def test_clipping_is_clip_grad_norm_on_the_host_gradients(max_norm, norm_type):
     for i in range(3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         for m, p in zip(ref.masters, ref.twin.parameters(), strict=True):
             m.grad = p.grad.float()
@@ -243,6 +248,9 @@ def test_clip_grad_norm_on_the_model_raises_instead_of_seeing_no_gradients():
         a[0].weight.grad.sum()
     assert "MovedGrad" in repr(a[0].weight.grad)
     opt.step()
+    with pytest.raises(MovedGradError, match="consumed by OffloadedOptimizer.step"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)  # after step(): still refused
+    opt.zero_grad()
     assert all(p.grad is None for p in a.parameters())
 
 
@@ -279,6 +287,7 @@ def test_state_dict_round_trip_continues_bitwise(dtype):
     for i in range(2):
         loss_of(a, batch(i, dtype)).backward()
         opt.step()
+        opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())
     b = copy.deepcopy(a)
     opt_b = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=0.5, bucket_bytes=4096)
@@ -288,6 +297,7 @@ def test_state_dict_round_trip_continues_bitwise(dtype):
         for m, o in ((a, opt), (b, opt_b)):
             loss_of(m, batch(i, dtype)).backward()
             o.step()
+            o.zero_grad()
     assert same_params(a, b)
     sa, sb = opt.state_dict(), opt_b.state_dict()
     for i in sa["state"]:
@@ -302,6 +312,7 @@ def test_state_dict_is_the_plain_class_format_both_ways():
     for i in range(2):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())  # CPU state is shared, not copied, by load_state_dict
     plain_model.load_state_dict(a.state_dict())
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
@@ -313,6 +324,7 @@ def test_state_dict_is_the_plain_class_format_both_ways():
     for i in range(2, 4):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
         loss_of(plain_model, batch(i)).backward()
         plain.step()
         plain.zero_grad()
@@ -324,6 +336,7 @@ def test_load_state_dict_refuses_masters_that_do_not_match_the_model():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())
     fresh = model(torch.bfloat16, seed=1)
     other = to.OffloadedOptimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -340,6 +353,7 @@ def test_parameters_changed_outside_the_optimizer_are_read_again():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     a.load_state_dict(model(torch.bfloat16, seed=7).state_dict())  # a checkpoint, loaded late
     fresh = model(torch.bfloat16, seed=7)
     ref = Reference(fresh, torch.optim.AdamW, lr=1e-2)
@@ -352,6 +366,7 @@ def test_parameters_changed_outside_the_optimizer_are_read_again():
     for i in range(1, 3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
         assert same_params(a, ref.twin)
@@ -367,7 +382,146 @@ def test_unused_and_frozen_parameters_are_not_stepped():
     loss_of(a, batch(0)).backward()
     opt.step()
     assert torch.equal(a[0].weight, frozen) and torch.equal(unused, torch.ones(3))
+    assert a[0].weight.grad is None and unused.grad is None
+    assert type(a[2].weight.grad) is to.optim.ConsumedGrad
+    opt.zero_grad()
     assert a[2].weight.grad is None
+
+
+class Branchy(nn.Module):
+    """A body and two heads, one of which each call uses: the other is unused in that step."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 8)
+        self.b = nn.Linear(32, 8)
+        self.to(dtype)
+
+    def forward(self, x, use_b=False):
+        h = torch.nn.functional.gelu(self.body(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+class PlainLoop(Reference):
+    """`Reference` that leaves the twin's gradients to the loop, as torch.optim does: the
+    loop's zero_grad (either form) acts on them, and a zero gradient is stepped."""
+
+    def backward(self, x, use_b=False):
+        self.twin(x, use_b).float().square().mean().backward()
+
+    def step(self):
+        for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+                p.copy_(m)
+
+
+def same_grads(a, b):
+    """Both None, or equal values (a `MovedGrad` is neither)."""
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            return False
+        if p.grad is not None and not torch.equal(p.grad, q.grad):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "split"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_zero_grad_set_to_none_false_steps_unused_parameters_with_zeros(dtype, mode, name):
+    """Issue 38 item 4: with zero_grad(set_to_none=False), a parameter unused in a step has a
+    zero gradient and is stepped with it (weight decay, momentum), and ``param.grad`` holds
+    zeros, bitwise as torch.optim on fp32 copies."""
+    cls, kw = OPTIMIZERS[name]
+    a = Branchy(dtype)
+    ref = PlainLoop(copy.deepcopy(a), cls, **kw)
+    extra = {
+        "overlap": {},
+        "at-step": dict(overlap=False),
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=512, **extra, **kw)
+    uses = [True, False, False, True, False]
+    for i, use_b in enumerate(uses):
+        x = batch(i, dtype)
+        a(x, use_b).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref.backward(x, use_b)
+        ref.step()
+        ref.twin.zero_grad(set_to_none=False)
+        opt.synchronize()
+        assert same_params(a, ref.twin), i
+        assert same_grads(a, ref.twin), i  # zeros where torch.optim has zeros, else None
+    assert a.a.weight.grad is not None and torch.count_nonzero(a.a.weight.grad) == 0
+    assert same_state(opt, ref)
+    # and set_to_none=True drops them again, unused parameters are then not stepped
+    opt.zero_grad()
+    ref.twin.zero_grad()
+    a(batch(9, dtype)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ref.backward(batch(9, dtype))
+    ref.step()
+    ref.twin.zero_grad()
+    opt.synchronize()
+    assert same_params(a, ref.twin) and same_state(opt, ref)
+    opt.remove()
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ahead", "split"])
+def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
+    """Issue 38 item 4: torch.optim accumulates the next backward into the last step's
+    gradients (and a second step() steps with them again); their gradients left the device,
+    so the backward, the accumulating backward, the second step() and a read are refused,
+    naming zero_grad(), with parameters and optimizer state unchanged."""
+    a = Branchy()
+    extra = {
+        "overlap": {},
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=512,
+                                **extra)  # fmt: skip
+    a(batch(0)).float().square().mean().backward()
+    opt.step()
+    opt.synchronize()
+    before, state = Branchy(), copy.deepcopy(opt.state_dict())
+    before.load_state_dict(a.state_dict())
+    assert all(type(p.grad) is to.optim.ConsumedGrad for p in a.parameters() if p.grad is not None)
+    with pytest.raises(RuntimeError, match=r"step\(\) after step\(\) without zero_grad"):
+        opt.step()
+    with pytest.raises((RuntimeError, MovedGradError), match="zero_grad"):
+        a(batch(1), use_b=True).float().square().mean().backward()  # b: unused before
+    with pytest.raises(MovedGradError, match="zero_grad"), opt.accumulating():
+        a(batch(1)).float().square().mean().backward()
+    with pytest.raises(MovedGradError, match="zero_grad"):
+        a.a.weight.grad.norm()
+    with pytest.raises(MovedGradError, match=r"model.zero_grad\(\) \(set_to_none=True\)"):
+        a.zero_grad(set_to_none=False)
+    opt.synchronize()
+    assert same_params(a, before)
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][i]["exp_avg"], s["exp_avg"])
+               for i, s in state["state"].items())  # fmt: skip
+    assert not any(b.dispatched or b.stepped for b in opt._runtime.buckets)
+    a.zero_grad()  # the model's own zero_grad is seen too
+    ref = Reference(before, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(state))
+    a(batch(2)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ref.twin(batch(2)).float().square().mean().backward()
+    ref.step()
+    opt.synchronize()
+    assert same_params(a, ref.twin)
+    opt.remove()
 
 
 class FailingSGD(torch.optim.SGD):
@@ -405,10 +559,13 @@ def test_an_exception_mid_step_leaves_each_parameter_old_or_new(overlap):
         want = old if any(r.entry.index == i for r in failed) else new
         assert torch.equal(p, want), i
         assert torch.equal(opt._runtime.records[i].master, want.float())
-    assert all(p.grad is None for p in a.parameters())
+    # As after a failed torch.optim step, the gradients are still there for it
+    assert all(type(p.grad) is to.optim.ConsumedGrad for p in a.parameters())
+    opt.zero_grad()
     FailingSGD.fail_at = None
     loss_of(a, batch(1)).backward()  # the optimizer goes on
     opt.step()
+    opt.zero_grad()
 
 
 def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplog):
@@ -568,6 +725,7 @@ def test_hyperparameters_changed_between_backward_and_step_raise():
         g["lr"] = 5e-3
     with pytest.raises(RuntimeError, match="changed between the final backward and step"):
         opt.step()
+        opt.zero_grad()
 
 
 def test_an_interrupt_during_step_finishes_the_step_then_raises():
@@ -600,6 +758,7 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
     loss_of(a, batch(0)).backward()
     with pytest.raises(KeyboardInterrupt):
         opt.step()
+    opt.zero_grad()
     assert sent
     ref.backward(batch(0))
     ref.step()
@@ -607,6 +766,7 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
     for i in range(1, 3):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i))
         ref.step()
         assert same_params(a, ref.twin), i
@@ -620,6 +780,7 @@ def test_misuse_between_backward_and_step_is_refused():
     with pytest.raises(RuntimeError, match="between the final backward and step"):
         opt.state_dict()
     opt.step()
+    opt.zero_grad()
     a[0].weight.requires_grad_(True)  # unfrozen after the optimizer was built
     with pytest.raises(RuntimeError, match="requires_grad was False"):
         loss_of(a, batch(1)).backward()
@@ -631,10 +792,12 @@ def test_writes_through_data_are_read_again_on_request():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.0)
     loss_of(a, batch(0)).backward()
     opt.step()
+    opt.zero_grad()
     a[0].weight.data.mul_(0)  # bypasses the version counter
     opt.reload_parameters()
     loss_of(a, batch(1)).backward()
     opt.step()
+    opt.zero_grad()
     assert torch.count_nonzero(a[0].weight) == 0
 
 
@@ -650,6 +813,7 @@ def _steps_with_a_tensor_lr_and_a_scheduler():
     for i in range(3):
         a(tied_batch(i)).float().square().mean().backward()
         opt.step()
+        opt.zero_grad()
         sched.step()  # fill_ on the tensor lr while the host still steps
         twin(tied_batch(i)).float().square().mean().backward()
         ref.step()
@@ -696,6 +860,7 @@ def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():
         assert torch.equal(loss, ref_loss), i
         loss.backward()
         opt.step()
+        opt.zero_grad()
         ref_loss.backward()
         ref.step()
     opt.remove()
@@ -766,6 +931,7 @@ def test_offload_fraction_state_dict_moves_between_placements():
     for i in range(2):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
     for step, fraction in ((5, 1.0), (6, 0.6)):
@@ -779,6 +945,7 @@ def test_offload_fraction_state_dict_moves_between_placements():
         opt.load_state_dict(saved)
         loss_of(b, batch(step, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(step, torch.bfloat16))
         ref.step()
         assert same_params(b, ref.twin), fraction
@@ -822,6 +989,7 @@ def test_offload_fraction_keeps_no_copy_of_frozen_parameters():
     assert any(p is a[0].weight for p in opt._device.params)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     trainable = [p for p in opt._device.params if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     # fp32 masters and AdamW's two moments of the trainable ones (plus a scalar step each)
@@ -854,6 +1022,7 @@ def test_strided_parameters_are_converted_bitwise(convert_on):
     for i in range(3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
         assert same_params(a, ref.twin), i

@@ -88,6 +88,7 @@ def test_bitwise_with_slowed_copies(dtype, convert_on, mode, monkeypatch):
                     loss.backward()
                 ref_loss.backward()
             opt.step()
+            opt.zero_grad()
             ref.step()
             if mode != "ahead":  # ahead: parameters are read only by the forward
                 for p, q in zip(a.parameters(), ref.twin.parameters(), strict=True):
@@ -150,6 +151,7 @@ def test_offload_fraction_bitwise_with_slowed_copies(dtype):
             loss.backward()
             ref_loss.backward()
             opt.step()
+            opt.zero_grad()
             for m, (_, q) in zip(masters, pairs, strict=True):
                 m.grad = q.grad.float().to(m.device)
             for ref in refs:

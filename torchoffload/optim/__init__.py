@@ -21,6 +21,7 @@ from torchoffload.optim._layout import (
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
 from torchoffload.optim._runtime import (
+    ConsumedGrad,
     MovedGrad,
     MovedGradError,
     OptimizerOffloadConfig,
@@ -28,6 +29,7 @@ from torchoffload.optim._runtime import (
 )
 
 __all__ = [
+    "ConsumedGrad",
     "HostLayout",
     "MovedGrad",
     "MovedGradError",

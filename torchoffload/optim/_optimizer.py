@@ -13,6 +13,7 @@ from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._runtime import (
     HostStepRuntime,
+    MovedGrad,
     OptimizerOffloadConfig,
     OptimizerStats,
     _hyper,
@@ -46,10 +47,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``param.grad`` then holds a `MovedGrad` that raises when read, until `step()`. Clip with
     ``max_grad_norm`` (the config), not ``clip_grad_norm_`` on the model. LR schedulers,
     `state_dict`/`load_state_dict` (in the plain class's format, plus ``"master_params"`` for
-    parameters that are not fp32), `zero_grad` and step hooks work as with the plain class,
-    with one difference: `step()` consumes the gradients (they left the device), so with
-    ``zero_grad(set_to_none=False)`` a parameter without a gradient in the next backward is not
-    stepped, where the plain class would step it with a zero gradient.
+    parameters that are not fp32), `zero_grad` in both forms and step hooks work as with the
+    plain class. `step()` consumes the gradients (they left the device): afterwards
+    ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
+    calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
+    that does not is refused before anything changes (Note: [The gradient after step()]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
     `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
@@ -140,6 +142,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
+            self._runtime.kept_numbering = self._device.index
             for p in self._device.params:
                 MANAGED[p] = self._runtime
         self._finalizer = weakref.finalize(self, self._runtime.close)
@@ -191,18 +194,25 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._device.reload(k)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
-        and those already on the host. Buckets that the host stepped during backward keep
-        their new values (a warning says so)."""
-        self._live().discard()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        """Drop the gradients: those still on the device, those already on the host and
+        those a `step()` consumed. With ``set_to_none=False`` every parameter that has a
+        gradient for torch.optim gets zeros on the device instead, as with torch.optim: the
+        next backward accumulates into them and a parameter it does not use is stepped with
+        a zero gradient (Note: [The gradient after step()]). Buckets that the host stepped
+        during backward keep their new values (a warning says so)."""
+        rt = self._live()
+        params = [p for group in self.param_groups for p in group["params"]]
+        had = [p.grad is not None for p in params]  # moved and consumed ones included
+        rt.discard()
+        for p, has in zip(params, had, strict=True):
+            if not has:
+                continue
+            if set_to_none:
+                p.grad = None
+            elif p.grad is None or isinstance(p.grad, MovedGrad):
+                p.grad = _zeros_like(p)
+            else:
+                p.grad.detach_().zero_()
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Gradients of a backward inside stay on the device and accumulate there as usual;
@@ -396,6 +406,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _zeros_like(p: torch.Tensor) -> torch.Tensor:
+    """Zeros laid out as autograd lays out a gradient of ``p`` (its strides when they are
+    dense), from its metadata only (a streamed parameter has no bytes on the device)."""
+    with torch.no_grad():
+        return torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
 
 
 def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:

@@ -216,11 +216,43 @@ _MOVED = (
     "torch.nn.utils.clip_grad_norm_"
 )
 
+_CONSUMED = (
+    "the gradient of this parameter was consumed by OffloadedOptimizer.step() (it left the "
+    "device; torch.optim would keep it in .grad, to be read, accumulated into by the next "
+    "backward, or stepped again): call optimizer.zero_grad() (either form) or "
+    "model.zero_grad() (set_to_none=True) after step() and before the next backward or "
+    "step(). See Note: [The gradient after step()]"
+)
+
+# Note: [The gradient after step()]
+# torch.optim leaves ``param.grad`` as it was after `step()`: the next backward accumulates
+# into it unless `zero_grad()` ran, `zero_grad(set_to_none=False)` turns it into zeros (so a
+# parameter unused in the next backward is stepped with a zero gradient: weight decay and
+# momentum still apply), and a second `step()` steps with it again. Here the gradient left the
+# device, so after `step()` ``param.grad`` holds a `ConsumedGrad`: a placeholder that stands
+# for "a gradient torch.optim would still hold" and raises when anything reads or accumulates
+# into it. So every loop either behaves exactly as with torch.optim or is refused before a
+# value changes:
+# - `zero_grad()` / `model.zero_grad()` (set_to_none) drop it: as torch.optim.
+# - `zero_grad(set_to_none=False)` of this optimizer replaces it with real zeros on the
+#   device, which the next backward accumulates into and the step reads: as torch.optim
+#   (``model.zero_grad(set_to_none=False)`` zeroes it in place, which the placeholder
+#   refuses, naming this optimizer's `zero_grad`).
+# - The next backward without `zero_grad()` (torch.optim would accumulate across steps), a
+#   second `step()` without a backward (it would step again) and a read (`clip_grad_norm_`,
+#   logging) are refused: the first final gradient's hook (before any bucket leaves) and
+#   `step()` (before any bucket is dispatched) look for a placeholder, and autograd's own
+#   accumulation into one raises from the placeholder.
+# DTensor parameters (FSDP2, TP) keep their real gradient after `step()` (it is read at
+# `step()`, not moved), so they behave as with torch.optim without a placeholder.
+
 
 class MovedGrad(torch.Tensor):
     """What ``param.grad`` holds between the final backward and `step()`: a tensor with the
     gradient's metadata and no storage, any operation on which raises `MovedGradError` (so
     ``clip_grad_norm_`` on the model cannot silently see no gradients)."""
+
+    message = _MOVED
 
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> MovedGrad:
@@ -229,11 +261,22 @@ class MovedGrad(torch.Tensor):
         )
 
     def __repr__(self) -> str:  # the default repr would run ops
-        return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device})")  # fmt: skip
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise MovedGradError(f"{func}: {_MOVED}")
+        placeholder = next((t for t in _tensors(args, kwargs) if isinstance(t, MovedGrad)), None)
+        message = cls.message if placeholder is None else placeholder.message
+        raise MovedGradError(f"{func}: {message}")
+
+
+class ConsumedGrad(MovedGrad):
+    """What ``param.grad`` holds after `step()` consumed the gradient, until `zero_grad()`:
+    any operation on it (a read, the next backward's accumulation) raises `MovedGradError`.
+    See Note: [The gradient after step()]."""
+
+    message = _CONSUMED
 
 
 class _Record:
@@ -380,6 +423,8 @@ class HostStepRuntime:
             if r.trainable and not r.dtensor
         ]
         self.kept_on_device: list[torch.Tensor] = []  # the façade's device part's parameters
+        self.kept_numbering: list[int] = []  # and their indices, for messages
+        self._fresh_checked = False  # this backward's gradients were checked for placeholders
         for rec in self.records:
             MANAGED[rec.param] = self
             if rec.hosted is not None:
@@ -419,6 +464,9 @@ class HostStepRuntime:
             return
         if self._ahead is not None:
             self.settle()
+        if not self._fresh_checked:  # the first final gradient of this backward
+            self.refuse_consumed("the next backward")
+            self._fresh_checked = True
         rec = self.records[self._index[id(param)]]
         with self._lock:
             if rec.final:
@@ -466,8 +514,8 @@ class HostStepRuntime:
             rec.has_grad = g is not None
             if g is None:
                 continue
-            if type(g) is MovedGrad:
-                raise RuntimeError(f"parameter {self._no(rec)}: {_MOVED}")
+            if isinstance(g, MovedGrad):
+                raise RuntimeError(f"parameter {self._no(rec)}: {g.message}")
             if g.layout != torch.strided or (g.dtype, tuple(g.shape)) != (p.dtype, rec.entry.shape):
                 raise RuntimeError(
                     f"parameter {self._no(rec)}: gradient {g.dtype} {tuple(g.shape)} "
@@ -692,6 +740,7 @@ class HostStepRuntime:
         """``between``: called once every bucket is on its way to the host, before waiting
         for the worker (the device part of an ``offload_fraction`` split steps there)."""
         self.settle()
+        self.refuse_consumed("step()")
         called = self._begin(step_rest=True)
         if between is not None:
             between()
@@ -702,7 +751,7 @@ class HostStepRuntime:
         self.waiting = {id(r.param): self.buckets[r.entry.bucket] for r in self.records
                         if r.has_grad}  # fmt: skip
         self._ahead = called
-        self._reset_records()
+        self._reset_records(consumed=True)
 
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` while this step's buckets are on their way (after the final
@@ -793,7 +842,7 @@ class HostStepRuntime:
         stepped = sum(b.stepped for b in self.buckets)
         errors, self._errors = self._errors, []
         changed = self._changed_hyper(self._snapshot) if step_rest else None
-        self._reset_records()
+        self._reset_records(consumed=step_rest)
         self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
             self.steps += 1
@@ -828,11 +877,29 @@ class HostStepRuntime:
                         return f"group {g} {key}: {used.get(key)!r} -> {now.get(key)!r}"
         return None
 
-    def _reset_records(self) -> None:
+    def _reset_records(self, *, consumed: bool) -> None:
+        """After `step()` (``consumed``) a moved gradient becomes a `ConsumedGrad` (Note: [The
+        gradient after step()]); after a discard, ``None``."""
+        self._fresh_checked = False
         for rec in self.records:
             rec.final = False
             if type(rec.param.grad) is MovedGrad:
-                rec.param.grad = None
+                rec.param.grad = ConsumedGrad(rec.param) if consumed else None
+
+    def refuse_consumed(self, what: str) -> None:
+        """Refuse ``what`` while a parameter holds a `ConsumedGrad`, before anything changes
+        (Note: [The gradient after step()])."""
+        every = [(self._no(r), r.param) for r in self.records]
+        every += list(zip(self.kept_numbering, self.kept_on_device, strict=True))
+        for i, p in every:
+            if type(p.grad) is ConsumedGrad:
+                does = "accumulate into" if "backward" in what else "step again with"
+                raise RuntimeError(
+                    f"{what} after step() without zero_grad(): torch.optim would {does} "
+                    f"the last step's gradient of parameter {i}, which left the device: call "
+                    "optimizer.zero_grad() (either form) or model.zero_grad() "
+                    "(set_to_none=True) after step(). See Note: [The gradient after step()]"
+                )
 
     def _reset_buckets(self, keep_times: bool) -> None:
         if keep_times:
