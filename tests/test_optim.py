@@ -712,6 +712,112 @@ def test_step_ahead_needs_the_model():
         to.OffloadedOptimizer(model().parameters(), torch.optim.SGD, lr=0.1, model="m")
 
 
+def _snapshot(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+READS = {
+    "state_dict": lambda m: m.state_dict(),
+    "submodule_state_dict": lambda m: m.blocks.state_dict(),
+    "named_parameters": lambda m: {n: p.detach().clone() for n, p in m.named_parameters()},
+    "norm": lambda m: {n: p.float().norm() for n, p in m.named_parameters()},
+    "data": lambda m: {n: p.data for n, p in m.named_parameters()},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("read", list(READS))
+def test_step_ahead_reading_the_model_after_step_sees_the_new_values(dtype, read):
+    """Issue 38 item 6: right after step() with step_ahead, the host step is held (so it is
+    certainly still running); reading the model's values (its state_dict, a submodule's,
+    named_parameters' values, a norm for logging, .data) waits for it and sees the stepped
+    values, bitwise; zero_grad(), a scheduler and metadata reads do not wait."""
+    from torchoffload import testing
+
+    a, twin = Tied(dtype), Tied(dtype)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(3):
+        with testing.held_host_step(opt) as hooks:
+            a(tied_batch(i)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            metadata = [(p.shape, p.dtype, p.size(), p.grad) for p in a.parameters()]
+            assert all(grad is None for *_, grad in metadata)
+            assert hooks.waits == 0 and opt._runtime.waiting  # still stepping
+            got = READS[read](a)
+            got = {k: v.clone() for k, v in got.items()}
+        opt.synchronize()  # a read through the mode waited for its buckets only
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        ref_sched.step()
+        want = READS[read](twin)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (i, k)
+    opt.synchronize()
+    assert same_params(a, twin) and same_state(opt, ref)
+    opt.remove()
+
+
+def test_step_ahead_load_state_dict_after_step_is_not_overwritten_by_the_step():
+    """Issue 38 item 6: a checkpoint loaded into the model right after step() is what the
+    parameters hold afterwards (the step is finished first, not uploaded over it), and the
+    next step starts from it."""
+    from torchoffload import testing
+
+    a = Tied()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    ckpt = _snapshot(Tied())
+    with testing.held_host_step(opt):
+        a(tied_batch(0)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        a.load_state_dict(ckpt)
+    opt.synchronize()
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, ckpt[k]), k
+    twin = Tied()
+    twin.load_state_dict(ckpt)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    a(tied_batch(1)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    twin(tied_batch(1)).float().square().mean().backward()
+    ref.step()
+    opt.synchronize()
+    assert same_params(a, twin)
+    opt.remove()
+
+
+def test_step_ahead_under_a_user_mode_finishes_the_step_in_step():
+    """Note: [Reading the model while stepping ahead]: under a user's TorchFunctionMode,
+    step() does not push the read mode above it (its exit would pop ours): it finishes the
+    step itself, and the mode stack is left as it was."""
+    from torch.overrides import BaseTorchFunctionMode
+
+    from torchoffload import testing
+
+    a = Tied()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    depth = torch._C._len_torch_function_stack()
+    with testing.held_host_step(opt) as hooks:
+        a(tied_batch(0)).float().square().mean().backward()
+        with BaseTorchFunctionMode() as mode:
+            opt.step()
+            assert hooks.waits >= 1 and not opt._runtime.waiting
+            assert torch.overrides._get_current_function_mode() is mode
+    assert torch._C._len_torch_function_stack() == depth
+    opt.remove()
+
+
 def test_hyperparameters_changed_between_backward_and_step_raise():
     import time
 

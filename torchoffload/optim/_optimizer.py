@@ -153,6 +153,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 model.register_forward_pre_hook(rt.enter_forward),
                 model.register_forward_hook(rt.exit_forward, always_call=True),
             ]
+            # Note: [Reading the model while stepping ahead]: every module that owns one of
+            # these parameters finishes the step before its state is saved or loaded.
+            ours = {id(p) for p in flat}
+            for m in model.modules():
+                if any(id(p) in ours for _, p in m.named_parameters(recurse=False)):
+                    self._forward_hooks += [
+                        m.register_state_dict_pre_hook(rt.before_state_dict),
+                        m.register_load_state_dict_pre_hook(rt.before_state_dict),
+                    ]
         # GradScaler then hands the step its scale instead of unscaling p.grad (see step()).
         self._step_supports_amp_scaling = True
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch._C import _get_function_stack_at, _len_torch_function_stack
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from torchoffload._hosted import HOSTED, MANAGED, Hosted
 from torchoffload._pool import pinned_buffer
@@ -97,6 +98,14 @@ logger = logging.getLogger(__name__)
 # the worker for most of backward (picking the newest regardless, 3% of the host step ran
 # during backward on two H100 machines; this rule is not measured yet: benchmarks/README.md).
 #
+# Note: [Compiling while the host steps]
+# `torch.compiler.is_compiling()` reads a process-wide flag, set while dynamo traces on any
+# thread, and torch.optim classes branch on it (AdamW's `_get_value` keeps the step count a
+# tensor): a bucket stepped on the worker while the caller's thread traces may round
+# differently (1 ulp measured: a recompile at the next forward while stepping ahead). So
+# nothing here makes dynamo trace while the worker may step; a user's recompile during a
+# step ahead (a new input shape) still can: not solved yet.
+#
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
 # returns. The parameters of buckets not yet uploaded are "waiting"; while any is, a
@@ -104,9 +113,30 @@ logger = logging.getLogger(__name__)
 # also on an exception) looks at the tensors each torch function receives: a waiting parameter
 # first waits, on the host, until the worker has queued its bucket's upload, then the compute
 # stream waits on that upload's event. Every read of a parameter through a torch function
-# inside the forward is covered, wherever the module that owns it is. Reads outside that
-# forward are not: any call of the optimizer (the next backward's hooks included) first
-# finishes the step.
+# inside the forward is covered, wherever the module that owns it is.
+#
+# Note: [Reading the model while stepping ahead]
+# A read outside the forward must see the new values too (a checkpoint taken right after
+# `step()` that silently lacks the last step is lost work). So:
+# - ``model``'s `state_dict()` and `load_state_dict()` (every submodule's, through their
+#   pre-hooks) first finish the step: `save_pretrained` and `torch.save(model.state_dict())`
+#   save the new values, and a load is not overwritten by an upload still to come.
+# - From `step()` until the step is finished, the same `_WaitMode` sits on the calling
+#   thread's torch-function mode stack, so any torch function on a parameter still being
+#   stepped (``p.norm()`` for logging, ``p.detach().clone()``, ``p.data``) waits for its
+#   bucket. Metadata (``p.grad``, ``p.shape``, ``p.size()``, factories ``*_like``) does not
+#   wait, so `zero_grad()`, an LR scheduler and the next forward's start still overlap the
+#   host step. The mode is popped by the first call on that thread that finds it on top of
+#   the stack (finishing the step, the next forward's pre-hook, the next `step()`); one
+#   found below a mode pushed later stays, passing every call through, until then. It is
+#   pushed only above an empty stack or default-device modes: above a mode that the user's
+#   own `with` block will pop, `step()` finishes the step instead (exact, without the
+#   overlap), since that pop would take ours. Once ``model``'s forward has run under
+#   torch.compile, `step()` finishes the step too (the compiled forward would finish it
+#   first thing anyway): a mode on the stack when a compiled forward is entered fails
+#   dynamo's guards, and a trace then runs while the host steps (Note: [Compiling while
+#   the host steps]).
+# Any call of the optimizer (the next backward's hooks included) also finishes the step.
 
 
 @dataclass(frozen=True)
@@ -396,8 +426,15 @@ class HostStepRuntime:
         self._ahead: float | None = None  # a step() still running on the host (its time)
         self.waiting: dict[int, _Bucket] = {}  # id(parameter) -> its bucket, while ahead
         if config.step_ahead:  # imports torch._dynamo: only for step_ahead
-            self._settle_eagerly = torch.compiler.disable(self.settle)
+            self._settle_eagerly = torch.compiler.disable(self._settle_compiled)
+        self._compiled = False  # model's forward ran under torch.compile
         self._modes = threading.local()
+        # The read mode (and its thread) while a step ahead may still be read outside the
+        # forward: Note: [Reading the model while stepping ahead]
+        self._read_mode: tuple[_WaitMode, int] | None = None
+        # torchoffload.testing's hooks (`held_host_step`): ``waiting()`` right before a caller
+        # blocks on the host step
+        self.testing: Any = None
         # - Counters
         self.steps = 0
         self.d2h_bytes = 0
@@ -752,6 +789,8 @@ class HostStepRuntime:
                         if r.has_grad}  # fmt: skip
         self._ahead = called
         self._reset_records(consumed=True)
+        if self.waiting and (self._compiled or not self._push_read_mode()):
+            self.settle()  # Note: [Reading the model while stepping ahead]
 
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` while this step's buckets are on their way (after the final
@@ -777,9 +816,49 @@ class HostStepRuntime:
             self._ahead = None
             self.waiting = {}
             self._end(step_rest=True, called=called)
+        self._drop_read_mode()
+
+    def _settle_compiled(self) -> None:
+        self._compiled = True
+        self.settle()
+
+    def before_state_dict(self, *args: Any) -> None:
+        """A module's state_dict/load_state_dict pre-hook (Note: [Reading the model while
+        stepping ahead])."""
+        self.settle()
+
+    def _push_read_mode(self) -> bool:
+        """Cover reads outside the forward until the step is finished; False where the mode
+        cannot be pushed safely (Note: [Reading the model while stepping ahead])."""
+        stack = [_get_function_stack_at(i) for i in range(_len_torch_function_stack())]
+        held = self._read_mode
+        if held is not None:  # still on its thread's stack: it serves this step too
+            if held[1] != threading.get_ident():
+                return False
+            if any(m is held[0] for m in stack):
+                return True
+            self._read_mode = None  # popped by someone else's exit
+        if any(type(m).__name__ != "DeviceContext" for m in stack):
+            return False
+        mode = _WaitMode(self)
+        _push_mode(mode)
+        self._read_mode = (mode, threading.get_ident())
+        return True
+
+    def _drop_read_mode(self) -> None:
+        """Pop the read mode if this is its thread and it is on top of the stack."""
+        held = self._read_mode
+        if held is None or held[1] != threading.get_ident():
+            return
+        n = _len_torch_function_stack()
+        if n and _get_function_stack_at(n - 1) is held[0]:
+            _pop_mode()
+            self._read_mode = None
 
     def wait_for(self, bucket: _Bucket) -> None:
         """A forward is about to read a parameter of ``bucket``. See Note: [Stepping ahead]."""
+        if self.testing is not None:
+            self.testing.waiting()
         bucket.done.wait()
         self.engine.wait(bucket.upload_event)
         for rec in bucket.records:
@@ -825,6 +904,8 @@ class HostStepRuntime:
         """Wait for the worker to complete the last finish queued. An interrupt (Ctrl-C) does
         not cut the handshake: the wait goes on, and the interrupt is returned to re-raise."""
         seq, interrupted = self._finish_seq, None
+        if self.testing is not None:
+            self.testing.waiting()
         while True:
             try:
                 with self._done:
@@ -918,6 +999,7 @@ class HostStepRuntime:
             # at every call (a disabled function runs eagerly, behind a graph break).
             self._settle_eagerly()
             return
+        self._drop_read_mode()  # the forward's own mode takes over
         stack = self._mode_stack()
         if self._ahead is not None and self.waiting:
             mode = _WaitMode(self)
@@ -1040,12 +1122,35 @@ class _WaitMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         waiting = self.runtime.waiting
-        if waiting:
+        if waiting and _reads_values(func):
             for t in _tensors(args, kwargs):
                 bucket = waiting.get(id(t))
                 if bucket is not None:
                     self.runtime.wait_for(bucket)
         return func(*args, **(kwargs or {}))
+
+
+# Tensor attributes and functions that read or set no values of the tensor (a parameter
+# still being stepped need not wait for them): Note: [Reading the model while stepping ahead]
+_METADATA_ATTRS = frozenset({
+    "grad", "_grad", "grad_fn", "_grad_fn", "requires_grad", "is_leaf", "retains_grad",
+    "_version", "shape", "dtype", "device", "layout", "ndim", "names", "name", "itemsize",
+    "nbytes", "output_nr", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+    "is_nested", "is_mkldnn", "_backward_hooks", "_post_accumulate_grad_hooks",
+})  # fmt: skip
+_METADATA_FUNCS = frozenset({
+    "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
+    "data_ptr", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "__hash__", "__len__", "empty_like", "zeros_like", "ones_like", "full_like",
+})  # fmt: skip
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a tensor attribute: func is its descriptor's
+        return getattr(getattr(func, "__self__", None), "__name__", "") not in _METADATA_ATTRS
+    return name not in _METADATA_FUNCS
 
 
 def _tensors(args: Any, kwargs: Any) -> Iterator[Any]:
