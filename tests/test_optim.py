@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import pytest
 import torch
@@ -568,6 +569,15 @@ def test_an_exception_mid_step_leaves_each_parameter_old_or_new(overlap):
     opt.zero_grad()
 
 
+def first_step_without_a_scaler(m, opt):
+    """Until a first step() without a GradScaler, the host steps at step() only (Note: [Loss
+    scaling]); afterwards buckets are stepped during backward."""
+    loss_of(m, batch(99)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt._runtime.steps_early() == opt.config.overlap
+
+
 def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplog):
     a = model()
     before = copy.deepcopy(a)
@@ -577,6 +587,7 @@ def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplo
     assert same_params(a, before)
     assert all(p.grad is None for p in a.parameters())
     opt2 = to.OffloadedOptimizer(before.parameters(), torch.optim.SGD, lr=0.1)
+    first_step_without_a_scaler(before, opt2)
     loss_of(before, batch(0)).backward()
     with caplog.at_level(logging.WARNING, logger="torchoffload.optim._runtime"):
         opt2.zero_grad()
@@ -585,13 +596,127 @@ def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplo
         assert torch.equal(p, rec.master)  # device and host agree
 
 
-def test_grad_scaler_is_refused():
+class ScaledReference(Reference):
+    """torch.amp.GradScaler over the twin, as a plain loop uses it: the twin's gradients
+    (of its dtype) are unscaled and checked by the scaler, then the plain class steps fp32
+    copies unless one was not finite."""
+
+    def __init__(self, twin, cls, **kw):
+        super().__init__(twin, cls, **kw)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        self.holder = torch.optim.SGD(twin.parameters(), lr=0.0)  # what the scaler unscales
+
+    def backward(self, x):
+        self.scaler.scale(loss_of(self.twin, x)).backward()
+
+    def step(self):
+        self.scaler.unscale_(self.holder)
+        found = sum(v.item() for v in self.scaler._found_inf_per_device(self.holder).values())
+        if found:
+            self.twin.zero_grad()
+        else:
+            super().step()
+        self.scaler.update()
+        return bool(found)
+
+
+def scaled_batch(i, dtype=torch.float32):
+    x = batch(i, dtype)
+    if i == 2:  # a non-finite gradient: the scaler skips this step and backs off
+        x[0, 0] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "split", "clip"])
+def test_grad_scaler_unscales_and_skips_on_the_host_bitwise(dtype, mode):
+    """Issue 38 item 5: scaler.step(opt) unscales the moved gradients on the host and skips
+    the step when one is not finite, before any value is written: bitwise the plain class
+    on fp32 copies under the same scaler, whose scale follows the same path."""
+    a = model(dtype)
+    clip = dict(max_grad_norm=0.5) if mode == "clip" else {}
+    ref = ScaledReference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **clip)
+    extra = {
+        "overlap": {},
+        "at-step": dict(overlap=False),
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+        "clip": clip,
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                bucket_bytes=2048, **extra)  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    skipped = []
+    for i in range(5):
+        x = scaled_batch(i, dtype)
+        scaler.scale(loss_of(a, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref.backward(x)
+        skipped.append(ref.step())
+        opt.synchronize()
+        assert same_params(a, ref.twin), i
+        assert scaler.get_scale() == ref.scaler.get_scale(), i
+    assert skipped == [False, False, True, False, False]
+    assert same_state(opt, ref)
+    assert opt.stats().steps == 4
+    opt.remove()
+
+
+def test_grad_scaler_unscale_then_clip_then_step():
+    """unscale_ first (to clip on the host, with max_grad_norm), then scaler.step: the scaler
+    does not unscale twice, and the step is the plain one."""
     a = model()
-    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    ref = ScaledReference(copy.deepcopy(a), torch.optim.SGD, lr=0.1, momentum=0.9,
+                          max_grad_norm=0.1)  # fmt: skip
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+                                max_grad_norm=0.1, bucket_bytes=2048)  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    for i in range(3):
+        scaler.scale(loss_of(a, batch(i))).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref.backward(batch(i))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    opt.remove()
+
+
+def test_a_grad_scaler_first_used_after_steps_without_one():
+    """The host steps during backward once a first step() went without a scaler: a scaler
+    that appears later is refused, naming overlap=False (issue 40 makes those steps
+    undoable); with overlap=False the host steps at step() only and it is exact."""
+    a, b = model(), model()
+    opt_a = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    opt_b = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                  overlap=False)  # fmt: skip
+    first_step_without_a_scaler(a, opt_a)
+    first_step_without_a_scaler(b, opt_b)
+    twin = model()
+    twin.load_state_dict(b.state_dict())
+    ref = ScaledReference(twin, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(opt_b.state_dict()))
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(loss_of(a, batch(0))).backward()
-    with pytest.raises(RuntimeError, match="GradScaler|moved to the host"):
-        scaler.step(opt)  # its unscale reads the moved gradients
+    while not any(b.stepped for b in opt_a._runtime.buckets):  # stepped during backward
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="overlap=False"):
+        scaler.step(opt_a)
+    opt_a.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    for i in range(3):
+        scaler.scale(loss_of(b, scaled_batch(i))).backward()
+        scaler.step(opt_b)
+        scaler.update()
+        opt_b.zero_grad()
+        ref.backward(scaled_batch(i))
+        ref.step()
+        assert same_params(b, ref.twin), i
+    opt_a.remove()
+    opt_b.remove()
 
 
 def test_remove_restores_plain_gradients_and_refuses_further_use():
@@ -823,6 +948,7 @@ def test_hyperparameters_changed_between_backward_and_step_raise():
 
     a = model()
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    first_step_without_a_scaler(a, opt)
     # The first layer's backward, the last to run, lingers: the worker steps the later
     # layers' buckets meanwhile, with lr 1e-2.
     a[0].register_full_backward_pre_hook(lambda *args: time.sleep(0.2))

@@ -52,6 +52,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
     calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
     that does not is refused before anything changes (Note: [The gradient after step()]).
+    `torch.amp.GradScaler` works as with the plain class (``scaler.step(opt)``, ``unscale_``):
+    the host unscales and checks the moved gradients before any is stepped, so until a first
+    `step()` without a scaler is done the host steps at `step()`, not during backward (Note:
+    [Loss scaling]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
     `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
@@ -162,8 +166,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                         m.register_state_dict_pre_hook(rt.before_state_dict),
                         m.register_load_state_dict_pre_hook(rt.before_state_dict),
                     ]
-        # GradScaler then hands the step its scale instead of unscaling p.grad (see step()).
-        self._step_supports_amp_scaling = True
+        # GradScaler unscales through its own unscale_ (Note: [Loss scaling]): no
+        # _step_supports_amp_scaling, whose path hands step() a scale after the host may
+        # have stepped.
 
     # - The optimizer API
     @torch.no_grad()
@@ -174,9 +179,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if any(getattr(self, k, None) is not None for k in ("grad_scale", "found_inf")):
             raise RuntimeError(
-                "OffloadedOptimizer does not support torch.amp.GradScaler (its gradients leave "
-                "the device, unscaled, during backward and may have been stepped already): "
-                "train in bf16 without loss scaling"
+                "OffloadedOptimizer.step: grad_scale/found_inf are not supported; let "
+                "torch.amp.GradScaler unscale (scaler.step(optimizer)). See Note: [Loss "
+                "scaling]"
             )
         rt = self._live()
         dev = self._device

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -277,12 +278,79 @@ _CONSUMED = (
 # `step()`, not moved), so they behave as with torch.optim without a placeholder.
 
 
+# Note: [Loss scaling]
+# `torch.amp.GradScaler` unscales and checks every gradient of the optimizer (`unscale_`,
+# also inside `scaler.step`) and skips `optimizer.step()` when one is not finite. Its one
+# read of the gradients is a call of `_amp_foreach_non_finite_check_and_unscale_` over
+# ``param.grad``: for moved ones `MovedGrad` serves that call on the host (the worker, once
+# every bucket queued before has arrived, runs the same op on the fp32 host gradients and
+# rounds them to the parameter's dtype, which is what the op writes into a gradient of that
+# dtype; gradients still on the device go through the op there) and sets ``found_inf``.
+# So `scaler.step(opt)` steps with the unscaled gradients, or skips the step with nothing
+# written, bitwise as torch.optim; ``max_grad_norm`` clips the unscaled gradients.
+# That needs no bucket stepped before the unscale: a scaled gradient must never be stepped.
+# A scaler is not seen before backward, so until the first `step()` is done (and for good
+# once a scaler was seen), buckets are stepped at `step()`, not as they arrive; with
+# ``overlap=False`` or ``max_grad_norm`` they always are. A scaler first used after steps
+# without one finds buckets stepped during backward: refused, naming ``overlap=False``,
+# but those parameters took that step (an undoable step is issue 40's).
+
+
+class _Unscale:
+    """A GradScaler unscale of moved gradients, run by the worker (Note: [Loss scaling])."""
+
+    def __init__(self, records: list[_Record], inv_scale: torch.Tensor):
+        self.records = records
+        self.inv_scale = inv_scale  # on the host
+        self.found = False
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self, runtime: HostStepRuntime) -> None:
+        try:
+            stepped = sum(b.stepped for b in runtime.buckets)
+            if stepped:
+                raise RuntimeError(
+                    f"torch.amp.GradScaler: the host had already stepped {stepped} of "
+                    f"{len(runtime.buckets)} buckets with the scaled gradients during backward "
+                    "(no scaler was seen in the first step(), so buckets are stepped as their "
+                    "gradients arrive): those parameters took a step with scaled gradients. "
+                    "Use the scaler from the first step on, or build the OffloadedOptimizer "
+                    "with overlap=False (the host then steps at step() only). See Note: [Loss "
+                    "scaling]"
+                )
+            if any(not runtime.buckets[r.entry.bucket].arrived for r in self.records):
+                raise RuntimeError("GradScaler: a moved gradient never reached the host")
+            found = torch.zeros((), dtype=torch.float32)
+            grads = [r.grad for r in self.records]
+            with torch.no_grad():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.inv_scale)
+                for r in self.records:  # what the op writes into a gradient of this dtype
+                    if r.entry.dtype != torch.float32:
+                        r.grad.copy_(r.grad.to(r.entry.dtype))
+                if runtime.config.max_grad_norm is not None:  # norms of unscaled gradients
+                    for b in {r.entry.bucket for r in self.records}:
+                        bucket = runtime.buckets[b]
+                        with_grad = [r.grad for r in bucket.records if r.has_grad]
+                        norm_type = runtime.config.norm_type
+                        bucket.norms = list(torch._foreach_norm(with_grad, norm_type))
+            self.found = bool(found.item())
+        except BaseException as exc:
+            self.error = exc
+        self.done.set()
+
+
+_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+
+
 class MovedGrad(torch.Tensor):
     """What ``param.grad`` holds between the final backward and `step()`: a tensor with the
     gradient's metadata and no storage, any operation on which raises `MovedGradError` (so
-    ``clip_grad_norm_`` on the model cannot silently see no gradients)."""
+    ``clip_grad_norm_`` on the model cannot silently see no gradients), except GradScaler's
+    unscale, served on the host (Note: [Loss scaling])."""
 
     message = _MOVED
+    _owner: Any = None  # (weakref to the runtime, the record), while moved
 
     @staticmethod
     def __new__(cls, like: torch.Tensor) -> MovedGrad:
@@ -298,7 +366,28 @@ class MovedGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         placeholder = next((t for t in _tensors(args, kwargs) if isinstance(t, MovedGrad)), None)
         message = cls.message if placeholder is None else placeholder.message
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            grads, found_inf, inv_scale = args
+            moved = [g for g in grads if isinstance(g, MovedGrad)]
+            owners = {id(g._owner[0]) for g in moved if type(g) is MovedGrad and g._owner}
+            if len(moved) == sum(type(g) is MovedGrad for g in moved) and len(owners) == 1:
+                _unscale(grads, found_inf, inv_scale)
+                return None
         raise MovedGradError(f"{func}: {message}")
+
+
+def _unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor):
+    """GradScaler's `_amp_foreach_non_finite_check_and_unscale_` over ``grads``, some of
+    them moved (of one runtime). See Note: [Loss scaling]."""
+    here = [g for g in grads if not isinstance(g, MovedGrad)]
+    if here:
+        torch._amp_foreach_non_finite_check_and_unscale_(here, found_inf, inv_scale)
+    moved = [g for g in grads if isinstance(g, MovedGrad)]
+    runtime = moved[0]._owner[0]()
+    if runtime is None or runtime.closed:
+        raise MovedGradError(f"{_UNSCALE}: {_MOVED}")
+    if runtime.unscale([g._owner[1] for g in moved], inv_scale):
+        found_inf.fill_(1.0)
 
 
 class ConsumedGrad(MovedGrad):
@@ -428,6 +517,9 @@ class HostStepRuntime:
         if config.step_ahead:  # imports torch._dynamo: only for step_ahead
             self._settle_eagerly = torch.compiler.disable(self._settle_compiled)
         self._compiled = False  # model's forward ran under torch.compile
+        # A GradScaler unscales this optimizer's gradients: None until the first step() is
+        # done (Note: [Loss scaling])
+        self.loss_scaling: bool | None = None
         self._modes = threading.local()
         # The read mode (and its thread) while a step ahead may still be read outside the
         # forward: Note: [Reading the model while stepping ahead]
@@ -573,7 +665,9 @@ class HostStepRuntime:
             pairs.clear()
         for rec in bucket.records:
             if rec.has_grad and not rec.dtensor:  # a DTensor's is dispatched by step()
-                rec.param.grad = MovedGrad(rec.param)  # a streamed one: as empty as it
+                placeholder = MovedGrad(rec.param)  # a streamed one: as empty as it
+                placeholder._owner = (weakref.ref(self), rec)  # Note: [Loss scaling]
+                rec.param.grad = placeholder
         with self._lock:
             self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
             if moved:
@@ -631,8 +725,9 @@ class HostStepRuntime:
             torch.set_num_threads(self.config.host_threads)
         ready: dict[int, tuple[_Bucket, Any]] = {}
         finish = None
+        jobs: list[_Unscale] = []  # after the buckets queued before them, before a finish
         while True:
-            items = [] if ready or finish else [self._queue.get()]
+            items = [] if ready or finish or jobs else [self._queue.get()]
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -643,12 +738,17 @@ class HostStepRuntime:
                     return
                 if item[0] == "bucket":
                     ready[item[1].index] = (item[1], item[2])
+                elif item[0] == "unscale":
+                    jobs.append(item[1])
                 else:
                     finish = item
             try:
                 if ready:  # Note: [The order of the host step]
                     copied = [i for i, (_, e) in ready.items() if _completed(e)]
                     self._arrive(*ready.pop(max(copied) if copied else min(ready)))
+                    continue
+                if jobs:
+                    jobs.pop(0).run(self)
                     continue
                 if finish is not None:
                     self._finish(finish[1], finish[2])
@@ -682,8 +782,13 @@ class HostStepRuntime:
             bucket.failed = exc
             self._errors.append((bucket.index, exc))
         self._account(start)
-        if self.config.overlap and self.config.max_grad_norm is None and not bucket.failed:
+        if self.steps_early() and not bucket.failed:
             self._step(bucket)
+
+    def steps_early(self) -> bool:
+        """Whether a bucket is stepped as soon as it arrives (Note: [Loss scaling])."""
+        c = self.config
+        return c.overlap and c.max_grad_norm is None and self.loss_scaling is False
 
     def _finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
         """Step what has arrived and is not stepped yet (clipping first), in forward order,
@@ -791,6 +896,19 @@ class HostStepRuntime:
         self._reset_records(consumed=True)
         if self.waiting and (self._compiled or not self._push_read_mode()):
             self.settle()  # Note: [Reading the model while stepping ahead]
+
+    def unscale(self, records: list[_Record], inv_scale: torch.Tensor) -> bool:
+        """GradScaler's unscale of moved gradients (Note: [Loss scaling]): on the host, once
+        they have arrived, before any of them is stepped; whether one was not finite."""
+        # From now on no bucket is stepped as it arrives; the job, run by the worker after
+        # the buckets queued before it, sees whether one was (no step is running then).
+        self.loss_scaling = True
+        job = _Unscale(records, inv_scale.detach().to("cpu", torch.float32))
+        self._queue.put(("unscale", job))
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.found
 
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` while this step's buckets are on their way (after the final
@@ -927,6 +1045,8 @@ class HostStepRuntime:
         self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
             self.steps += 1
+            if self.loss_scaling is None:
+                self.loss_scaling = False
         if interrupted is not None:
             raise interrupted
         if errors:
