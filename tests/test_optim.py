@@ -476,6 +476,30 @@ def test_zero_grad_set_to_none_false_steps_unused_parameters_with_zeros(dtype, m
     opt.remove()
 
 
+def test_zero_grad_set_to_none_false_is_refused_for_streamed_parameters():
+    """Outside its unit a streamed parameter has no shape for the zeros to take: refused
+    before anything changes, naming zero_grad()."""
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(hidden=32, layers=2, heads=4, vocab=64, max_seq=16))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    handle = to.stream_parameters(m, 10 << 20, unit="blocks")
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    m.loss(x).backward()
+    opt.step()
+    kinds = [type(p.grad) for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"set_to_none=True"):
+        opt.zero_grad(set_to_none=False)
+    assert [type(p.grad) for p in m.parameters()] == kinds
+    opt.zero_grad()
+    m.loss(x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.remove()
+    handle.remove()
+
+
 @pytest.mark.parametrize("mode", ["overlap", "ahead", "split"])
 def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
     """Issue 38 item 4: torch.optim accumulates the next backward into the last step's

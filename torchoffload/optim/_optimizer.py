@@ -216,6 +216,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         during backward keep their new values (a warning says so)."""
         rt = self._live()
         params = [p for group in self.param_groups for p in group["params"]]
+        if not set_to_none and any(p in HOSTED for p in params):
+            raise ValueError(
+                "zero_grad(set_to_none=False): not supported for parameters streamed by "
+                "stream_parameters (outside its unit such a parameter has no shape for the "
+                "zeros to take); call zero_grad() (set_to_none=True)"
+            )
         had = [p.grad is not None for p in params]  # moved and consumed ones included
         rt.discard()
         for p, has in zip(params, had, strict=True):
