@@ -1251,7 +1251,8 @@ class _WaitMode(TorchFunctionMode):
 
 
 # Tensor attributes and functions that read or set no values of the tensor (a parameter
-# still being stepped need not wait for them): Note: [Reading the model while stepping ahead]
+# still being stepped need not wait for them): Note: [Reading the model while stepping ahead].
+# Not data_ptr(): a custom kernel (Triton, an extension) reads the values through it.
 _METADATA_ATTRS = frozenset({
     "grad", "_grad", "grad_fn", "_grad_fn", "requires_grad", "is_leaf", "retains_grad",
     "_version", "shape", "dtype", "device", "layout", "ndim", "names", "name", "itemsize",
@@ -1261,7 +1262,7 @@ _METADATA_ATTRS = frozenset({
 _METADATA_FUNCS = frozenset({
     "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size",
     "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
-    "data_ptr", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
     "__hash__", "__len__", "empty_like", "zeros_like", "ones_like", "full_like",
 })  # fmt: skip
 
