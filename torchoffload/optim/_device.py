@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from torchoffload.optim._runtime import ConsumedGrad, _hyper
+from torchoffload.optim._grads import ConsumedGrad
+from torchoffload.optim._runtime import _hyper
 
 
 class DeviceStep:

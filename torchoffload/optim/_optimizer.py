@@ -11,9 +11,9 @@ import torch
 
 from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._device import DeviceStep
+from torchoffload.optim._grads import MovedGrad
 from torchoffload.optim._runtime import (
     HostStepRuntime,
-    MovedGrad,
     OptimizerOffloadConfig,
     OptimizerStats,
     _hyper,
