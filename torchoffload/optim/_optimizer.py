@@ -430,9 +430,9 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def _zeros_like(p: torch.Tensor) -> torch.Tensor:
     """Zeros laid out as autograd lays out a gradient of ``p`` (its strides when they are
-    dense), from its metadata only (a streamed parameter has no bytes on the device)."""
+    dense), from its metadata only: a parameter still being stepped ahead need not wait."""
     with torch.no_grad():
-        return torch.zeros_like(p.detach(), memory_format=torch.preserve_format)
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:
