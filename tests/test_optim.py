@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import pytest
 import torch
@@ -138,6 +139,7 @@ def test_copies_that_convert_in_chunks_are_bitwise_the_host_conversion(dtype, mo
         for m, opt in zip((a, b), opts, strict=True):
             loss_of(m, batch(i, dtype)).backward()
             opt.step()
+            opt.zero_grad()
         assert same_params(a, b), i
     for x, y in zip(*(o._runtime.records for o in opts), strict=True):
         assert torch.equal(x.master, y.master) and torch.equal(x.grad, y.grad)
@@ -161,6 +163,7 @@ def test_gradient_accumulation_keeps_gradients_on_the_device_until_the_last_back
                 assert all(type(p.grad) is to.optim.MovedGrad for p in a.parameters())
             ref.backward(x)
         opt.step()
+        opt.zero_grad()
         ref.step()
         assert all(p.grad is None for p in a.parameters())
         assert same_params(a, ref.twin)
@@ -175,6 +178,7 @@ def test_step_after_only_accumulating_backwards_takes_the_gradients_at_step():
         loss_of(a, batch(0)).backward()
         loss_of(a, batch(1)).backward()
     opt.step()
+    opt.zero_grad()
     ref.backward(batch(0))
     ref.backward(batch(1))
     ref.step()
@@ -194,6 +198,7 @@ def test_a_second_final_backward_before_step_raises_and_names_accumulating(overl
     opt.zero_grad()
     loss_of(a, batch(2)).backward()  # usable again
     opt.step()
+    opt.zero_grad()
 
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["clipped", "not-clipped"])
@@ -218,6 +223,7 @@ def test_clipping_is_clip_grad_norm_on_the_host_gradients(max_norm, norm_type):
     for i in range(3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         for m, p in zip(ref.masters, ref.twin.parameters(), strict=True):
             m.grad = p.grad.float()
@@ -243,6 +249,9 @@ def test_clip_grad_norm_on_the_model_raises_instead_of_seeing_no_gradients():
         a[0].weight.grad.sum()
     assert "MovedGrad" in repr(a[0].weight.grad)
     opt.step()
+    with pytest.raises(MovedGradError, match="consumed by OffloadedOptimizer.step"):
+        torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)  # after step(): still refused
+    opt.zero_grad()
     assert all(p.grad is None for p in a.parameters())
 
 
@@ -279,6 +288,7 @@ def test_state_dict_round_trip_continues_bitwise(dtype):
     for i in range(2):
         loss_of(a, batch(i, dtype)).backward()
         opt.step()
+        opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())
     b = copy.deepcopy(a)
     opt_b = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=0.5, bucket_bytes=4096)
@@ -288,6 +298,7 @@ def test_state_dict_round_trip_continues_bitwise(dtype):
         for m, o in ((a, opt), (b, opt_b)):
             loss_of(m, batch(i, dtype)).backward()
             o.step()
+            o.zero_grad()
     assert same_params(a, b)
     sa, sb = opt.state_dict(), opt_b.state_dict()
     for i in sa["state"]:
@@ -302,6 +313,7 @@ def test_state_dict_is_the_plain_class_format_both_ways():
     for i in range(2):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())  # CPU state is shared, not copied, by load_state_dict
     plain_model.load_state_dict(a.state_dict())
     plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
@@ -313,6 +325,7 @@ def test_state_dict_is_the_plain_class_format_both_ways():
     for i in range(2, 4):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
         loss_of(plain_model, batch(i)).backward()
         plain.step()
         plain.zero_grad()
@@ -324,6 +337,7 @@ def test_load_state_dict_refuses_masters_that_do_not_match_the_model():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     sd = copy.deepcopy(opt.state_dict())
     fresh = model(torch.bfloat16, seed=1)
     other = to.OffloadedOptimizer(fresh.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -340,6 +354,7 @@ def test_parameters_changed_outside_the_optimizer_are_read_again():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     a.load_state_dict(model(torch.bfloat16, seed=7).state_dict())  # a checkpoint, loaded late
     fresh = model(torch.bfloat16, seed=7)
     ref = Reference(fresh, torch.optim.AdamW, lr=1e-2)
@@ -352,6 +367,7 @@ def test_parameters_changed_outside_the_optimizer_are_read_again():
     for i in range(1, 3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
         assert same_params(a, ref.twin)
@@ -367,7 +383,170 @@ def test_unused_and_frozen_parameters_are_not_stepped():
     loss_of(a, batch(0)).backward()
     opt.step()
     assert torch.equal(a[0].weight, frozen) and torch.equal(unused, torch.ones(3))
+    assert a[0].weight.grad is None and unused.grad is None
+    assert type(a[2].weight.grad) is to.optim.ConsumedGrad
+    opt.zero_grad()
     assert a[2].weight.grad is None
+
+
+class Branchy(nn.Module):
+    """A body and two heads, one of which each call uses: the other is unused in that step."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(16, 32)
+        self.a = nn.Linear(32, 8)
+        self.b = nn.Linear(32, 8)
+        self.to(dtype)
+
+    def forward(self, x, use_b=False):
+        h = torch.nn.functional.gelu(self.body(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+class PlainLoop(Reference):
+    """`Reference` that leaves the twin's gradients to the loop, as torch.optim does: the
+    loop's zero_grad (either form) acts on them, and a zero gradient is stepped."""
+
+    def backward(self, x, use_b=False):
+        self.twin(x, use_b).float().square().mean().backward()
+
+    def step(self):
+        for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.masters, self.twin.parameters(), strict=True):
+                p.copy_(m)
+
+
+def same_grads(a, b):
+    """Both None, or equal values (a `MovedGrad` is neither)."""
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        if (p.grad is None) != (q.grad is None):
+            return False
+        if p.grad is not None and not torch.equal(p.grad, q.grad):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "split"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_zero_grad_set_to_none_false_steps_unused_parameters_with_zeros(dtype, mode, name):
+    """Issue 38 item 4: with zero_grad(set_to_none=False), a parameter unused in a step has a
+    zero gradient and is stepped with it (weight decay, momentum), and ``param.grad`` holds
+    zeros, bitwise as torch.optim on fp32 copies."""
+    cls, kw = OPTIMIZERS[name]
+    a = Branchy(dtype)
+    ref = PlainLoop(copy.deepcopy(a), cls, **kw)
+    extra = {
+        "overlap": {},
+        "at-step": dict(overlap=False),
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=512, **extra, **kw)
+    uses = [True, False, False, True, False]
+    for i, use_b in enumerate(uses):
+        x = batch(i, dtype)
+        a(x, use_b).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        ref.backward(x, use_b)
+        ref.step()
+        ref.twin.zero_grad(set_to_none=False)
+        opt.synchronize()
+        assert same_params(a, ref.twin), i
+        assert same_grads(a, ref.twin), i  # zeros where torch.optim has zeros, else None
+    assert a.a.weight.grad is not None and torch.count_nonzero(a.a.weight.grad) == 0
+    assert same_state(opt, ref)
+    # and set_to_none=True drops them again, unused parameters are then not stepped
+    opt.zero_grad()
+    ref.twin.zero_grad()
+    a(batch(9, dtype)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ref.backward(batch(9, dtype))
+    ref.step()
+    ref.twin.zero_grad()
+    opt.synchronize()
+    assert same_params(a, ref.twin) and same_state(opt, ref)
+    opt.remove()
+
+
+def test_zero_grad_set_to_none_false_is_refused_for_streamed_parameters():
+    """Outside its unit a streamed parameter has no shape for the zeros to take: refused
+    before anything changes, naming zero_grad()."""
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(hidden=32, layers=2, heads=4, vocab=64, max_seq=16))
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    handle = to.stream_parameters(m, 10 << 20, unit="blocks")
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
+    m.loss(x).backward()
+    opt.step()
+    kinds = [type(p.grad) for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"set_to_none=True"):
+        opt.zero_grad(set_to_none=False)
+    assert [type(p.grad) for p in m.parameters()] == kinds
+    opt.zero_grad()
+    m.loss(x).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.remove()
+    handle.remove()
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ahead", "split"])
+def test_a_loop_without_zero_grad_is_refused_before_anything_changes(mode):
+    """Issue 38 item 4: torch.optim accumulates the next backward into the last step's
+    gradients (and a second step() steps with them again); their gradients left the device,
+    so the backward, the accumulating backward, the second step() and a read are refused,
+    naming zero_grad(), with parameters and optimizer state unchanged."""
+    a = Branchy()
+    extra = {
+        "overlap": {},
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=512,
+                                **extra)  # fmt: skip
+    a(batch(0)).float().square().mean().backward()
+    opt.step()
+    opt.synchronize()
+    before, state = Branchy(), copy.deepcopy(opt.state_dict())
+    before.load_state_dict(a.state_dict())
+    assert all(type(p.grad) is to.optim.ConsumedGrad for p in a.parameters() if p.grad is not None)
+    with pytest.raises(RuntimeError, match=r"step\(\) after step\(\) without zero_grad"):
+        opt.step()
+    with pytest.raises((RuntimeError, MovedGradError), match="zero_grad"):
+        a(batch(1), use_b=True).float().square().mean().backward()  # b: unused before
+    with pytest.raises(MovedGradError, match="zero_grad"), opt.accumulating():
+        a(batch(1)).float().square().mean().backward()
+    with pytest.raises(MovedGradError, match="zero_grad"):
+        a.a.weight.grad.norm()
+    with pytest.raises(MovedGradError, match=r"model.zero_grad\(\) \(set_to_none=True\)"):
+        a.zero_grad(set_to_none=False)
+    opt.synchronize()
+    assert same_params(a, before)
+    after = opt.state_dict()
+    assert all(torch.equal(after["state"][i]["exp_avg"], s["exp_avg"])
+               for i, s in state["state"].items())  # fmt: skip
+    assert not any(b.dispatched or b.stepped for b in opt._runtime.buckets)
+    a.zero_grad()  # the model's own zero_grad is seen too
+    ref = Reference(before, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(state))
+    a(batch(2)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    ref.twin(batch(2)).float().square().mean().backward()
+    ref.step()
+    opt.synchronize()
+    assert same_params(a, ref.twin)
+    opt.remove()
 
 
 class FailingSGD(torch.optim.SGD):
@@ -405,10 +584,22 @@ def test_an_exception_mid_step_leaves_each_parameter_old_or_new(overlap):
         want = old if any(r.entry.index == i for r in failed) else new
         assert torch.equal(p, want), i
         assert torch.equal(opt._runtime.records[i].master, want.float())
-    assert all(p.grad is None for p in a.parameters())
+    # As after a failed torch.optim step, the gradients are still there for it
+    assert all(type(p.grad) is to.optim.ConsumedGrad for p in a.parameters())
+    opt.zero_grad()
     FailingSGD.fail_at = None
     loss_of(a, batch(1)).backward()  # the optimizer goes on
     opt.step()
+    opt.zero_grad()
+
+
+def first_step_without_a_scaler(m, opt):
+    """Until a first step() without a GradScaler, the host steps at step() only (Note: [Loss
+    scaling]); afterwards buckets are stepped during backward."""
+    loss_of(m, batch(99)).backward()
+    opt.step()
+    opt.zero_grad()
+    assert opt._runtime.steps_early() == opt.config.overlap
 
 
 def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplog):
@@ -420,6 +611,7 @@ def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplo
     assert same_params(a, before)
     assert all(p.grad is None for p in a.parameters())
     opt2 = to.OffloadedOptimizer(before.parameters(), torch.optim.SGD, lr=0.1)
+    first_step_without_a_scaler(before, opt2)
     loss_of(before, batch(0)).backward()
     with caplog.at_level(logging.WARNING, logger="torchoffload.optim._runtime"):
         opt2.zero_grad()
@@ -428,13 +620,127 @@ def test_zero_grad_after_a_final_backward_warns_which_buckets_were_stepped(caplo
         assert torch.equal(p, rec.master)  # device and host agree
 
 
-def test_grad_scaler_is_refused():
+class ScaledReference(Reference):
+    """torch.amp.GradScaler over the twin, as a plain loop uses it: the twin's gradients
+    (of its dtype) are unscaled and checked by the scaler, then the plain class steps fp32
+    copies unless one was not finite."""
+
+    def __init__(self, twin, cls, **kw):
+        super().__init__(twin, cls, **kw)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+        self.holder = torch.optim.SGD(twin.parameters(), lr=0.0)  # what the scaler unscales
+
+    def backward(self, x):
+        self.scaler.scale(loss_of(self.twin, x)).backward()
+
+    def step(self):
+        self.scaler.unscale_(self.holder)
+        found = sum(v.item() for v in self.scaler._found_inf_per_device(self.holder).values())
+        if found:
+            self.twin.zero_grad()
+        else:
+            super().step()
+        self.scaler.update()
+        return bool(found)
+
+
+def scaled_batch(i, dtype=torch.float32):
+    x = batch(i, dtype)
+    if i == 2:  # a non-finite gradient: the scaler skips this step and backs off
+        x[0, 0] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "split", "clip"])
+def test_grad_scaler_unscales_and_skips_on_the_host_bitwise(dtype, mode):
+    """Issue 38 item 5: scaler.step(opt) unscales the moved gradients on the host and skips
+    the step when one is not finite, before any value is written: bitwise the plain class
+    on fp32 copies under the same scaler, whose scale follows the same path."""
+    a = model(dtype)
+    clip = dict(max_grad_norm=0.5) if mode == "clip" else {}
+    ref = ScaledReference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **clip)
+    extra = {
+        "overlap": {},
+        "at-step": dict(overlap=False),
+        "ahead": dict(step_ahead=True, model=a),
+        "split": dict(offload_fraction=0.5),
+        "clip": clip,
+    }[mode]
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                bucket_bytes=2048, **extra)  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    skipped = []
+    for i in range(5):
+        x = scaled_batch(i, dtype)
+        scaler.scale(loss_of(a, x)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref.backward(x)
+        skipped.append(ref.step())
+        opt.synchronize()
+        assert same_params(a, ref.twin), i
+        assert scaler.get_scale() == ref.scaler.get_scale(), i
+    assert skipped == [False, False, True, False, False]
+    assert same_state(opt, ref)
+    assert opt.stats().steps == 4
+    opt.remove()
+
+
+def test_grad_scaler_unscale_then_clip_then_step():
+    """unscale_ first (to clip on the host, with max_grad_norm), then scaler.step: the scaler
+    does not unscale twice, and the step is the plain one."""
     a = model()
-    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1)
+    ref = ScaledReference(copy.deepcopy(a), torch.optim.SGD, lr=0.1, momentum=0.9,
+                          max_grad_norm=0.1)  # fmt: skip
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
+                                max_grad_norm=0.1, bucket_bytes=2048)  # fmt: skip
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    for i in range(3):
+        scaler.scale(loss_of(a, batch(i))).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        ref.backward(batch(i))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    opt.remove()
+
+
+def test_a_grad_scaler_first_used_after_steps_without_one():
+    """The host steps during backward once a first step() went without a scaler: a scaler
+    that appears later is refused, naming overlap=False (issue 40 makes those steps
+    undoable); with overlap=False the host steps at step() only and it is exact."""
+    a, b = model(), model()
+    opt_a = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    opt_b = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                  overlap=False)  # fmt: skip
+    first_step_without_a_scaler(a, opt_a)
+    first_step_without_a_scaler(b, opt_b)
+    twin = model()
+    twin.load_state_dict(b.state_dict())
+    ref = ScaledReference(twin, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(opt_b.state_dict()))
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(loss_of(a, batch(0))).backward()
-    with pytest.raises(RuntimeError, match="GradScaler|moved to the host"):
-        scaler.step(opt)  # its unscale reads the moved gradients
+    while not any(b.stepped for b in opt_a._runtime.buckets):  # stepped during backward
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="overlap=False"):
+        scaler.step(opt_a)
+    opt_a.zero_grad()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2)
+    for i in range(3):
+        scaler.scale(loss_of(b, scaled_batch(i))).backward()
+        scaler.step(opt_b)
+        scaler.update()
+        opt_b.zero_grad()
+        ref.backward(scaled_batch(i))
+        ref.step()
+        assert same_params(b, ref.twin), i
+    opt_a.remove()
+    opt_b.remove()
 
 
 def test_remove_restores_plain_gradients_and_refuses_further_use():
@@ -555,11 +861,118 @@ def test_step_ahead_needs_the_model():
         to.OffloadedOptimizer(model().parameters(), torch.optim.SGD, lr=0.1, model="m")
 
 
+def _snapshot(m):
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+READS = {
+    "state_dict": lambda m: m.state_dict(),
+    "submodule_state_dict": lambda m: m.blocks.state_dict(),
+    "named_parameters": lambda m: {n: p.detach().clone() for n, p in m.named_parameters()},
+    "norm": lambda m: {n: p.float().norm() for n, p in m.named_parameters()},
+    "data": lambda m: {n: p.data for n, p in m.named_parameters()},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("read", list(READS))
+def test_step_ahead_reading_the_model_after_step_sees_the_new_values(dtype, read):
+    """Issue 38 item 6: right after step() with step_ahead, the host step is held (so it is
+    certainly still running); reading the model's values (its state_dict, a submodule's,
+    named_parameters' values, a norm for logging, .data) waits for it and sees the stepped
+    values, bitwise; zero_grad(), a scheduler and metadata reads do not wait."""
+    from torchoffload import testing
+
+    a, twin = Tied(dtype), Tied(dtype)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref.opt, step_size=1, gamma=0.5)
+    for i in range(3):
+        with testing.held_host_step(opt) as hooks:
+            a(tied_batch(i)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            metadata = [(p.shape, p.dtype, p.size(), p.grad) for p in a.parameters()]
+            assert all(grad is None for *_, grad in metadata)
+            assert hooks.waits == 0 and opt._runtime.waiting  # still stepping
+            got = READS[read](a)
+            got = {k: v.clone() for k, v in got.items()}
+        opt.synchronize()  # a read through the mode waited for its buckets only
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        ref_sched.step()
+        want = READS[read](twin)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), (i, k)
+    opt.synchronize()
+    assert same_params(a, twin) and same_state(opt, ref)
+    opt.remove()
+
+
+def test_step_ahead_load_state_dict_after_step_is_not_overwritten_by_the_step():
+    """Issue 38 item 6: a checkpoint loaded into the model right after step() is what the
+    parameters hold afterwards (the step is finished first, not uploaded over it), and the
+    next step starts from it."""
+    from torchoffload import testing
+
+    a = Tied()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    ckpt = _snapshot(Tied())
+    with testing.held_host_step(opt):
+        a(tied_batch(0)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        a.load_state_dict(ckpt)
+    opt.synchronize()
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, ckpt[k]), k
+    twin = Tied()
+    twin.load_state_dict(ckpt)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    ref.opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    a(tied_batch(1)).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    twin(tied_batch(1)).float().square().mean().backward()
+    ref.step()
+    opt.synchronize()
+    assert same_params(a, twin)
+    opt.remove()
+
+
+def test_step_ahead_under_a_user_mode_finishes_the_step_in_step():
+    """Note: [Reading the model while stepping ahead]: under a user's TorchFunctionMode,
+    step() does not push the read mode above it (its exit would pop ours): it finishes the
+    step itself, and the mode stack is left as it was."""
+    from torch.overrides import BaseTorchFunctionMode
+
+    from torchoffload import testing
+
+    a = Tied()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    depth = torch._C._len_torch_function_stack()
+    with testing.held_host_step(opt) as hooks:
+        a(tied_batch(0)).float().square().mean().backward()
+        with BaseTorchFunctionMode() as mode:
+            opt.step()
+            assert hooks.waits >= 1 and not opt._runtime.waiting
+            assert torch.overrides._get_current_function_mode() is mode
+    assert torch._C._len_torch_function_stack() == depth
+    opt.remove()
+
+
 def test_hyperparameters_changed_between_backward_and_step_raise():
     import time
 
     a = model()
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    first_step_without_a_scaler(a, opt)
     # The first layer's backward, the last to run, lingers: the worker steps the later
     # layers' buckets meanwhile, with lr 1e-2.
     a[0].register_full_backward_pre_hook(lambda *args: time.sleep(0.2))
@@ -568,6 +981,7 @@ def test_hyperparameters_changed_between_backward_and_step_raise():
         g["lr"] = 5e-3
     with pytest.raises(RuntimeError, match="changed between the final backward and step"):
         opt.step()
+        opt.zero_grad()
 
 
 def test_an_interrupt_during_step_finishes_the_step_then_raises():
@@ -600,6 +1014,7 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
     loss_of(a, batch(0)).backward()
     with pytest.raises(KeyboardInterrupt):
         opt.step()
+    opt.zero_grad()
     assert sent
     ref.backward(batch(0))
     ref.step()
@@ -607,6 +1022,7 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
     for i in range(1, 3):
         loss_of(a, batch(i)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i))
         ref.step()
         assert same_params(a, ref.twin), i
@@ -620,6 +1036,7 @@ def test_misuse_between_backward_and_step_is_refused():
     with pytest.raises(RuntimeError, match="between the final backward and step"):
         opt.state_dict()
     opt.step()
+    opt.zero_grad()
     a[0].weight.requires_grad_(True)  # unfrozen after the optimizer was built
     with pytest.raises(RuntimeError, match="requires_grad was False"):
         loss_of(a, batch(1)).backward()
@@ -631,10 +1048,12 @@ def test_writes_through_data_are_read_again_on_request():
     opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.0)
     loss_of(a, batch(0)).backward()
     opt.step()
+    opt.zero_grad()
     a[0].weight.data.mul_(0)  # bypasses the version counter
     opt.reload_parameters()
     loss_of(a, batch(1)).backward()
     opt.step()
+    opt.zero_grad()
     assert torch.count_nonzero(a[0].weight) == 0
 
 
@@ -650,6 +1069,7 @@ def _steps_with_a_tensor_lr_and_a_scheduler():
     for i in range(3):
         a(tied_batch(i)).float().square().mean().backward()
         opt.step()
+        opt.zero_grad()
         sched.step()  # fill_ on the tensor lr while the host still steps
         twin(tied_batch(i)).float().square().mean().backward()
         ref.step()
@@ -696,6 +1116,7 @@ def test_step_ahead_under_torch_compile_finishes_the_step_before_the_forward():
         assert torch.equal(loss, ref_loss), i
         loss.backward()
         opt.step()
+        opt.zero_grad()
         ref_loss.backward()
         ref.step()
     opt.remove()
@@ -766,6 +1187,7 @@ def test_offload_fraction_state_dict_moves_between_placements():
     for i in range(2):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
     for step, fraction in ((5, 1.0), (6, 0.6)):
@@ -779,6 +1201,7 @@ def test_offload_fraction_state_dict_moves_between_placements():
         opt.load_state_dict(saved)
         loss_of(b, batch(step, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(step, torch.bfloat16))
         ref.step()
         assert same_params(b, ref.twin), fraction
@@ -822,6 +1245,7 @@ def test_offload_fraction_keeps_no_copy_of_frozen_parameters():
     assert any(p is a[0].weight for p in opt._device.params)
     loss_of(a, batch(0, torch.bfloat16)).backward()
     opt.step()
+    opt.zero_grad()
     trainable = [p for p in opt._device.params if p.requires_grad]
     n = sum(p.numel() for p in trainable)
     # fp32 masters and AdamW's two moments of the trainable ones (plus a scalar step each)
@@ -854,6 +1278,7 @@ def test_strided_parameters_are_converted_bitwise(convert_on):
     for i in range(3):
         loss_of(a, batch(i, torch.bfloat16)).backward()
         opt.step()
+        opt.zero_grad()
         ref.backward(batch(i, torch.bfloat16))
         ref.step()
         assert same_params(a, ref.twin), i

@@ -88,6 +88,7 @@ def test_bitwise_with_slowed_copies(dtype, convert_on, mode, monkeypatch):
                     loss.backward()
                 ref_loss.backward()
             opt.step()
+            opt.zero_grad()
             ref.step()
             if mode != "ahead":  # ahead: parameters are read only by the forward
                 for p, q in zip(a.parameters(), ref.twin.parameters(), strict=True):
@@ -150,6 +151,7 @@ def test_offload_fraction_bitwise_with_slowed_copies(dtype):
             loss.backward()
             ref_loss.backward()
             opt.step()
+            opt.zero_grad()
             for m, (_, q) in zip(masters, pairs, strict=True):
                 m.grad = q.grad.float().to(m.device)
             for ref in refs:
@@ -161,4 +163,124 @@ def test_offload_fraction_bitwise_with_slowed_copies(dtype):
             for p, q in pairs:
                 assert torch.equal(p, q), step
     assert opt.stats().device_state_bytes > 0
+    opt.remove()
+
+
+# -- Issue 38 items 4-6 on the GPU ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["overlap", "ahead", "clip"])
+def test_grad_scaler_with_fp16_autocast_bitwise_with_slowed_copies(mode):
+    """Item 5: fp16 autocast with torch.amp.GradScaler("cuda"): scaler.step(opt) unscales the
+    moved gradients on the host and skips the step with a non-finite one, bitwise the plain
+    class on fp32 host copies under the same scaler (its scale follows the same path)."""
+    a = gpt(torch.float32)
+    twin = copy.deepcopy(a)
+    kw = dict(lr=1e-3, weight_decay=0.1, fused=True)
+    clip = dict(max_grad_norm=0.5) if mode == "clip" else {}
+    ref = Reference(twin, torch.optim.AdamW, **clip, **kw)
+    extra = dict(step_ahead=True, model=a) if mode == "ahead" else {}
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20,
+                                **clip, **extra, **kw)  # fmt: skip
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**16, growth_interval=2)
+    holder = torch.optim.SGD(twin.parameters(), lr=0.0)  # what ref_scaler unscales
+    skipped = []
+    with testing.slow_copies(cycles=5_000_000):
+        for step in range(5):
+            x = tokens(step)
+            poison = float("inf") if step == 2 else 1.0  # a non-finite gradient
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss, ref_loss = a.loss(x) * poison, twin.loss(x) * poison
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            ref_scaler.scale(ref_loss).backward()
+            ref_scaler.unscale_(holder)
+            found = sum(v.item() for v in ref_scaler._found_inf_per_device(holder).values())
+            skipped.append(bool(found))
+            if found:
+                twin.zero_grad()
+            else:
+                ref.step()
+            ref_scaler.update()
+            opt.synchronize()
+            for p, q in zip(a.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(p, q), step
+            assert scaler.get_scale() == ref_scaler.get_scale(), step
+    assert skipped == [False, False, True, False, False]
+    opt.remove()
+
+
+def test_step_ahead_state_dict_right_after_step_has_the_new_values():
+    """Item 6: the host step held (and the copies slowed) when step() returns; the model's
+    state_dict, and a norm read for logging, are those of the stepped parameters."""
+    a = gpt(torch.bfloat16)
+    twin = copy.deepcopy(a)
+    kw = dict(lr=1e-3, weight_decay=0.1, fused=True)
+    ref = Reference(twin, torch.optim.AdamW, **kw)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 20,
+                                step_ahead=True, model=a, **kw)  # fmt: skip
+    with testing.slow_copies(cycles=5_000_000):
+        for step in range(3):
+            with testing.held_host_step(opt):
+                a.loss(tokens(step)).backward()
+                opt.step()
+                opt.zero_grad()
+                saved = {k: v.cpu() for k, v in a.state_dict().items()}
+                norms = [p.float().norm().cpu() for p in a.parameters()]
+            twin.loss(tokens(step)).backward()
+            ref.step()
+            for k, v in twin.state_dict().items():
+                assert torch.equal(saved[k], v.cpu()), (step, k)
+            for n, p in zip(norms, twin.parameters(), strict=True):
+                assert torch.equal(n, p.float().norm().cpu()), step
+    opt.remove()
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(256, 512)
+        self.a = torch.nn.Linear(512, 64)
+        self.b = torch.nn.Linear(512, 64)
+
+    def forward(self, x, use_b):
+        h = torch.nn.functional.gelu(self.body(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["at-step", "ahead"])
+def test_zero_grad_set_to_none_false_steps_unused_parameters_with_zeros(ahead):
+    """Item 4: with zero_grad(set_to_none=False) a parameter unused in a step is stepped with
+    its zero gradient (on the device: zeros, as torch.optim keeps them), bitwise."""
+    a = Branchy().cuda()
+    twin = copy.deepcopy(a)
+    kw = dict(lr=1e-3, weight_decay=0.1)
+    ref = Reference(twin, torch.optim.AdamW, **kw)
+    extra = dict(step_ahead=True, model=a) if ahead else {}
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, bucket_bytes=1 << 16,
+                                **extra, **kw)  # fmt: skip
+    with testing.slow_copies(cycles=5_000_000):
+        for step, use_b in enumerate([True, False, False, True]):
+            g = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 256, generator=g).cuda()
+            a(x, use_b).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            twin(x, use_b).square().mean().backward()
+            for m, p in zip(ref.masters, twin.parameters(), strict=True):
+                m.grad = None if p.grad is None else p.grad.float().cpu()
+            ref.opt.step()
+            twin.zero_grad(set_to_none=False)
+            with torch.no_grad():
+                for m, p in zip(ref.masters, twin.parameters(), strict=True):
+                    p.copy_(m)
+            opt.synchronize()
+            for p, q in zip(a.parameters(), twin.parameters(), strict=True):
+                assert torch.equal(p, q), step
+                assert (p.grad is None) == (q.grad is None), step
+                assert p.grad is None or torch.equal(p.grad, q.grad), step
     opt.remove()

@@ -14,6 +14,7 @@ Importing this module is optional: nothing in the package needs it.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "TwoBufferTensor",
     "failing_copies",
     "grouped_matmul",
+    "held_host_step",
     "quantize_int8",
     "quantized_matmul",
     "simulated_async_copies",
@@ -255,6 +257,48 @@ def slow_copies(device: Any = None, cycles: int = 2_000_000) -> Iterator[Any]:
     finally:
         for engine in engines:
             engine.testing = None
+
+
+class HostStepTestHooks:
+    """The hooks of `held_host_step`: ``gate`` holds the host step until the runtime calls
+    ``waiting()``, right before a caller blocks on it."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.waits = 0  # times a caller blocked on the host step
+
+    def waiting(self) -> None:
+        self.waits += 1
+        self.gate.set()
+
+
+@contextlib.contextmanager
+def held_host_step(optimizer: Any) -> Iterator[Any]:
+    """Inside the block, the host step of ``optimizer`` (an `OffloadedOptimizer`) does not
+    step any bucket until a call blocks on the host step (the runtime opens the gate right
+    before it blocks) or the block ends: a ``step_ahead`` step is then still running when
+    `step()` returns, whatever the timing, and a read that does not wait for it sees the old
+    values. Yields the hooks (``.gate``, ``.waits``: how many calls blocked)."""
+    runtime = optimizer._runtime
+    hooks = HostStepTestHooks()
+    held = []
+    for bucket in runtime.buckets:
+        inner = bucket.optimizer
+
+        def step(*args: Any, _step: Any = inner.step, **kwargs: Any) -> Any:
+            hooks.gate.wait()
+            return _step(*args, **kwargs)
+
+        inner.step = step  # this instance only, shadowing the class's step
+        held.append(inner)
+    runtime.testing = hooks
+    try:
+        yield hooks
+    finally:
+        hooks.gate.set()
+        runtime.testing = None
+        for inner in held:
+            del inner.step
 
 
 @contextlib.contextmanager

@@ -8,11 +8,13 @@ opt.step()        # waits for the last buckets; the next forward waits on the up
 opt.zero_grad()
 ```
 
-Modules, bottom up: `_layout` (the pure host layout and buckets), `_runtime` (copies, hooks,
-the worker), `_device` (the part stepped on the device with ``offload_fraction`` < 1),
-`_optimizer` (the public face, a `torch.optim.Optimizer`).
+Modules, bottom up: `_layout` (the pure host layout and buckets), `_grads` (what
+``param.grad`` holds once moved), `_runtime` (copies, hooks, the worker), `_device` (the
+part stepped on the device with ``offload_fraction`` < 1), `_optimizer` (the public face, a
+`torch.optim.Optimizer`).
 """
 
+from torchoffload.optim._grads import ConsumedGrad, MovedGrad, MovedGradError
 from torchoffload.optim._layout import (
     HostLayout,
     default_bucket_bytes,
@@ -21,13 +23,12 @@ from torchoffload.optim._layout import (
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
 from torchoffload.optim._runtime import (
-    MovedGrad,
-    MovedGradError,
     OptimizerOffloadConfig,
     OptimizerStats,
 )
 
 __all__ = [
+    "ConsumedGrad",
     "HostLayout",
     "MovedGrad",
     "MovedGradError",

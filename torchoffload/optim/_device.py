@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from torchoffload.optim._grads import ConsumedGrad
 from torchoffload.optim._runtime import _hyper
 
 
@@ -115,9 +116,9 @@ class DeviceStep:
         for k, (master, p) in enumerate(zip(self.masters, self.params, strict=True)):
             if master is not p and stepped[k]:
                 p.copy_(master)
-            # The step consumes the gradient, as the host part's left the device: the next
-            # backward starts from none, zero_grad() or not.
-            p.grad = None
+            # The step consumes the gradient, as the host part's left the device (Note: [The
+            # gradient after step()]).
+            p.grad = ConsumedGrad(p) if stepped[k] else None
             self.synced[k] = (p._version, p.data_ptr())
 
     def state_bytes(self) -> int:

@@ -11,6 +11,7 @@ import torch
 
 from torchoffload._hosted import HOSTED, MANAGED, HostedParameter
 from torchoffload.optim._device import DeviceStep
+from torchoffload.optim._grads import MovedGrad
 from torchoffload.optim._runtime import (
     HostStepRuntime,
     OptimizerOffloadConfig,
@@ -46,10 +47,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``param.grad`` then holds a `MovedGrad` that raises when read, until `step()`. Clip with
     ``max_grad_norm`` (the config), not ``clip_grad_norm_`` on the model. LR schedulers,
     `state_dict`/`load_state_dict` (in the plain class's format, plus ``"master_params"`` for
-    parameters that are not fp32), `zero_grad` and step hooks work as with the plain class,
-    with one difference: `step()` consumes the gradients (they left the device), so with
-    ``zero_grad(set_to_none=False)`` a parameter without a gradient in the next backward is not
-    stepped, where the plain class would step it with a zero gradient.
+    parameters that are not fp32), `zero_grad` in both forms and step hooks work as with the
+    plain class. `step()` consumes the gradients (they left the device): afterwards
+    ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
+    calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
+    that does not is refused before anything changes (Note: [The gradient after step()]).
+    `torch.amp.GradScaler` works as with the plain class (``scaler.step(opt)``, ``unscale_``):
+    the host unscales and checks the moved gradients before any is stepped, so until a first
+    `step()` without a scaler is done the host steps at `step()`, not during backward (Note:
+    [Loss scaling]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
     `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
@@ -140,6 +146,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
+            self._runtime.kept_numbering = self._device.index
             for p in self._device.params:
                 MANAGED[p] = self._runtime
         self._finalizer = weakref.finalize(self, self._runtime.close)
@@ -150,8 +157,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 model.register_forward_pre_hook(rt.enter_forward),
                 model.register_forward_hook(rt.exit_forward, always_call=True),
             ]
-        # GradScaler then hands the step its scale instead of unscaling p.grad (see step()).
-        self._step_supports_amp_scaling = True
+            # Note: [Reading the model while stepping ahead]: every module that owns one of
+            # these parameters finishes the step before its state is saved or loaded.
+            ours = {id(p) for p in flat}
+            for m in model.modules():
+                if any(id(p) in ours for _, p in m.named_parameters(recurse=False)):
+                    self._forward_hooks += [
+                        m.register_state_dict_pre_hook(rt.before_state_dict),
+                        m.register_load_state_dict_pre_hook(rt.before_state_dict),
+                    ]
+        # GradScaler unscales through its own unscale_ (Note: [Loss scaling]): no
+        # _step_supports_amp_scaling, whose path hands step() a scale after the host may
+        # have stepped.
 
     # - The optimizer API
     @torch.no_grad()
@@ -162,9 +179,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError("OffloadedOptimizer.step does not take a closure")
         if any(getattr(self, k, None) is not None for k in ("grad_scale", "found_inf")):
             raise RuntimeError(
-                "OffloadedOptimizer does not support torch.amp.GradScaler (its gradients leave "
-                "the device, unscaled, during backward and may have been stepped already): "
-                "train in bf16 without loss scaling"
+                "OffloadedOptimizer.step: grad_scale/found_inf are not supported; let "
+                "torch.amp.GradScaler unscale (scaler.step(optimizer)). See Note: [Loss "
+                "scaling]"
             )
         rt = self._live()
         dev = self._device
@@ -191,18 +208,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 self._device.reload(k)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the gradients: those still on the device (or zero them, ``set_to_none=False``),
-        and those already on the host. Buckets that the host stepped during backward keep
-        their new values (a warning says so)."""
-        self._live().discard()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    p.grad.detach_().zero_()
+        """Drop the gradients: those still on the device, those already on the host and
+        those a `step()` consumed. With ``set_to_none=False`` every parameter that has a
+        gradient for torch.optim gets zeros on the device instead, as with torch.optim: the
+        next backward accumulates into them and a parameter it does not use is stepped with
+        a zero gradient (Note: [The gradient after step()]). Buckets that the host stepped
+        during backward keep their new values (a warning says so)."""
+        rt = self._live()
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not set_to_none and any(p in HOSTED for p in params):
+            raise ValueError(
+                "zero_grad(set_to_none=False): not supported for parameters streamed by "
+                "stream_parameters (outside its unit such a parameter has no shape for the "
+                "zeros to take); call zero_grad() (set_to_none=True)"
+            )
+        had = [p.grad is not None for p in params]  # moved and consumed ones included
+        rt.discard()
+        for p, has in zip(params, had, strict=True):
+            if not has:
+                continue
+            if set_to_none:
+                p.grad = None
+            elif p.grad is None or isinstance(p.grad, MovedGrad):
+                p.grad = _zeros_like(p)
+            else:
+                p.grad.detach_().zero_()
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Gradients of a backward inside stay on the device and accumulate there as usual;
@@ -396,6 +426,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
 _PLAIN = (torch.Tensor, torch.nn.Parameter, HostedParameter)  # Note: [Placeholders never answer]
+
+
+def _zeros_like(p: torch.Tensor) -> torch.Tensor:
+    """Zeros laid out as autograd lays out a gradient of ``p`` (its strides when they are
+    dense), from its metadata only: a parameter still being stepped ahead need not wait."""
+    with torch.no_grad():
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:

@@ -13,17 +13,25 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch._C import _get_function_stack_at, _len_torch_function_stack
+from torch.overrides import TorchFunctionMode, _pop_mode, _push_mode
 
 from torchoffload._hosted import HOSTED, MANAGED, Hosted
 from torchoffload._pool import pinned_buffer
 from torchoffload._transfer import copy_engine
 from torchoffload._validate import check_bool, check_int, check_number
+from torchoffload.optim._grads import (
+    ConsumedGrad,
+    MovedGrad,
+    _tensors,
+    _Unscale,
+)
 from torchoffload.optim._layout import Entry, HostLayout, default_bucket_bytes, plan_layout
 
 logger = logging.getLogger(__name__)
@@ -97,6 +105,14 @@ logger = logging.getLogger(__name__)
 # the worker for most of backward (picking the newest regardless, 3% of the host step ran
 # during backward on two H100 machines; this rule is not measured yet: benchmarks/README.md).
 #
+# Note: [Compiling while the host steps]
+# `torch.compiler.is_compiling()` reads a process-wide flag, set while dynamo traces on any
+# thread, and torch.optim classes branch on it (AdamW's `_get_value` keeps the step count a
+# tensor): a bucket stepped on the worker while the caller's thread traces may round
+# differently (1 ulp measured: a recompile at the next forward while stepping ahead). So
+# nothing here makes dynamo trace while the worker may step; a user's recompile during a
+# step ahead (a new input shape) still can: not solved yet.
+#
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
 # returns. The parameters of buckets not yet uploaded are "waiting"; while any is, a
@@ -104,9 +120,30 @@ logger = logging.getLogger(__name__)
 # also on an exception) looks at the tensors each torch function receives: a waiting parameter
 # first waits, on the host, until the worker has queued its bucket's upload, then the compute
 # stream waits on that upload's event. Every read of a parameter through a torch function
-# inside the forward is covered, wherever the module that owns it is. Reads outside that
-# forward are not: any call of the optimizer (the next backward's hooks included) first
-# finishes the step.
+# inside the forward is covered, wherever the module that owns it is.
+#
+# Note: [Reading the model while stepping ahead]
+# A read outside the forward must see the new values too (a checkpoint taken right after
+# `step()` that silently lacks the last step is lost work). So:
+# - ``model``'s `state_dict()` and `load_state_dict()` (every submodule's, through their
+#   pre-hooks) first finish the step: `save_pretrained` and `torch.save(model.state_dict())`
+#   save the new values, and a load is not overwritten by an upload still to come.
+# - From `step()` until the step is finished, the same `_WaitMode` sits on the calling
+#   thread's torch-function mode stack, so any torch function on a parameter still being
+#   stepped (``p.norm()`` for logging, ``p.detach().clone()``, ``p.data``) waits for its
+#   bucket. Metadata (``p.grad``, ``p.shape``, ``p.size()``, factories ``*_like``) does not
+#   wait, so `zero_grad()`, an LR scheduler and the next forward's start still overlap the
+#   host step. The mode is popped by the first call on that thread that finds it on top of
+#   the stack (finishing the step, the next forward's pre-hook, the next `step()`); one
+#   found below a mode pushed later stays, passing every call through, until then. It is
+#   pushed only above an empty stack or default-device modes: above a mode that the user's
+#   own `with` block will pop, `step()` finishes the step instead (exact, without the
+#   overlap), since that pop would take ours. Once ``model``'s forward has run under
+#   torch.compile, `step()` finishes the step too (the compiled forward would finish it
+#   first thing anyway): a mode on the stack when a compiled forward is entered fails
+#   dynamo's guards, and a trace then runs while the host steps (Note: [Compiling while
+#   the host steps]).
+# Any call of the optimizer (the next backward's hooks included) also finishes the step.
 
 
 @dataclass(frozen=True)
@@ -202,41 +239,6 @@ class OptimizerStats:
     grad_norm: float | None
     device_params: int = 0
     device_state_bytes: int = 0
-
-
-class MovedGradError(RuntimeError):
-    """A gradient was read after an `OffloadedOptimizer` moved it to the host."""
-
-
-_MOVED = (
-    "the gradient of this parameter was moved to the host by an OffloadedOptimizer when the "
-    "final backward finished it; call optimizer.step() (or zero_grad()) before the next "
-    "backward, run every backward but the last of an accumulation inside "
-    "optimizer.accumulating(), and clip with OffloadedOptimizer(max_grad_norm=...) instead of "
-    "torch.nn.utils.clip_grad_norm_"
-)
-
-
-class MovedGrad(torch.Tensor):
-    """What ``param.grad`` holds between the final backward and `step()`: a tensor with the
-    gradient's metadata and no storage, any operation on which raises `MovedGradError` (so
-    ``clip_grad_norm_`` on the model cannot silently see no gradients)."""
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor) -> MovedGrad:
-        # ``like``'s own geometry: a streamed parameter's placeholder is empty and must take a
-        # gradient of its own size (Note: [Placeholders never answer]).
-        with torch._C.DisableTorchFunctionSubclass():
-            return torch.Tensor._make_wrapper_subclass(
-                cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
-            )
-
-    def __repr__(self) -> str:  # the default repr would run ops
-        return f"MovedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise MovedGradError(f"{func}: {_MOVED}")
 
 
 class _Record:
@@ -356,8 +358,18 @@ class HostStepRuntime:
         self._ahead: float | None = None  # a step() still running on the host (its time)
         self.waiting: dict[int, _Bucket] = {}  # id(parameter) -> its bucket, while ahead
         if config.step_ahead:  # imports torch._dynamo: only for step_ahead
-            self._settle_eagerly = torch.compiler.disable(self.settle)
+            self._settle_eagerly = torch.compiler.disable(self._settle_compiled)
+        self._compiled = False  # model's forward ran under torch.compile
+        # A GradScaler unscales this optimizer's gradients: None until the first step() is
+        # done (Note: [Loss scaling])
+        self.loss_scaling: bool | None = None
         self._modes = threading.local()
+        # The read mode (and its thread) while a step ahead may still be read outside the
+        # forward: Note: [Reading the model while stepping ahead]
+        self._read_mode: tuple[_WaitMode, int] | None = None
+        # torchoffload.testing's hooks (`held_host_step`): ``waiting()`` right before a caller
+        # blocks on the host step
+        self.testing: Any = None
         # - Counters
         self.steps = 0
         self.d2h_bytes = 0
@@ -383,6 +395,8 @@ class HostStepRuntime:
             if r.trainable and not r.dtensor
         ]
         self.kept_on_device: list[torch.Tensor] = []  # the façade's device part's parameters
+        self.kept_numbering: list[int] = []  # and their indices, for messages
+        self._fresh_checked = False  # this backward's gradients were checked for placeholders
         for rec in self.records:
             MANAGED[rec.param] = self
             if rec.hosted is not None:
@@ -422,6 +436,9 @@ class HostStepRuntime:
             return
         if self._ahead is not None:
             self.settle()
+        if not self._fresh_checked:  # the first final gradient of this backward
+            self.refuse_consumed("the next backward")
+            self._fresh_checked = True
         rec = self.records[self._index[id(param)]]
         with self._lock:
             if rec.final:
@@ -469,8 +486,8 @@ class HostStepRuntime:
             rec.has_grad = g is not None
             if g is None:
                 continue
-            if type(g) is MovedGrad:
-                raise RuntimeError(f"parameter {self._no(rec)}: {_MOVED}")
+            if isinstance(g, MovedGrad):
+                raise RuntimeError(f"parameter {self._no(rec)}: {g.message}")
             if g.layout != torch.strided or (g.dtype, tuple(g.shape)) != (p.dtype, rec.entry.shape):
                 raise RuntimeError(
                     f"parameter {self._no(rec)}: gradient {g.dtype} {tuple(g.shape)} "
@@ -491,7 +508,9 @@ class HostStepRuntime:
             pairs.clear()
         for rec in bucket.records:
             if rec.has_grad and not rec.dtensor:  # a DTensor's is dispatched by step()
-                rec.param.grad = MovedGrad(rec.param)  # a streamed one: as empty as it
+                placeholder = MovedGrad(rec.param)  # a streamed one: as empty as it
+                placeholder._owner = (weakref.ref(self), rec)  # Note: [Loss scaling]
+                rec.param.grad = placeholder
         with self._lock:
             self._inflight = [(e, k) for e, k in self._inflight if not _completed(e)]
             if moved:
@@ -549,8 +568,9 @@ class HostStepRuntime:
             torch.set_num_threads(self.config.host_threads)
         ready: dict[int, tuple[_Bucket, Any]] = {}
         finish = None
+        jobs: list[_Unscale] = []  # after the buckets queued before them, before a finish
         while True:
-            items = [] if ready or finish else [self._queue.get()]
+            items = [] if ready or finish or jobs else [self._queue.get()]
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -561,12 +581,17 @@ class HostStepRuntime:
                     return
                 if item[0] == "bucket":
                     ready[item[1].index] = (item[1], item[2])
+                elif item[0] == "unscale":
+                    jobs.append(item[1])
                 else:
                     finish = item
             try:
                 if ready:  # Note: [The order of the host step]
                     copied = [i for i, (_, e) in ready.items() if _completed(e)]
                     self._arrive(*ready.pop(max(copied) if copied else min(ready)))
+                    continue
+                if jobs:
+                    jobs.pop(0).run(self)
                     continue
                 if finish is not None:
                     self._finish(finish[1], finish[2])
@@ -600,8 +625,13 @@ class HostStepRuntime:
             bucket.failed = exc
             self._errors.append((bucket.index, exc))
         self._account(start)
-        if self.config.overlap and self.config.max_grad_norm is None and not bucket.failed:
+        if self.steps_early() and not bucket.failed:
             self._step(bucket)
+
+    def steps_early(self) -> bool:
+        """Whether a bucket is stepped as soon as it arrives (Note: [Loss scaling])."""
+        c = self.config
+        return c.overlap and c.max_grad_norm is None and self.loss_scaling is False
 
     def _finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
         """Step what has arrived and is not stepped yet (clipping first), in forward order,
@@ -695,6 +725,7 @@ class HostStepRuntime:
         """``between``: called once every bucket is on its way to the host, before waiting
         for the worker (the device part of an ``offload_fraction`` split steps there)."""
         self.settle()
+        self.refuse_consumed("step()")
         called = self._begin(step_rest=True)
         if between is not None:
             between()
@@ -705,7 +736,22 @@ class HostStepRuntime:
         self.waiting = {id(r.param): self.buckets[r.entry.bucket] for r in self.records
                         if r.has_grad}  # fmt: skip
         self._ahead = called
-        self._reset_records()
+        self._reset_records(consumed=True)
+        if self.waiting and (self._compiled or not self._push_read_mode()):
+            self.settle()  # Note: [Reading the model while stepping ahead]
+
+    def unscale(self, records: list[_Record], inv_scale: torch.Tensor) -> bool:
+        """GradScaler's unscale of moved gradients (Note: [Loss scaling]): on the host, once
+        they have arrived, before any of them is stepped; whether one was not finite."""
+        # From now on no bucket is stepped as it arrives; the job, run by the worker after
+        # the buckets queued before it, sees whether one was (no step is running then).
+        self.loss_scaling = True
+        job = _Unscale(records, inv_scale.detach().to("cpu", torch.float32))
+        self._queue.put(("unscale", job))
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.found
 
     def check_idle(self, what: str) -> None:
         """Refuse ``what`` while this step's buckets are on their way (after the final
@@ -731,9 +777,49 @@ class HostStepRuntime:
             self._ahead = None
             self.waiting = {}
             self._end(step_rest=True, called=called)
+        self._drop_read_mode()
+
+    def _settle_compiled(self) -> None:
+        self._compiled = True
+        self.settle()
+
+    def before_state_dict(self, *args: Any) -> None:
+        """A module's state_dict/load_state_dict pre-hook (Note: [Reading the model while
+        stepping ahead])."""
+        self.settle()
+
+    def _push_read_mode(self) -> bool:
+        """Cover reads outside the forward until the step is finished; False where the mode
+        cannot be pushed safely (Note: [Reading the model while stepping ahead])."""
+        stack = [_get_function_stack_at(i) for i in range(_len_torch_function_stack())]
+        held = self._read_mode
+        if held is not None:  # still on its thread's stack: it serves this step too
+            if held[1] != threading.get_ident():
+                return False
+            if any(m is held[0] for m in stack):
+                return True
+            self._read_mode = None  # popped by someone else's exit
+        if any(type(m).__name__ != "DeviceContext" for m in stack):
+            return False
+        mode = _WaitMode(self)
+        _push_mode(mode)
+        self._read_mode = (mode, threading.get_ident())
+        return True
+
+    def _drop_read_mode(self) -> None:
+        """Pop the read mode if this is its thread and it is on top of the stack."""
+        held = self._read_mode
+        if held is None or held[1] != threading.get_ident():
+            return
+        n = _len_torch_function_stack()
+        if n and _get_function_stack_at(n - 1) is held[0]:
+            _pop_mode()
+            self._read_mode = None
 
     def wait_for(self, bucket: _Bucket) -> None:
         """A forward is about to read a parameter of ``bucket``. See Note: [Stepping ahead]."""
+        if self.testing is not None:
+            self.testing.waiting()
         bucket.done.wait()
         self.engine.wait(bucket.upload_event)
         for rec in bucket.records:
@@ -779,6 +865,8 @@ class HostStepRuntime:
         """Wait for the worker to complete the last finish queued. An interrupt (Ctrl-C) does
         not cut the handshake: the wait goes on, and the interrupt is returned to re-raise."""
         seq, interrupted = self._finish_seq, None
+        if self.testing is not None:
+            self.testing.waiting()
         while True:
             try:
                 with self._done:
@@ -796,10 +884,12 @@ class HostStepRuntime:
         stepped = sum(b.stepped for b in self.buckets)
         errors, self._errors = self._errors, []
         changed = self._changed_hyper(self._snapshot) if step_rest else None
-        self._reset_records()
+        self._reset_records(consumed=step_rest)
         self._reset_buckets(keep_times=step_rest)
         if step_rest and not errors:
             self.steps += 1
+            if self.loss_scaling is None:
+                self.loss_scaling = False
         if interrupted is not None:
             raise interrupted
         if errors:
@@ -831,11 +921,29 @@ class HostStepRuntime:
                         return f"group {g} {key}: {used.get(key)!r} -> {now.get(key)!r}"
         return None
 
-    def _reset_records(self) -> None:
+    def _reset_records(self, *, consumed: bool) -> None:
+        """After `step()` (``consumed``) a moved gradient becomes a `ConsumedGrad` (Note: [The
+        gradient after step()]); after a discard, ``None``."""
+        self._fresh_checked = False
         for rec in self.records:
             rec.final = False
             if type(rec.param.grad) is MovedGrad:
-                rec.param.grad = None
+                rec.param.grad = ConsumedGrad(rec.param) if consumed else None
+
+    def refuse_consumed(self, what: str) -> None:
+        """Refuse ``what`` while a parameter holds a `ConsumedGrad`, before anything changes
+        (Note: [The gradient after step()])."""
+        every = [(self._no(r), r.param) for r in self.records]
+        every += list(zip(self.kept_numbering, self.kept_on_device, strict=True))
+        for i, p in every:
+            if type(p.grad) is ConsumedGrad:
+                does = "accumulate into" if "backward" in what else "step again with"
+                raise RuntimeError(
+                    f"{what} after step() without zero_grad(): torch.optim would {does} "
+                    f"the last step's gradient of parameter {i}, which left the device: call "
+                    "optimizer.zero_grad() (either form) or model.zero_grad() "
+                    "(set_to_none=True) after step(). See Note: [The gradient after step()]"
+                )
 
     def _reset_buckets(self, keep_times: bool) -> None:
         if keep_times:
@@ -854,6 +962,7 @@ class HostStepRuntime:
             # at every call (a disabled function runs eagerly, behind a graph break).
             self._settle_eagerly()
             return
+        self._drop_read_mode()  # the forward's own mode takes over
         stack = self._mode_stack()
         if self._ahead is not None and self.waiting:
             mode = _WaitMode(self)
@@ -976,7 +1085,7 @@ class _WaitMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         waiting = self.runtime.waiting
-        if waiting:
+        if waiting and _reads_values(func):
             for t in _tensors(args, kwargs):
                 bucket = waiting.get(id(t))
                 if bucket is not None:
@@ -984,11 +1093,25 @@ class _WaitMode(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def _tensors(args: Any, kwargs: Any) -> Iterator[Any]:
-    for a in (*args, *(kwargs or {}).values()):
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            for b in a:
-                if isinstance(b, torch.Tensor):
-                    yield b
+# Tensor attributes and functions that read or set no values of the tensor (a parameter
+# still being stepped need not wait for them): Note: [Reading the model while stepping ahead].
+# Not data_ptr(): a custom kernel (Triton, an extension) reads the values through it.
+_METADATA_ATTRS = frozenset({
+    "grad", "_grad", "grad_fn", "_grad_fn", "requires_grad", "is_leaf", "retains_grad",
+    "_version", "shape", "dtype", "device", "layout", "ndim", "names", "name", "itemsize",
+    "nbytes", "output_nr", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized",
+    "is_nested", "is_mkldnn", "_backward_hooks", "_post_accumulate_grad_hooks",
+})  # fmt: skip
+_METADATA_FUNCS = frozenset({
+    "size", "stride", "dim", "ndimension", "numel", "nelement", "element_size",
+    "storage_offset", "is_contiguous", "is_floating_point", "is_complex", "get_device",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+    "__hash__", "__len__", "empty_like", "zeros_like", "ones_like", "full_like",
+})  # fmt: skip
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a tensor attribute: func is its descriptor's
+        return getattr(getattr(func, "__self__", None), "__name__", "") not in _METADATA_ATTRS
+    return name not in _METADATA_FUNCS

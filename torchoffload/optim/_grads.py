@@ -1,0 +1,188 @@
+"""What ``param.grad`` holds once an offloaded optimizer moved the gradient to the host: a
+`MovedGrad` between the final backward and `step()`, a `ConsumedGrad` after it (Note: [The
+gradient after step()]); and GradScaler's unscale of moved gradients, served on the host
+(Note: [Loss scaling])."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+class MovedGradError(RuntimeError):
+    """A gradient was read after an `OffloadedOptimizer` moved it to the host."""
+
+
+_MOVED = (
+    "the gradient of this parameter was moved to the host by an OffloadedOptimizer when the "
+    "final backward finished it; call optimizer.step() (or zero_grad()) before the next "
+    "backward, run every backward but the last of an accumulation inside "
+    "optimizer.accumulating(), and clip with OffloadedOptimizer(max_grad_norm=...) instead of "
+    "torch.nn.utils.clip_grad_norm_"
+)
+
+_CONSUMED = (
+    "the gradient of this parameter was consumed by OffloadedOptimizer.step() (it left the "
+    "device; torch.optim would keep it in .grad, to be read, accumulated into by the next "
+    "backward, or stepped again): call optimizer.zero_grad() (either form) or "
+    "model.zero_grad() (set_to_none=True) after step() and before the next backward or "
+    "step(). See Note: [The gradient after step()]"
+)
+
+# Note: [The gradient after step()]
+# torch.optim leaves ``param.grad`` as it was after `step()`: the next backward accumulates
+# into it unless `zero_grad()` ran, `zero_grad(set_to_none=False)` turns it into zeros (so a
+# parameter unused in the next backward is stepped with a zero gradient: weight decay and
+# momentum still apply), and a second `step()` steps with it again. Here the gradient left the
+# device, so after `step()` ``param.grad`` holds a `ConsumedGrad`: a placeholder that stands
+# for "a gradient torch.optim would still hold" and raises when anything reads or accumulates
+# into it. So every loop either behaves exactly as with torch.optim or is refused before a
+# value changes:
+# - `zero_grad()` / `model.zero_grad()` (set_to_none) drop it: as torch.optim.
+# - `zero_grad(set_to_none=False)` of this optimizer replaces it with real zeros on the
+#   device, which the next backward accumulates into and the step reads: as torch.optim
+#   (``model.zero_grad(set_to_none=False)`` zeroes it in place, which the placeholder
+#   refuses, naming this optimizer's `zero_grad`).
+# - The next backward without `zero_grad()` (torch.optim would accumulate across steps), a
+#   second `step()` without a backward (it would step again) and a read (`clip_grad_norm_`,
+#   logging) are refused: the first final gradient's hook (before any bucket leaves) and
+#   `step()` (before any bucket is dispatched) look for a placeholder, and autograd's own
+#   accumulation into one raises from the placeholder.
+# DTensor parameters (FSDP2, TP) keep their real gradient after `step()` (it is read at
+# `step()`, not moved), so they behave as with torch.optim without a placeholder.
+
+
+# Note: [Loss scaling]
+# `torch.amp.GradScaler` unscales and checks every gradient of the optimizer (`unscale_`,
+# also inside `scaler.step`) and skips `optimizer.step()` when one is not finite. Its one
+# read of the gradients is a call of `_amp_foreach_non_finite_check_and_unscale_` over
+# ``param.grad``: for moved ones `MovedGrad` serves that call on the host (the worker, once
+# every bucket queued before has arrived, runs the same op on the fp32 host gradients and
+# rounds them to the parameter's dtype, which is what the op writes into a gradient of that
+# dtype; gradients still on the device go through the op there) and sets ``found_inf``.
+# So `scaler.step(opt)` steps with the unscaled gradients, or skips the step with nothing
+# written, bitwise as torch.optim; ``max_grad_norm`` clips the unscaled gradients.
+# That needs no bucket stepped before the unscale: a scaled gradient must never be stepped.
+# A scaler is not seen before backward, so until the first `step()` is done (and for good
+# once a scaler was seen), buckets are stepped at `step()`, not as they arrive; with
+# ``overlap=False`` or ``max_grad_norm`` they always are. A scaler first used after steps
+# without one finds buckets stepped during backward: refused, naming ``overlap=False``,
+# but those parameters took that step (an undoable step is issue 40's).
+
+
+class _Unscale:
+    """A GradScaler unscale of moved gradients, run by the worker (Note: [Loss scaling])."""
+
+    def __init__(self, records: list[Any], inv_scale: torch.Tensor):
+        self.records = records
+        self.inv_scale = inv_scale  # on the host
+        self.found = False
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def run(self, runtime: Any) -> None:
+        try:
+            stepped = sum(b.stepped for b in runtime.buckets)
+            if stepped:
+                raise RuntimeError(
+                    f"torch.amp.GradScaler: the host had already stepped {stepped} of "
+                    f"{len(runtime.buckets)} buckets with the scaled gradients during backward "
+                    "(no scaler was seen in the first step(), so buckets are stepped as their "
+                    "gradients arrive): those parameters took a step with scaled gradients. "
+                    "Use the scaler from the first step on, or build the OffloadedOptimizer "
+                    "with overlap=False (the host then steps at step() only). See Note: [Loss "
+                    "scaling]"
+                )
+            if any(not runtime.buckets[r.entry.bucket].arrived for r in self.records):
+                raise RuntimeError("GradScaler: a moved gradient never reached the host")
+            found = torch.zeros((), dtype=torch.float32)
+            grads = [r.grad for r in self.records]
+            with torch.no_grad():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found, self.inv_scale)
+                for r in self.records:  # what the op writes into a gradient of this dtype
+                    if r.entry.dtype != torch.float32:
+                        r.grad.copy_(r.grad.to(r.entry.dtype))
+                if runtime.config.max_grad_norm is not None:  # norms of unscaled gradients
+                    for b in {r.entry.bucket for r in self.records}:
+                        bucket = runtime.buckets[b]
+                        with_grad = [r.grad for r in bucket.records if r.has_grad]
+                        norm_type = runtime.config.norm_type
+                        bucket.norms = list(torch._foreach_norm(with_grad, norm_type))
+            self.found = bool(found.item())
+        except BaseException as exc:
+            self.error = exc
+        self.done.set()
+
+
+_UNSCALE = "_amp_foreach_non_finite_check_and_unscale_"
+
+
+class MovedGrad(torch.Tensor):
+    """What ``param.grad`` holds between the final backward and `step()`: a tensor with the
+    gradient's metadata and no storage, any operation on which raises `MovedGradError` (so
+    ``clip_grad_norm_`` on the model cannot silently see no gradients), except GradScaler's
+    unscale, served on the host (Note: [Loss scaling])."""
+
+    message = _MOVED
+    _owner: Any = None  # (weakref to the runtime, the record), while moved
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor) -> MovedGrad:
+        # ``like``'s own geometry: a streamed parameter's placeholder is empty and must take a
+        # gradient of its own size (Note: [Placeholders never answer]).
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch.Tensor._make_wrapper_subclass(
+                cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
+            )
+
+    def __repr__(self) -> str:  # the default repr would run ops
+        return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device})")  # fmt: skip
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        placeholder = next((t for t in _tensors(args, kwargs) if isinstance(t, MovedGrad)), None)
+        message = cls.message if placeholder is None else placeholder.message
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            grads, found_inf, inv_scale = args
+            moved = [g for g in grads if isinstance(g, MovedGrad)]
+            owners = {id(g._owner[0]) for g in moved if type(g) is MovedGrad and g._owner}
+            if len(moved) == sum(type(g) is MovedGrad for g in moved) and len(owners) == 1:
+                _unscale(grads, found_inf, inv_scale)
+                return None
+        raise MovedGradError(f"{func}: {message}")
+
+
+def _unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor):
+    """GradScaler's `_amp_foreach_non_finite_check_and_unscale_` over ``grads``, some of
+    them moved (of one runtime). See Note: [Loss scaling]."""
+    here = [g for g in grads if not isinstance(g, MovedGrad)]
+    if here:
+        torch._amp_foreach_non_finite_check_and_unscale_(here, found_inf, inv_scale)
+    moved = [g for g in grads if isinstance(g, MovedGrad)]
+    runtime = moved[0]._owner[0]()
+    if runtime is None or runtime.closed:
+        raise MovedGradError(f"{_UNSCALE}: {_MOVED}")
+    if runtime.unscale([g._owner[1] for g in moved], inv_scale):
+        found_inf.fill_(1.0)
+
+
+class ConsumedGrad(MovedGrad):
+    """What ``param.grad`` holds after `step()` consumed the gradient, until `zero_grad()`:
+    any operation on it (a read, the next backward's accumulation) raises `MovedGradError`.
+    See Note: [The gradient after step()]."""
+
+    message = _CONSUMED
+
+
+def _tensors(args: Any, kwargs: Any) -> Iterator[Any]:
+    for a in (*args, *(kwargs or {}).values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    yield b
