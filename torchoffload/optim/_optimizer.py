@@ -157,7 +157,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 model.register_forward_pre_hook(rt.enter_forward),
                 model.register_forward_hook(rt.exit_forward, always_call=True),
             ]
-            # Note: [Reading the model while stepping ahead]: every module that owns one of
+            # See Note: [Reading the model while stepping ahead]: every module that owns one of
             # these parameters finishes the step before its state is saved or loaded.
             ours = {id(p) for p in flat}
             for m in model.modules():

@@ -167,7 +167,7 @@ class ParameterRuntime:
                 self.hosted.append((leaf.source, hosted))
             for t, offset, size, stride in piece.leaves:
                 STREAMED[t] = self
-                # Note: [Placeholders never answer]
+                # See Note: [Placeholders never answer]
                 _hosted.register(t, _hosted.Ref(self, key, offset, size, stride, t.dtype,
                                                  self._names[id(t)], nn.Parameter))  # fmt: skip
         self.units = [
