@@ -69,7 +69,10 @@ def test_a_read_inside_a_capture_is_refused():
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), pytest.raises(HostedError, match="CUDA-graph capture"):
-        with torch.cuda.graph(graph, stream=stream):
-            w.sum()
+    with (
+        torch.cuda.stream(stream),
+        pytest.raises(HostedError, match="CUDA-graph capture"),
+        torch.cuda.graph(graph, stream=stream),
+    ):
+        w.sum()
     handle.remove()
