@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -79,6 +80,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if issubclass(optimizer_class, OffloadedOptimizer):
             raise TypeError(
                 "optimizer_class must be the class to run on the host, not OffloadedOptimizer"
+            )
+        if _needs_closure(optimizer_class):
+            raise ValueError(
+                f"{optimizer_class.__name__}.step needs a closure (it evaluates the loss again), "
+                "which the host step cannot run: the model and its gradients are on the device. "
+                "Use an optimizer whose step takes no closure (AdamW, SGD, Adam, ...)"
             )
         config_fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
         if config is None:
@@ -425,6 +432,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
+
+
+def _needs_closure(cls: type) -> bool:
+    """Whether ``cls.step`` requires its closure (LBFGS re-evaluates the loss)."""
+    try:
+        param = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
 _PLAIN = (torch.Tensor, torch.nn.Parameter, HostedParameter)  # Note: [Placeholders never answer]
 
 
