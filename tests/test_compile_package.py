@@ -738,3 +738,89 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
         stats = program.handle.stats()
         assert stats.kept_units < stats.units and stats.peak_device_bytes <= budget
         program.remove()
+
+
+class _TwoInputs(nn.Module):
+    """A tensor, a constant (specialized at export) and a keyword tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x, n, *, mask):
+        return self.fc2(torch.relu(self.fc1(x))) * mask.unsqueeze(-1) + n
+
+
+def test_a_package_called_with_another_input_than_exported_is_refused(tmp_path):
+    """Issue 38, item 8: a larger input gave a silently partial result and a smaller one
+    aborted the process (rc -6). Every input is checked before the call starts (Note:
+    [Checking a package's inputs]): nothing runs, nothing is counted."""
+    torch.manual_seed(0)
+    model = _TwoInputs().eval()
+    x, mask = torch.randn(2, 8), torch.ones(2)
+    catalog = toc.save_streamed_package(model, (x, 3), tmp_path / "m.pt2", {"mask": mask},
+                                        weights=tmp_path / "m.safetensors")  # fmt: skip
+    program = toc.load_streamed_package(tmp_path / "m.pt2", tmp_path / "m.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(program(x, 3, mask=mask), model(x, 3, mask=mask))
+    calls = program.handle.stats().calls
+    for shape in ((3, 8), (1, 8), (2, 9), (2, 8, 1), (8,)):
+        message = rf"argument 'x' \(args\[0\]\) has shape \[{str(shape)[1:-1].rstrip(',')}\], "
+        with pytest.raises(ValueError, match=message + r"but .* exported for shape \[2, 8\]"):
+            program(torch.randn(*shape), 3, mask=mask)
+    with pytest.raises(ValueError, match=r"'mask' \(kwargs\['mask'\]\) has shape \[3\]"):
+        program(x, 3, mask=torch.ones(3))
+    with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) is torch.float64 on cpu, but"):
+        program(x.double(), 3, mask=mask)
+    with pytest.raises(ValueError, match=r"'n' \(args\[1\]\) is 4, but this program was export"):
+        program(x, 4, mask=mask)
+    with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) is a float, but"):
+        program(1.0, 3, mask=mask)
+    with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) is missing or not a tensor, but"):
+        program([1.0] * 8, 3, mask=mask)
+    assert program.handle.stats().calls == calls
+    with torch.no_grad():  # and the program still runs
+        assert torch.equal(program(x, 3, mask=mask), model(x, 3, mask=mask))
+    program.remove()
+    assert [i.name for i in catalog.inputs] == ["x", "n", "mask"]
+    assert toc.read_catalog(tmp_path / "m.pt2").inputs == catalog.inputs
+
+
+class _SharedBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, mask):
+        return self.fc(x) * mask.unsqueeze(-1)
+
+
+def test_a_dynamic_package_takes_every_shape_in_its_range_and_no_other(tmp_path):
+    """A dim exported as ``Dim("batch", min=1, max=8)`` takes 1 to 8, the same in every input
+    that shares it; the static dims stay static."""
+    torch.manual_seed(0)
+    model = _SharedBatch().eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    x, mask = torch.randn(2, 8), torch.ones(2)
+    catalog = toc.save_streamed_package(
+        model, (x, mask), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors",
+        dynamic_shapes=({0: batch}, {0: batch}),
+    )  # fmt: skip
+    program = toc.load_streamed_package(tmp_path / "m.pt2", tmp_path / "m.safetensors", "cpu",
+                                        budget_bytes=1 << 20)  # fmt: skip
+    for b in (1, 5, 8):
+        xb, mb = torch.randn(b, 8), torch.rand(b)
+        with torch.no_grad():
+            assert (program(xb, mb) - model(xb, mb)).abs().max() < 1e-6, b
+    with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) has shape \[9, 8\]") as e:
+        program(torch.randn(9, 8), torch.ones(9))  # before: a silently partial result
+    sym = catalog.inputs[0].shape[0]
+    assert catalog.dims == {sym: (1, 8)} and [i.shape for i in catalog.inputs] == [(sym, 8), (sym,)]
+    assert f"exported for shape [{sym}, 8] with 1 <= {sym} <= 8" in str(e.value)
+    with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) has shape \[3, 7\]"):
+        program(torch.randn(3, 7), torch.ones(3))
+    with pytest.raises(ValueError, match=rf"'mask' .* has shape \[4\], .*and {sym} is 3 in 'x'"):
+        program(torch.randn(3, 8), torch.ones(4))
+    program.remove()

@@ -172,6 +172,25 @@ def test_a_cuda_package_refuses_the_cpu(built):
                                   "cpu", budget_bytes=1 << 30)  # fmt: skip
 
 
+def test_inputs_the_package_was_not_exported_for_are_refused_before_the_call(built):
+    """Issue 38, item 8 (Note: [Checking a package's inputs]): a batch above the exported
+    range, another sequence length, a CPU tensor or another dtype is refused before anything
+    runs; a batch inside the range runs."""
+    program = load(built, 1 << 30)
+    program(tokens((16, 64), 1))
+    calls = program.handle.stats().calls
+    for x, message in (
+        (tokens((17, 64), 1), r"'tokens' \(args\[0\]\) has shape \[17, 64\], but .* <= 16"),
+        (tokens((2, 65), 1), r"has shape \[2, 65\], but this program was exported for shape"),
+        (tokens((2, 64), 1).cpu(), r"is torch.int64 on cpu, but .* torch.int64 on cuda"),
+        (tokens((2, 64), 1).int(), r"is torch.int32 on cuda, but .* torch.int64 on cuda"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            program(x)
+    assert program.handle.stats().calls == calls
+    program.remove()
+
+
 def test_hf_llama_with_parameters_on_meta_reads_its_checkpoint(tmp_path):
     """A bf16 Hugging Face Llama with its parameters on meta exports for CUDA without weight
     values and reads its save_pretrained checkpoint (sharded, tied embedding): streamed with the

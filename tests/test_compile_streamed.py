@@ -68,7 +68,10 @@ def test_dynamic_batch_and_a_checkpoint_on_meta(kept, tmp_path):
 
 
 def test_bad_input(kept):
-    model, tokens, _, _ = kept
+    model, tokens, program, _ = kept
+    # Note: [Checking a package's inputs]: before the call starts
+    with pytest.raises(ValueError, match=r"'tokens' \(args\[0\]\) has shape \[3, 16\], but"):
+        program(torch.zeros(3, 16, dtype=torch.long))
     with pytest.raises(ValueError, match="minimum budget"):
         toc.compile_streamed(model, (tokens,), budget_bytes=1024, pin_memory=False)
     with torch.device("meta"):

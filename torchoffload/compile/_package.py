@@ -76,7 +76,7 @@ import struct
 import weakref
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +88,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
+from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
 from torchoffload.compile._ops import _lib
 from torchoffload.compile._probe import ProbeServer, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
@@ -106,9 +107,10 @@ __all__ = [
 ]
 
 CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
-FORMAT = 4  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
+FORMAT = 5  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
 # 3: written_inputs (Note: [Arguments written in place] in weights/_graph.py); 4: weight.finish
-# (Note: [Ordering weights in a compiled program]: a package before it may read a reused slot)
+# (Note: [Ordering weights in a compiled program]: a package before it may read a reused slot);
+# 5: inputs and dims (Note: [Checking a package's inputs] in _inputs.py)
 _DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
 
 
@@ -220,7 +222,8 @@ class Catalog:
     """What a streamed program's probes serve: ``probes[i]`` is the name of the weight probe
     ``i`` serves; ``weights`` maps that name to its `WeightEntry`. ``positions[i]`` is probe
     ``i``'s place in the traced graph and ``last_use[i]`` that of its last user, which decide
-    when a unit is finished (Note: [Serving a probe])."""
+    when a unit is finished (Note: [Serving a probe]). ``inputs`` and ``dims`` say which inputs
+    the program was exported for (Note: [Checking a package's inputs])."""
 
     device_type: str
     probes: tuple[str, ...]
@@ -229,6 +232,8 @@ class Catalog:
     last_use: tuple[int, ...]
     # the inputs the program writes in place, as pytree key paths of (args, kwargs)
     written_inputs: tuple[str, ...] = ()
+    inputs: tuple[InputSpec, ...] = ()
+    dims: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> range
 
     @property
     def nbytes(self) -> int:
@@ -243,7 +248,9 @@ class Catalog:
         return json.dumps(
             {"format": FORMAT, "device_type": self.device_type, "probes": list(self.probes),
              "weights": weights, "positions": list(self.positions),
-             "last_use": list(self.last_use), "written_inputs": list(self.written_inputs)},
+             "last_use": list(self.last_use), "written_inputs": list(self.written_inputs),
+             "inputs": [i.to_obj() for i in self.inputs],
+             "dims": {s: list(r) for s, r in self.dims.items()}},
             indent=1,
         )  # fmt: skip
 
@@ -265,8 +272,10 @@ class Catalog:
             positions = _list_of(d.get("positions"), int, "positions")
             last_use = _list_of(d.get("last_use"), int, "last_use")
             written = _list_of(d.get("written_inputs"), str, "written_inputs")
+            inputs = tuple(InputSpec.from_obj(i) for i in _list_of(d.get("inputs"), dict, "inputs"))
+            dims = _dims(d.get("dims"))
             cat = cls(d["device_type"], tuple(probes), weights, tuple(positions),
-                      tuple(last_use), tuple(written))  # fmt: skip
+                      tuple(last_use), tuple(written), inputs, dims)  # fmt: skip
             if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
                 raise ValueError("probes, positions and last_use differ in length")
             unknown = [n for n in cat.probes if n not in weights]
@@ -275,6 +284,20 @@ class Catalog:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{source} is not a torchoffload weight catalog ({e})") from None
         return cat
+
+
+def _dims(value: object) -> dict[str, tuple[int, int | None]]:
+    """The catalog's ``dims``: symbol -> [min, max or null]."""
+    if not isinstance(value, dict):
+        raise ValueError("dims must be an object")
+    out = {}
+    for sym, r in value.items():
+        ok = isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and (
+            r[1] is None or isinstance(r[1], int))  # fmt: skip
+        if not ok:
+            raise ValueError(f"dims[{sym!r}] must be [min, max or null]")
+        out[sym] = (r[0], r[1])
+    return out
 
 
 def _list_of(value: object, kind: type, what: str) -> list[Any]:
@@ -400,11 +423,10 @@ def export_streamed(
     remove_noop_ops(gm.graph)
     gm.recompile()
     catalog = replace(_insert_weight_reads(gm, device), written_inputs=written)
-    return (
-        torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
-                            strict=False),
-        catalog,
-    )  # fmt: skip
+    ep = torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
+                             strict=False)  # fmt: skip
+    inputs, dims = input_specs(ep)
+    return ep, replace(catalog, inputs=inputs, dims=dims)
 
 
 def _written_inputs(ep: torch.export.ExportedProgram, args: Any, kwargs: Any) -> tuple[str, ...]:
@@ -726,11 +748,13 @@ class StreamedPackage:
         # streamed tensors would otherwise keep them alive).
         self._finalizer = weakref.finalize(self, runtime.restore, False)
         self._written = frozenset(catalog.written_inputs)  # Note: [Arguments written in place]
+        self._check = InputCheck(catalog.inputs, catalog.dims)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves = self._check(args, kwargs)  # Note: [Checking a package's inputs]
         out, _weights = self._server.run(self._program, args, kwargs)
         if self._written:  # Note: [Arguments written in place] (weights/_graph.py)
-            for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            for path, x in leaves:
                 tracked = isinstance(x, torch.Tensor) and not x.is_inference()
                 if tracked and pytree.keystr(path) in self._written:
                     torch.autograd.graph.increment_version(x)
