@@ -716,14 +716,16 @@ def test_every_weight_is_declared_written_by_the_probe_that_finishes_it():
 
 
 def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(tmp_path):
-    """Issue 38: at the least budget, calls 1, 2 and 3 of the package were off by 1.2 (call 0
-    matched: the slot still held the embedding). The package at each depth's least budget is
+    """Issue 38: at the least budget, calls 1, 2 and 3 of the package were off by 0.97 (1.2 in
+    the issue; call 0 matched: the slot still held the embedding). The package at each depth's least budget is
     bitwise the same package with every unit kept, call after call."""
     torch.manual_seed(0)
     model, x = _EmbedResidual().eval(), torch.tensor([[7]])
     toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
     with zipfile.ZipFile(tmp_path / "m.pt2") as z:  # the declared writes copy nothing
-        assert not any(b"clone" in z.read(f) for f in z.namelist() if f.endswith(".cpp"))
+        code = [z.read(f).decode() for f in z.namelist() if f.endswith(".cpp")]
+    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    assert code and not clones, clones[:5]
 
     def load(budget, depth):
         return toc.load_streamed_package(tmp_path / "m.pt2", tmp_path / "m.safetensors", "cpu",

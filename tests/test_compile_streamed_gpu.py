@@ -75,7 +75,8 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         want, code = run_and_get_code(kept, x)
         assert (want.cpu() - model(x.cpu())).abs().max() < 1e-4
-    assert code and not any("clone" in c for c in code)  # the declared writes copy nothing
+    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    assert code and not clones, clones[:5]  # the declared writes copy nothing
     for depth in (0, 1, 2):
         budget = minimum_budget(model, prefetch_depth=depth)
         program = toc.compile_streamed(model, (x,), budget_bytes=budget, prefetch_depth=depth,
