@@ -751,10 +751,10 @@ class StreamedPackage:
         self._check = InputCheck(catalog.inputs, catalog.dims)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        leaves = self._check(args, kwargs)  # Note: [Checking a package's inputs]
+        self._check(args, kwargs)  # Note: [Checking a package's inputs]
         out, _weights = self._server.run(self._program, args, kwargs)
         if self._written:  # Note: [Arguments written in place] (weights/_graph.py)
-            for path, x in leaves:
+            for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
                 tracked = isinstance(x, torch.Tensor) and not x.is_inference()
                 if tracked and pytree.keystr(path) in self._written:
                     torch.autograd.graph.increment_version(x)
