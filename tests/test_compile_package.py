@@ -717,8 +717,8 @@ def test_every_weight_is_declared_written_by_the_probe_that_finishes_it():
 
 def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(tmp_path):
     """Issue 38: at the least budget, calls 1, 2 and 3 of the package were off by 0.97 (1.2 in
-    the issue; call 0 matched: the slot still held the embedding). The package at each depth's least budget is
-    bitwise the same package with every unit kept, call after call."""
+    the issue; call 0 matched: the slot still held the embedding). The package at each depth's
+    least budget is bitwise the same package with every unit kept, call after call."""
     torch.manual_seed(0)
     model, x = _EmbedResidual().eval(), torch.tensor([[7]])
     toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
