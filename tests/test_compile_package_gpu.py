@@ -1,18 +1,20 @@
 """AOTInductor packages without weights, on a GPU: bitwise parity with the same package with
 every unit kept, with the copy stream slowed, and near the plain package (weights embedded);
 the arena within its budget, no host sync in steady state, and a Hugging Face Llama exported
-from the meta device reading its checkpoint."""
+from the meta device reading its checkpoint, and a weight that Inductor reads again in a later
+kernel (issue 38)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 
 import torchoffload.compile as toc
-from torchoffload import testing
+from torchoffload import minimum_budget, testing
 from torchoffload.models import GPT, GPTConfig
 
 pytestmark = [
@@ -95,7 +97,7 @@ def kept_outputs(built, xs):
     arena (README: "bitwise those of the same package with every unit kept"). Against the plain
     package (weights embedded) only to bf16's rounding: Inductor fuses pointwise chains across a
     weight's probe there, computing in fp32 what the streamed program must round to bf16
-    (Note: [Ordering weights in a compiled program], 2). Seen with the CPU tests' GPT (hidden
+    (Note: [Ordering weights in a compiled program], 3). Seen with the CPU tests' GPT (hidden
     64) in bf16: the plain program fuses the embedding and position add into the first layer
     norm; logits differ by at most 0.25 (one ulp at their largest, 56.75), and streamed equals
     all-kept. On this GPU the plain program's first output differed too (2026-11-25).
@@ -171,6 +173,25 @@ def test_a_cuda_package_refuses_the_cpu(built):
                                   "cpu", budget_bytes=1 << 30)  # fmt: skip
 
 
+def test_inputs_the_package_was_not_exported_for_are_refused_before_the_call(built):
+    """Issue 38, item 8 (Note: [Checking a package's inputs]): a batch above the exported
+    range, another sequence length, a CPU tensor or another dtype is refused before anything
+    runs; a batch inside the range runs."""
+    program = load(built, 1 << 30)
+    program(tokens((16, 64), 1))
+    calls = program.handle.stats().calls
+    for x, message in (
+        (tokens((17, 64), 1), r"'tokens' \(args\[0\]\) has shape \[17, 64\], but .* <= 16"),
+        (tokens((2, 65), 1), r"has shape \[2, 65\], but this program was exported for shape"),
+        (tokens((2, 64), 1).cpu(), r"is torch.int64 on cpu, but .* torch.int64 on cuda"),
+        (tokens((2, 64), 1).int(), r"is torch.int32 on cuda, but .* torch.int64 on cuda"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            program(x)
+    assert program.handle.stats().calls == calls
+    program.remove()
+
+
 def test_hf_llama_with_parameters_on_meta_reads_its_checkpoint(tmp_path):
     """A bf16 Hugging Face Llama with its parameters on meta exports for CUDA without weight
     values and reads its save_pretrained checkpoint (sharded, tied embedding): streamed with the
@@ -204,3 +225,50 @@ def test_hf_llama_with_parameters_on_meta_reads_its_checkpoint(tmp_path):
     with torch.no_grad():
         ref = real.cuda()(**kwargs).logits
     assert (outs[0][0].float() - ref.float()).abs().max() < 0.25  # compiled vs eager bf16
+
+
+class _EmbedResidual(torch.nn.Module):
+    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
+    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 50, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
+        return self.head(h)
+
+
+def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(tmp_path):
+    """Issue 38 on CUDA: the package's calls after the first read the embedding from a reused
+    slot at the least budget (Note: [Ordering weights in a compiled program])."""
+    torch.manual_seed(0)
+    model = _EmbedResidual().eval()  # on the host: export never reads the weights
+    x = torch.tensor([[7]], device="cuda")
+    toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
+    with zipfile.ZipFile(tmp_path / "m.pt2") as z:  # the declared writes copy nothing
+        code = [z.read(f).decode() for f in z.namelist() if f.endswith(".cpp")]
+    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    assert code and not clones, clones[:5]
+
+    def load(budget, depth):
+        return toc.load_streamed_package(tmp_path / "m.pt2", tmp_path / "m.safetensors", "cuda",
+                                         budget_bytes=budget, prefetch_depth=depth)  # fmt: skip
+
+    want = load(1 << 30, 2)(x)
+    with torch.no_grad():
+        assert (want.cpu() - model(x.cpu())).abs().max() < 1e-4
+    for depth in (0, 1, 2):
+        budget = minimum_budget(model, prefetch_depth=depth)
+        program = load(budget, depth)
+        for call in range(4):
+            assert torch.equal(program(x), want), (budget, depth, call)
+        stats = program.handle.stats()
+        assert stats.kept_units < stats.units and stats.peak_device_bytes <= budget
+        program.remove()

@@ -10,36 +10,55 @@
 
 `export_streamed` traces the model with fake weights on the target device (no weight byte is
 read or copied) and replaces every use of every parameter and buffer with
-``torch.ops.torchoffload.weight(after, probe_id, geometry, device)``: an op with no weight input,
-so the program knows each weight by its probe id only and a compiler has no weight to fold,
-copy or embed. The `Catalog` says, per probe id, which weight it is (name, dtype, shape,
-stride, bytes, and its byte offset in the weights file written at export). `save_streamed_package`
-compiles that program with AOTInductor and stores the catalog inside the ``.pt2``;
-`load_streamed_package` checks the catalog against a safetensors file (one file, a sharded
-index, or a directory), reads the weights straight into the weight engine's pinned host store
-(`stream_weights(checkpoint=)`'s reader) and serves every probe from the engine's device arena.
+``torch.ops.torchoffload.weight(after, probe_id, geometry, device)``: an op with no weight input
+(its ``after`` and its ``weight.finish`` overload's ``finished`` hold earlier probes' outputs,
+only to order it), so the program knows each weight by its probe id only and a compiler has no
+weight to fold, copy or embed. The `Catalog` says, per probe id, which weight it is (name,
+dtype, shape, stride, bytes, and its byte offset in the weights file written at export).
+`save_streamed_package` compiles that program with AOTInductor and stores the catalog inside
+the ``.pt2``; `load_streamed_package` checks the catalog against a safetensors file (one file, a
+sharded index, or a directory), reads the weights straight into the weight engine's pinned host
+store (`stream_weights(checkpoint=)`'s reader) and serves every probe from the engine's device
+arena.
 
 Note: [Ordering weights in a compiled program]
-A compiler may reorder, fuse and reuse buffers; the eager runner's rules (Note: [Serving a
-probe]) hold only if the compiled program keeps three orders, so each is made a data
-dependency or an output that any compiler must respect:
-1. Probes run in id order: probe j takes probe j-1's output in ``after``.
-2. Every node before probe j in graph order runs before it and is not computed again after it:
-   ``after`` also holds each node between probe j-1 and probe j that has a user past probe j.
-   A node fed to an opaque op is realized (computed once into a buffer that its consumers
-   read), so a compiler that inlines a pointwise read of a weight into its consumers (Inductor
-   does this with an embedding lookup) can inline it only into nodes that run before probe j.
-   Every other node there is an ancestor of one in ``after``; earlier ones are covered by 1.
-   So when probe j finishes a unit (records its "done" event), every read of that unit's
-   weights is queued. A view of a weight reads nothing: the unit is finished after the last
-   node that reads it through views (`readers`; the ordering edges of 1 read nothing). A
-   no-op a compiler removes (``w.clone()`` becomes ``w``) is removed before the probes go in,
-   with Inductor's own rules, so its users count as readers too. Found by a Hugging Face
-   Llama on the CPU, whose compiled residual adds re-read the embedding table after its unit
-   was finished, and in review by a cloned table read at the end (max diff 4.07).
-3. No compiler reuses a weight's memory: every probe output is also a graph output (dropped by
-   the runner), and an output buffer is never freed or written in place by the program.
-The cost is that the nodes in 2 are materialized where a compiler might have fused them into a
+A compiler may reorder, fuse, recompute and reuse buffers; the eager runner's rules (Note:
+[Serving a probe]) hold only if, whatever it does, probes run in id order, no weight is read
+after the probe that lets its arena slot be reused, and no weight's memory is used for anything
+else. 1, 2 and 4 make each a fact of the program's semantics, not of the schedule a compiler
+picks today; 3 is what Inductor needs to honour 2:
+1. Probes run in id order: probe j takes probe j-1's output in ``after`` (probe 0 takes an
+   empty tensor the graph makes: the output of an op with no tensor input is not tracked by
+   functionalization, and 2 declares writes to it).
+2. A probe that finishes weights says that it writes them: probe q is ``weight.finish``, whose
+   ``finished`` holds the output of every earlier probe p whose last reader comes before q
+   (`_finished_at`; a `ProbeServer` finishes p's unit at q or later, never earlier). Nothing
+   is written; the declaration is what orders. After q the tensor holds other values as far
+   as the program says, so any compiler that respects the op's schema does every read of p's
+   weight before q, whether it fuses, recomputes (an embedding gather inlined into a later
+   kernel) or reorders. Readers are found through views (`readers`: a view reads nothing,
+   its consumers do), and a no-op a compiler removes (``w.clone()`` becomes ``w``) is removed
+   before the probes go in, with Inductor's own rules, so that its users count as readers.
+   Ordering edges alone do not do this: a compiler may compute a reader again later from the
+   weight, as Inductor did with the embedding below though it was an input of the probe. A copy
+   of each weight into memory the compiler owns would cut recomputation off from the arena too,
+   at the price of copying every weight at every use, outside the budget.
+3. What Inductor needs besides: ``after`` also holds each node between probe j-1 and probe j
+   that has a user past probe j, and both weight ops carry the ``flexible_layout`` tag, so
+   that Inductor realizes those nodes themselves (computes each once into a buffer that later
+   kernels read) before the probe. Inductor honours 2 only for readers realized before the
+   op that writes: the lazy readers of a written buffer it realizes while lowering the write,
+   after that op, and its scheduler then takes them for reads of the new value, free to run
+   later (torch 2.13). And without the tag, its default layout constraint for custom ops
+   copies an unrealized input into a new buffer and leaves the node itself lazy: later kernels
+   inlined it, and a model ``emb -> h + fc2(relu(fc1(ln(h)))) -> head`` at its least budget
+   read the embedding from a reused slot on every call after the first (off by 0.97, CPU and
+   CUDA; issue 38). Before that, a Hugging Face Llama's compiled residual adds re-read the
+   embedding table after its unit was finished, and a cloned table read at the end (max diff
+   4.07) did too.
+4. No compiler reuses a weight's memory: every probe output is also a graph output (dropped by
+   the runner), and an output buffer is never freed or given to another buffer by the program.
+The cost is that the nodes in 3 are materialized where a compiler might have fused them into a
 later kernel. In a low-precision dtype that also changes rounding: fused, Inductor computes the
 chain in fp32; materialized, it is rounded to the dtype. So a streamed package is bitwise the
 same package with every unit kept, and a plain package of the model only when the compiler
@@ -57,7 +76,7 @@ import struct
 import weakref
 import zipfile
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +88,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
+from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
 from torchoffload.compile._ops import _lib
 from torchoffload.compile._probe import ProbeServer, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
@@ -87,15 +107,30 @@ __all__ = [
 ]
 
 CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
-FORMAT = 3  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
-# 3: written_inputs (Note: [Arguments written in place] in weights/_graph.py)
+FORMAT = 5  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
+# 3: written_inputs (Note: [Arguments written in place] in weights/_graph.py); 4: weight.finish
+# (Note: [Ordering weights in a compiled program]: a package before it may read a reused slot);
+# 5: inputs and dims (Note: [Checking a package's inputs] in _inputs.py)
 _DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
 
 
 # Defined at the lower level (Note: [Defining the ops with torch.library.Library]) for its cost
 # and because its outputs alias each other: every weight is a view of the one arena storage,
 # which a custom_op's alias check refuses.
-_lib.define("weight(Tensor[] after, int probe_id, int[] geometry, Device device) -> Tensor")
+# Both overloads are tagged ``flexible_layout`` (Note: [Ordering weights in a compiled program],
+# 3). ``weight.finish`` is the probe that finishes earlier probes' weights and declares that it
+# writes them (2 there); an overload of its own because an empty ``Tensor(a!)[]`` is taken
+# apart wrongly by Inductor's decomposition of auto_functionalized (torch 2.13: a getitem on
+# the op's Tensor result, "<built-in function getitem> is not an OpOverload").
+_lib.define(
+    "weight(Tensor[] after, int probe_id, int[] geometry, Device device) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
+_lib.define(
+    "weight.finish(Tensor[] after, int probe_id, int[] geometry, Device device, "
+    "Tensor(a!)[] finished) -> Tensor",
+    tags=(torch.Tag.flexible_layout,),
+)
 
 # Note: [A weight's geometry as ints]
 # The op says which tensor a probe returns with one int list, ``[dtype code, ndim, *shape,
@@ -124,11 +159,11 @@ def _decode(geometry: Sequence[int]) -> tuple[torch.dtype, list[int], list[int]]
     return _DTYPE_CODES[code], list(geometry[2 : 2 + n]), list(geometry[2 + n :])
 
 
-def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int],
-            device: torch.device) -> torch.Tensor:  # fmt: skip
+def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int], device: torch.device,
+            finished: Sequence[torch.Tensor] = ()) -> torch.Tensor:  # fmt: skip
     """The weight of probe ``probe_id``, served by the running program (`StreamedPackage`).
-    ``geometry`` is its dtype, shape and stride (`_encode`); ``after`` only orders the op
-    (Note: [Ordering weights in a compiled program])."""
+    ``geometry`` is its dtype, shape and stride (`_encode`); ``after`` and ``finished`` only
+    order the op (Note: [Ordering weights in a compiled program]): nothing is written."""
     server = serving()
     if server is None:
         raise RuntimeError(
@@ -148,14 +183,17 @@ def _weight(after: list[torch.Tensor], probe_id: int, geometry: list[int],
     return t
 
 
-def _weight_fake(after, probe_id, geometry, device):
+def _weight_fake(after, probe_id, geometry, device, finished=()):
     dtype, shape, stride = _decode(geometry)
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-_lib.impl("weight", _weight, "CompositeExplicitAutograd")
-torch.library.register_fake("torchoffload::weight", _weight_fake, lib=_lib)
-fx.node.has_side_effect(torch.ops.torchoffload.weight.default)
+for _overload in ("weight", "weight.finish"):
+    _lib.impl(_overload, _weight, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"torchoffload::{_overload}", _weight_fake, lib=_lib)
+_WEIGHT_OPS = (torch.ops.torchoffload.weight.default, torch.ops.torchoffload.weight.finish)
+for _op in _WEIGHT_OPS:
+    fx.node.has_side_effect(_op)
 
 
 # -- the catalog --------------------------------------------------------------------------------
@@ -184,7 +222,8 @@ class Catalog:
     """What a streamed program's probes serve: ``probes[i]`` is the name of the weight probe
     ``i`` serves; ``weights`` maps that name to its `WeightEntry`. ``positions[i]`` is probe
     ``i``'s place in the traced graph and ``last_use[i]`` that of its last user, which decide
-    when a unit is finished (Note: [Serving a probe])."""
+    when a unit is finished (Note: [Serving a probe]). ``inputs`` and ``dims`` say which inputs
+    the program was exported for (Note: [Checking a package's inputs])."""
 
     device_type: str
     probes: tuple[str, ...]
@@ -193,6 +232,8 @@ class Catalog:
     last_use: tuple[int, ...]
     # the inputs the program writes in place, as pytree key paths of (args, kwargs)
     written_inputs: tuple[str, ...] = ()
+    inputs: tuple[InputSpec, ...] = ()
+    dims: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> range
 
     @property
     def nbytes(self) -> int:
@@ -207,7 +248,9 @@ class Catalog:
         return json.dumps(
             {"format": FORMAT, "device_type": self.device_type, "probes": list(self.probes),
              "weights": weights, "positions": list(self.positions),
-             "last_use": list(self.last_use), "written_inputs": list(self.written_inputs)},
+             "last_use": list(self.last_use), "written_inputs": list(self.written_inputs),
+             "inputs": [i.to_obj() for i in self.inputs],
+             "dims": {s: list(r) for s, r in self.dims.items()}},
             indent=1,
         )  # fmt: skip
 
@@ -229,8 +272,10 @@ class Catalog:
             positions = _list_of(d.get("positions"), int, "positions")
             last_use = _list_of(d.get("last_use"), int, "last_use")
             written = _list_of(d.get("written_inputs"), str, "written_inputs")
+            inputs = tuple(InputSpec.from_obj(i) for i in _list_of(d.get("inputs"), dict, "inputs"))
+            dims = _dims(d.get("dims"))
             cat = cls(d["device_type"], tuple(probes), weights, tuple(positions),
-                      tuple(last_use), tuple(written))  # fmt: skip
+                      tuple(last_use), tuple(written), inputs, dims)  # fmt: skip
             if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
                 raise ValueError("probes, positions and last_use differ in length")
             unknown = [n for n in cat.probes if n not in weights]
@@ -239,6 +284,20 @@ class Catalog:
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{source} is not a torchoffload weight catalog ({e})") from None
         return cat
+
+
+def _dims(value: object) -> dict[str, tuple[int, int | None]]:
+    """The catalog's ``dims``: symbol -> [min, max or null]."""
+    if not isinstance(value, dict):
+        raise ValueError("dims must be an object")
+    out = {}
+    for sym, r in value.items():
+        ok = isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and (
+            r[1] is None or isinstance(r[1], int))  # fmt: skip
+        if not ok:
+            raise ValueError(f"dims[{sym!r}] must be [min, max or null]")
+        out[sym] = (r[0], r[1])
+    return out
 
 
 def _list_of(value: object, kind: type, what: str) -> list[Any]:
@@ -364,11 +423,10 @@ def export_streamed(
     remove_noop_ops(gm.graph)
     gm.recompile()
     catalog = replace(_insert_weight_reads(gm, device), written_inputs=written)
-    return (
-        torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
-                            strict=False),
-        catalog,
-    )  # fmt: skip
+    ep = torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
+                             strict=False)  # fmt: skip
+    inputs, dims = input_specs(ep)
+    return ep, replace(catalog, inputs=inputs, dims=dims)
 
 
 def _written_inputs(ep: torch.export.ExportedProgram, args: Any, kwargs: Any) -> tuple[str, ...]:
@@ -431,7 +489,7 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
                     tuple(names_of[id(t)]), t.dtype, tuple(t.shape), tuple(t.stride()),
                     t.numel() * t.element_size(),
                 )  # fmt: skip
-            after = [probes[-1]] if probes else []
+            after = [probes[-1]] if probes else [_functional_start(graph, node, device)]
             since = set(pending)
             after += [n for n in pending if _is_tensor(n) and not since.issuperset(n.users)]
             geometry = _encode(t.dtype, t.shape, t.stride())
@@ -460,13 +518,40 @@ def _insert_weight_reads(gm: fx.GraphModule, device: torch.device) -> Catalog:
     graph._codegen.pytree_info = info._replace(
         out_spec=pytree.tree_structure((user, tuple(range(len(probes)))))
     )
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    positions = [position[p] for p in probes]
+    last_use = [max(position[u] for u in readers(p, _WEIGHT_OPS)) for p in probes]
+    for p, finished in zip(probes, _finished_at(positions, last_use), strict=True):
+        if finished:
+            p.target = torch.ops.torchoffload.weight.finish
+            p.args = (*p.args, [probes[i] for i in finished])
     graph.lint()
     gm.recompile()
-    position = {n: i for i, n in enumerate(graph.nodes)}
-    return Catalog(
-        device.type, tuple(probe_names), entries, tuple(position[p] for p in probes),
-        tuple(max(position[u] for u in readers(p, op)) for p in probes),
-    )  # fmt: skip
+    return Catalog(device.type, tuple(probe_names), entries, tuple(positions), tuple(last_use))
+
+
+def _finished_at(positions: Sequence[int], last_use: Sequence[int]) -> list[list[int]]:
+    """For each probe q, the earlier probes p whose weight is finished at q: q is the first
+    probe placed after p's last reader (Note: [Ordering weights in a compiled program]). A
+    `ProbeServer` finishes p's unit at q or later, never earlier."""
+    out: list[list[int]] = [[] for _ in positions]
+    for p, use in enumerate(last_use):
+        q = next((q for q in range(p + 1, len(positions)) if positions[q] > use), None)
+        if q is not None:
+            out[q].append(p)
+    return out
+
+
+def _functional_start(graph: fx.Graph, before: fx.Node, device: torch.device) -> fx.Node:
+    """An empty tensor made by the graph, for probe 0's ``after``: an op with no tensor input
+    returns a tensor that functionalization does not track (a FakeTensor, not a
+    FunctionalTensor, torch 2.13), and compiling a ``weight.finish`` that declares a write to
+    it fails."""
+    with graph.inserting_before(before):
+        start = graph.call_function(torch.ops.aten.empty.memory_format, ([0],),
+                                    {"dtype": torch.uint8, "device": device})  # fmt: skip
+    start.meta["val"] = torch.empty(0, dtype=torch.uint8, device="meta")
+    return start
 
 
 def _is_tensor(node: fx.Node) -> bool:
@@ -663,8 +748,10 @@ class StreamedPackage:
         # streamed tensors would otherwise keep them alive).
         self._finalizer = weakref.finalize(self, runtime.restore, False)
         self._written = frozenset(catalog.written_inputs)  # Note: [Arguments written in place]
+        self._check = InputCheck(catalog.inputs, catalog.dims)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check(args, kwargs)  # Note: [Checking a package's inputs]
         out, _weights = self._server.run(self._program, args, kwargs)
         if self._written:  # Note: [Arguments written in place] (weights/_graph.py)
             for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:

@@ -57,18 +57,16 @@ def serving() -> ProbeServer | None:
     return active[-1] if active else None
 
 
-def readers(node: fx.Node, ordering: Any = None, outputs: bool = False) -> list[fx.Node]:
+def readers(node: fx.Node, ordering: Sequence[Any] = (), outputs: bool = False) -> list[fx.Node]:
     """The nodes that read ``node``'s memory: its users, and the users of every view of it (a
-    view reads nothing itself; whoever consumes the view does). Users whose target is
-    ``ordering`` (an op that takes tensors only to be ordered after them) read nothing. The
+    view reads nothing itself; whoever consumes the view does). Users whose target is one of
+    ``ordering`` (ops that take tensors only to be ordered after them) read nothing. The
     graph's output node is one only with ``outputs``."""
     out: list[fx.Node] = []
     todo = list(node.users)
     while todo:
         user = todo.pop()
-        if (user.op == "output" and not outputs) or (
-            ordering is not None and user.target is ordering
-        ):
+        if (user.op == "output" and not outputs) or user.target in ordering:
             continue
         out.append(user)
         if _is_view(user):

@@ -1,0 +1,71 @@
+"""What a streamed program was exported for, checked per call (`torchoffload.compile._inputs`,
+Note: [Checking a package's inputs]), on exported programs without compiling them: static,
+shared, derived and unbounded dims, constants, keyword inputs in any order, the catalog form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
+
+
+class _Concat(nn.Module):
+    def forward(self, x, y, n, *, scale, mask):
+        return torch.cat([x, x]) * n + y + scale * mask.sum()
+
+
+def _check():
+    b = torch.export.Dim("b", min=1)  # no max
+    ep = torch.export.export(
+        _Concat(), (torch.randn(3, 4), torch.randn(6, 4), 2),
+        {"scale": torch.ones(4), "mask": torch.ones(3)},
+        dynamic_shapes={"x": {0: b}, "y": {0: 2 * b}, "n": None, "scale": None, "mask": {0: b}},
+    )  # fmt: skip
+    inputs, dims = input_specs(ep)
+    return InputCheck(inputs, dims), inputs, dims
+
+
+def test_every_dim_kind_is_checked():
+    check, inputs, dims = _check()
+    assert [i.name for i in inputs] == ["x", "y", "n", "scale", "mask"]
+    assert [i.where for i in inputs] == ["args[0]", "args[1]", "args[2]", "kwargs['scale']",
+                                         "kwargs['mask']"]  # fmt: skip
+    sym = inputs[0].shape[0]
+    assert dims[sym] == (1, None) and inputs[1].shape == (f"2*{sym}", 4)
+    one = torch.ones(4)
+    for b in (1, 5, 100):  # unbounded; the keyword inputs in either order
+        check((torch.randn(b, 4), torch.randn(2 * b, 4), 2), {"mask": torch.ones(b), "scale": one})
+    cases = [
+        (
+            (torch.randn(5, 4), torch.randn(9, 4), 2),
+            rf"'y' \(args\[1\]\) has shape \[9, 4\], .*\(2\*{sym} = 10 here\)",
+        ),
+        ((torch.randn(5, 3), torch.randn(10, 3), 2), r"'x' \(args\[0\]\) has shape \[5, 3\]"),
+        ((torch.randn(0, 4), torch.randn(0, 4), 2), rf"\[0, 4\], .*with 1 <= {sym}:"),
+        ((torch.randn(5, 4), torch.randn(10, 4), 3), r"'n' \(args\[2\]\) is 3, but .* for 2"),
+        ((torch.randn(5, 4), torch.randn(10, 4), 2.0), r"'n' \(args\[2\]\) is 2.0, but"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check(args, {"scale": one, "mask": torch.ones(args[0].shape[0])})
+    with pytest.raises(ValueError, match=rf"'mask' \(kwargs\['mask'\]\) .* {sym} is 5 in 'x'"):
+        check((torch.randn(5, 4), torch.randn(10, 4), 2), {"scale": one, "mask": torch.ones(4)})
+    with pytest.raises(ValueError, match=r"'scale' \(kwargs\['scale'\]\) is missing or not a"):
+        check((torch.randn(5, 4), torch.randn(10, 4), 2), {"mask": torch.ones(5)})
+
+
+def test_the_catalog_form_round_trips_and_refuses_what_it_cannot_read():
+    _, inputs, _ = _check()
+    assert tuple(InputSpec.from_obj(i.to_obj()) for i in inputs) == inputs
+    for bad, message in (
+        ({"path": "[0][0]"}, "with a path and a name"),
+        ({"path": "[0][0]", "name": "x", "value": [1]}, "a constant must be a JSON scalar"),
+        ({"path": "[0][0]", "name": "x", "dtype": "nope", "device": "cpu", "shape": []},
+         "must name a dtype"),
+        ({"path": "[0][0]", "name": "x", "dtype": "float32", "device": "cpu", "shape": [1.5]},
+         "shape must be a list of ints and strings"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            InputSpec.from_obj(bad)
