@@ -724,7 +724,8 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
     toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
     with zipfile.ZipFile(tmp_path / "m.pt2") as z:  # the declared writes copy nothing
         code = [z.read(f).decode() for f in z.namelist() if f.endswith(".cpp")]
-    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    # A clone of an input for alignment (AOTInductor on CUDA, `arg0_1_aligned`) copies no weight.
+    clones = [ln for c in code for ln in c.splitlines() if "clone" in ln and "_aligned" not in ln]
     assert code and not clones, clones[:5]
 
     def load(budget, depth):

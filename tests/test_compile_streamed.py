@@ -150,7 +150,8 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
         assert (want - model(x)).abs().max() < 1e-5
     # The declared writes cost no copy: Inductor writes the weights in place (it writes
     # nothing), where a copy of each would be a kernel named after aten.clone.
-    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    # A clone of an input for alignment (AOTInductor on CUDA, `arg0_1_aligned`) copies no weight.
+    clones = [ln for c in code for ln in c.splitlines() if "clone" in ln and "_aligned" not in ln]
     assert code and not clones, clones[:5]
     for depth in (0, 1, 2):  # the least budget at each depth (all-kept at 31 KiB)
         budget = minimum_budget(model, prefetch_depth=depth)

@@ -75,7 +75,8 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         want, code = run_and_get_code(kept, x)
         assert (want.cpu() - model(x.cpu())).abs().max() < 1e-4
-    clones = [line for c in code for line in c.splitlines() if "clone" in line]
+    # A clone of an input for alignment (AOTInductor on CUDA, `arg0_1_aligned`) copies no weight.
+    clones = [ln for c in code for ln in c.splitlines() if "clone" in ln and "_aligned" not in ln]
     assert code and not clones, clones[:5]  # the declared writes copy nothing
     for depth in (0, 1, 2):
         budget = minimum_budget(model, prefetch_depth=depth)
