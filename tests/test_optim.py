@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import time
 
 import pytest
@@ -1285,4 +1286,47 @@ def test_strided_parameters_are_converted_bitwise(convert_on):
         ref.step()
         assert same_params(a, ref.twin), i
     assert not a.conv.weight.is_contiguous()  # the layout survives the upload
+    opt.remove()
+
+
+# -- Findings of the differential fuzzer (NEW-1, 2, 3, 5), each reduced to its case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_ahead_a_copy_of_the_model_is_a_plain_model_of_the_stepped_values(dtype):
+    """NEW-1: copy.deepcopy(model) (an EMA copy) raised "cannot pickle '_thread.lock'" from
+    step_ahead's hooks on the model. A copy (deepcopy, pickle) taken while the step still runs
+    holds the stepped values; its hooks are inert: its forward and state_dict do not touch
+    the optimizer, which goes on bitwise."""
+    from torchoffload import testing
+
+    a, twin = Tied(dtype), Tied(dtype)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    copies = []
+    for i in range(3):
+        with testing.held_host_step(opt):
+            a(tied_batch(i)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert opt._runtime.waiting  # still stepping
+            copies.append(copy.deepcopy(a) if i < 2 else pickle.loads(pickle.dumps(a)))
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        assert same_params(copies[-1], twin), i
+    for c in copies:
+        assert not any(p in opt._runtime._index for p in c.parameters())
+        before = copy.deepcopy(c.state_dict())
+        c(tied_batch(7)).float().square().mean().backward()
+        assert all(type(p.grad) is torch.Tensor for p in c.parameters())  # not moved
+        assert all(torch.equal(v, before[k]) for k, v in c.state_dict().items())
+    for i in range(3, 5):
+        a(tied_batch(i)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+    opt.synchronize()
+    assert same_params(a, twin) and same_state(opt, ref)
     opt.remove()

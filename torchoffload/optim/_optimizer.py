@@ -161,8 +161,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if config.step_ahead:
             rt = self._runtime
             self._forward_hooks = [
-                model.register_forward_pre_hook(rt.enter_forward),
-                model.register_forward_hook(rt.exit_forward, always_call=True),
+                model.register_forward_pre_hook(_ModelHook(rt.enter_forward)),
+                model.register_forward_hook(_ModelHook(rt.exit_forward), always_call=True),
             ]
             # See Note: [Reading the model while stepping ahead]: every module that owns one of
             # these parameters finishes the step before its state is saved or loaded.
@@ -170,8 +170,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for m in model.modules():
                 if any(id(p) in ours for _, p in m.named_parameters(recurse=False)):
                     self._forward_hooks += [
-                        m.register_state_dict_pre_hook(rt.before_state_dict),
-                        m.register_load_state_dict_pre_hook(rt.before_state_dict),
+                        m.register_state_dict_pre_hook(_ModelHook(rt.before_state_dict)),
+                        m.register_load_state_dict_pre_hook(_ModelHook(rt.before_state_dict)),
                     ]
         # GradScaler unscales through its own unscale_ (Note: [Loss scaling]): no
         # _step_supports_amp_scaling, whose path hands step() a scale after the host may
@@ -434,6 +434,27 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
 
 
+class _ModelHook:
+    """A hook this optimizer puts on ``model`` (``step_ahead``). A copy of the model
+    (`copy.deepcopy`, pickle: an EMA copy, ``torch.save(model)``) is a plain model of its own
+    parameters, which this optimizer does not step: it gets an inert hook, not this one."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any = None):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __deepcopy__(self, memo: Any) -> _ModelHook:
+        return _ModelHook()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ModelHook, ())
+
+
 def _needs_closure(cls: type) -> bool:
     """Whether ``cls.step`` requires its closure (LBFGS re-evaluates the loss)."""
     try:
@@ -441,6 +462,8 @@ def _needs_closure(cls: type) -> bool:
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter, HostedParameter)  # Note: [Placeholders never answer]
 
 
