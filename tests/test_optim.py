@@ -1330,3 +1330,46 @@ def test_step_ahead_a_copy_of_the_model_is_a_plain_model_of_the_stepped_values(d
     opt.synchronize()
     assert same_params(a, twin) and same_state(opt, ref)
     opt.remove()
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["model", "no-model"])
+def test_clipping_sums_the_norm_in_the_model_order_with_param_groups_in_another(given):
+    """NEW-2: with param groups listed in another order than the model's, ``max_grad_norm``
+    summed the norms in group order; clip_grad_norm_(model.parameters()) (Trainer,
+    accelerate) sums them in the model's, and the clip coefficient differed in its last bits.
+    With ``model=`` the norm is the model's; without it, that of the parameters in the order
+    given (Note: [The order of the clipping norm])."""
+
+    def groups(m):
+        return [
+            {"params": list(m[1:].parameters()), "lr": 0.02},
+            {"params": list(m[0].parameters())},
+        ]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(31, 8), nn.Linear(8, 8), nn.Linear(8, 31))
+
+    ref, a = build(), build()
+    opt = to.OffloadedOptimizer(groups(a), torch.optim.Adagrad, lr=1e-2, max_grad_norm=1.0,
+                                model=a if given else None)  # fmt: skip
+    plain = torch.optim.Adagrad(groups(ref), lr=1e-2)
+    x = torch.tensor([[11, 28, 11], [13, 7, 29], [22, 5, 13]])
+    for i in range(2):
+        for m in (ref, a):
+            m(x + i).float().pow(2).mean().mul(100).backward()
+        in_groups = [p for g in groups(ref) for p in g["params"]]
+        grads = [p.grad for p in ref.parameters()]
+        by_group = [p.grad for p in in_groups]
+        # at the first step the two orders round differently: a real test of the order
+        differ = not torch.equal(torch.nn.utils.get_total_norm(grads),
+                                 torch.nn.utils.get_total_norm(by_group))  # fmt: skip
+        assert differ or i > 0
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters() if given else in_groups, 1.0)
+        plain.step()
+        plain.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(opt.grad_norm, norm), i
+        assert same_params(a, ref), i
+    opt.remove()

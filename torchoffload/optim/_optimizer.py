@@ -59,7 +59,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     [Loss scaling]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
-    `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
+    `OptimizerOffloadConfig`, whose fields may also be passed by keyword; ``model``: the
+    module these parameters belong to, needed by ``step_ahead`` (its forward waits for the
+    step) and used by ``max_grad_norm`` (the norm is summed as ``clip_grad_norm_(
+    model.parameters())`` sums it: Note: [The order of the clipping norm]).
     """
 
     def __init__(
@@ -147,9 +150,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 [flat[i] for i in kept], kept, [group_of[i] for i in kept], self.param_groups,
                 optimizer_class, kwargs,
             )  # fmt: skip
+        rank = _clip_order(flat, model)
         self._runtime = HostStepRuntime(
             [flat[i] for i in self._host_index], [group_of[i] for i in self._host_index],
             self.param_groups, optimizer_class, kwargs, config, device, self._host_index,
+            clip_order=[rank[i] for i in self._host_index],
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
@@ -453,6 +458,15 @@ class _ModelHook:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_ModelHook, ())
+
+
+def _clip_order(params: list[torch.Tensor], model: torch.nn.Module | None) -> list[int]:
+    """Each parameter's place in the sum of the clipping norm: its place in
+    ``model.parameters()``, those the model lacks after them in the order given (Note: [The
+    order of the clipping norm])."""
+    place = {} if model is None else {id(p): k for k, p in enumerate(model.parameters())}
+    after = len(place)
+    return [place.get(id(p), after + i) for i, p in enumerate(params)]
 
 
 def _needs_closure(cls: type) -> bool:

@@ -113,6 +113,21 @@ logger = logging.getLogger(__name__)
 # nothing here makes dynamo trace while the worker may step; a user's recompile during a
 # step ahead (a new input shape) still can: not solved yet.
 #
+# Note: [The order of the clipping norm]
+# ``clip_grad_norm_`` takes the norm of each gradient (`torch._foreach_norm`, per device and
+# dtype), stacks those norms in the order of the tensors it was given and takes the norm of
+# that vector: the order of that sum changes the last bits of the clip coefficient. The
+# reference of ``max_grad_norm`` is what Trainer and accelerate call,
+# ``clip_grad_norm_(model.parameters())``, over the fp32 gradients the host steps: with
+# ``model=`` given, the norms are stacked in the order of ``model.parameters()`` (the
+# optimizer's parameters the model lacks after them, in the order given); without it, in
+# the order the parameters were given (the param groups concatenated), which is
+# ``clip_grad_norm_(params)``. Param groups listed in another order than the model's (a
+# decay and a no-decay group) therefore need ``model=`` to match the model's bits. The host
+# gradients are all fp32 tensors of one device, so clip_grad_norm_'s grouping by device and
+# dtype does not reorder them: for fp32 parameters this is bitwise ``clip_grad_norm_`` on
+# the model; for others it is ``clip_grad_norm_`` over their fp32 master gradients.
+#
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
 # returns. The parameters of buckets not yet uploaded are "waiting"; while any is, a
@@ -155,7 +170,9 @@ class OptimizerOffloadConfig:
       host overhead per step). ``None``: `default_bucket_bytes` of the parameters' bytes
       (about 50 buckets, 32 to 256 MiB each).
     - ``max_grad_norm``: clip the gradients to this global norm before the step (like
-      ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32). The step then starts
+      ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32, summed in the order of
+      ``model.parameters()`` when the optimizer is given ``model``, else in the order the
+      parameters were given: Note: [The order of the clipping norm]). The step then starts
       only once every gradient has arrived; the copies still overlap backward. ``None``: no
       clipping. Clip here, not with ``clip_grad_norm_`` on the model: its gradients have left
       the device by then (reading them raises).
@@ -305,6 +322,7 @@ class HostStepRuntime:
         config: OptimizerOffloadConfig,
         device: torch.device,
         numbering: list[int] | None = None,
+        clip_order: list[int] | None = None,
     ):
         self.config = config
         self.device = device
@@ -312,6 +330,9 @@ class HostStepRuntime:
         # Each parameter's index in the optimizer's order, for messages (the host part of an
         # offload_fraction split is a subset)
         self.numbering = list(range(len(params))) if numbering is None else numbering
+        # Each parameter's place in the sum of the clipping norm (Note: [The order of the
+        # clipping norm])
+        self.clip_order = list(range(len(params))) if clip_order is None else clip_order
         shapes = [(shape_of(p), p.dtype) for p in params]
         bucket_bytes = config.bucket_bytes
         if bucket_bytes is None:  # of the trainable bytes, as the planner counts them
@@ -647,8 +668,9 @@ class HostStepRuntime:
                 self._step(bucket)
 
     def _clip(self) -> None:
-        """Scale every host gradient like ``clip_grad_norm_`` over them in parameter order:
-        the per-tensor norms (computed as buckets arrived) are stacked in that order."""
+        """Scale every host gradient like ``clip_grad_norm_`` over them: the per-tensor norms
+        (computed as buckets arrived) are stacked in ``clip_order`` (Note: [The order of the
+        clipping norm])."""
         norms: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             with_grad = [r for r in bucket.records if r.has_grad]
@@ -656,7 +678,7 @@ class HostStepRuntime:
         if not norms:
             self.grad_norm = torch.tensor(0.0)
             return
-        ordered = [norms[i] for i in sorted(norms)]
+        ordered = [norms[i] for i in sorted(norms, key=self.clip_order.__getitem__)]
         total = torch.linalg.vector_norm(torch.stack(ordered), self.config.norm_type)
         self.grad_norm = total
         masters = []
