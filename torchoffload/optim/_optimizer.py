@@ -21,6 +21,7 @@ from torchoffload.optim._runtime import (
     is_dtensor,
     local,
     shape_of,
+    storage_families,
     value_of,
 )
 
@@ -139,7 +140,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.config = config
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        on_host = _split(flat, config.offload_fraction)
+        on_host = _split(flat, config.offload_fraction, storage_families(flat))
         # Indices, in the optimizer's parameter order, of the host part's parameters and of
         # the device part's (Note: [Which parameters stay on the device]).
         self._host_index = [i for i, h in enumerate(on_host) if h]
@@ -488,20 +489,31 @@ def _zeros_like(p: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:
+def _split(params: list[torch.Tensor], fraction: float, families: list[int]) -> list[bool]:
     """Which parameters the host steps: the trainable ones whose gradients backward finishes
     first (the last in order) until ``fraction`` of the trainable bytes (at least one), and,
     with every parameter on the host, the frozen ones too (Note: [Which parameters stay on
-    the device])."""
+    the device]). The parameters of one storage (one key in ``families``) go together, where
+    the last of them goes (Note: [Parameters that share a storage])."""
     if fraction >= 1.0:
         return [True] * len(params)
     nbytes = [local(p).numel() * p.element_size() if p.requires_grad else 0 for p in params]
+    members: dict[int, list[int]] = {}
+    for i, key in enumerate(families):
+        members.setdefault(key, []).append(i)
     want, taken = fraction * sum(nbytes), 0
     on_host = [False] * len(params)
+    decided: set[int] = set()
     for i in reversed(range(len(params))):
-        if nbytes[i] and (taken < want or taken == 0):
-            on_host[i] = True
-            taken += nbytes[i]
+        if families[i] in decided:
+            continue
+        decided.add(families[i])
+        together = members[families[i]]
+        size = sum(nbytes[j] for j in together)
+        if size and (taken < want or taken == 0):
+            for j in together:
+                on_host[j] = True
+            taken += size
     return on_host
 
 
