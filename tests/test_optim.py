@@ -1426,3 +1426,46 @@ def test_parameters_that_share_a_storage_are_stepped_bitwise(order, fraction, bu
         assert same_params(a, twin), i
     assert same_state(opt, ref)
     opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.1], ids=["host", "split"])
+def test_state_dict_after_an_in_place_edit_holds_the_masters_of_the_edited_values(fraction):
+    """NEW-5: after an in-place edit of a bf16 parameter between steps (manual weight decay),
+    state_dict() held the stale fp32 master, and loading the checkpoint into a fresh model
+    and optimizer was refused ("does not round to parameter 0's current value"). The masters
+    are read again first, as the next step reads them: the resumed run continues bitwise.
+    (With 0.1 the weight is stepped on the device, the bias on the host.)"""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(8, 4).to(torch.bfloat16)
+
+    def x(i):
+        return torch.randn(2, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+
+    m = build()
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2,
+                                offload_fraction=fraction)  # fmt: skip
+    assert (opt._device is not None) == (fraction < 1)
+    m(x(0)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        m.weight.mul_(0.9)  # manual weight decay between steps
+        m.bias.add_(0.01)
+    checkpoint = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    for i, p in enumerate(m.parameters()):
+        assert torch.equal(checkpoint[1]["master_params"][i].to(p.dtype), p.detach()), i
+    resumed = build()
+    resumed.load_state_dict(checkpoint[0])
+    opt2 = to.OffloadedOptimizer(resumed.parameters(), torch.optim.AdamW, lr=1e-2,
+                                 offload_fraction=fraction)  # fmt: skip
+    opt2.load_state_dict(checkpoint[1])
+    for mm, o in ((m, opt), (resumed, opt2)):
+        for i in range(1, 3):
+            mm(x(i)).float().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert same_params(m, resumed)
+    opt.remove()
+    opt2.remove()

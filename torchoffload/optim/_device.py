@@ -84,7 +84,18 @@ class DeviceStep:
                     f"{p.device}, was {dtype} {shape} on {device} when the optimizer was built: "
                     "build the OffloadedOptimizer after converting the model"
                 )
-            if self.masters[k] is not p and (p._version, p.data_ptr()) != self.synced[k]:
+        self.follow()
+
+    def follow(self) -> None:
+        """Re-read the master of every parameter changed in place since it was last read or
+        written (one whose dtype, shape or device changed is left to `check`)."""
+        for k, p in enumerate(self.params):
+            changed = (p._version, p.data_ptr()) != self.synced[k]
+            if (
+                changed
+                and self.masters[k] is not p
+                and self.built[k] == (p.dtype, tuple(p.shape), p.device)
+            ):
                 self.reload(k)
 
     def reload(self, k: int) -> None:

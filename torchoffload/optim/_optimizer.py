@@ -262,9 +262,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
-        the fp32 master of every parameter that is not fp32, by index."""
+        the fp32 master of every parameter that is not fp32, by index. A parameter changed in
+        place since the last step has its master read again first, as the next step would:
+        the masters round to the parameters as they are now."""
         rt = self._live()
         rt.check_idle("state_dict()")
+        rt.follow_parameters()
+        if self._device is not None:
+            self._device.follow()
         gidx = self._host_index
         packed_groups, index = [], 0
         for group in self.param_groups:

@@ -594,6 +594,23 @@ class HostStepRuntime:
             # follows. A blocking copy, only after such a change.
             self._refresh(rec)
 
+    def follow_parameters(self) -> None:
+        """Read again the master of every parameter changed in place since the optimizer last
+        read or wrote it, as the next step would (`_check`), so that a `state_dict()` holds
+        masters that round to the parameters as the user left them. A parameter whose dtype,
+        shape or device changed is left to the next step, which refuses it."""
+        for rec in self.records:
+            if rec.hosted is not None:
+                if HOSTED.get(rec.param) is rec.hosted and rec.synced[0] != rec.hosted.version:
+                    self._refresh(rec)
+                continue
+            p = local(rec.param)
+            built = (self.device, rec.entry.dtype, rec.entry.shape)
+            if (p.device, p.dtype, tuple(p.shape)) == built and (
+                (p._version, p.data_ptr()) != rec.synced
+            ):
+                self._refresh(rec)
+
     def _refresh(self, rec: _Record) -> None:
         if rec.hosted is not None:
             rec.master.copy_(rec.hosted.host)
