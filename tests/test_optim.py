@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 import time
 
 import pytest
@@ -1286,3 +1287,185 @@ def test_strided_parameters_are_converted_bitwise(convert_on):
         assert same_params(a, ref.twin), i
     assert not a.conv.weight.is_contiguous()  # the layout survives the upload
     opt.remove()
+
+
+# -- Findings of the differential fuzzer (NEW-1, 2, 3, 5), each reduced to its case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_step_ahead_a_copy_of_the_model_is_a_plain_model_of_the_stepped_values(dtype):
+    """NEW-1: copy.deepcopy(model) (an EMA copy) raised "cannot pickle '_thread.lock'" from
+    step_ahead's hooks on the model. A copy (deepcopy, pickle) taken while the step still runs
+    holds the stepped values; its hooks are inert: its forward and state_dict do not touch
+    the optimizer, which goes on bitwise."""
+    from torchoffload import testing
+
+    a, twin = Tied(dtype), Tied(dtype)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    copies = []
+    for i in range(3):
+        with testing.held_host_step(opt):
+            a(tied_batch(i)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert opt._runtime.waiting  # still stepping
+            copies.append(copy.deepcopy(a) if i < 2 else pickle.loads(pickle.dumps(a)))
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+        assert same_params(copies[-1], twin), i
+    for c in copies:
+        assert not any(p in opt._runtime._index for p in c.parameters())
+        before = copy.deepcopy(c.state_dict())
+        c(tied_batch(7)).float().square().mean().backward()
+        assert all(type(p.grad) is torch.Tensor for p in c.parameters())  # not moved
+        assert all(torch.equal(v, before[k]) for k, v in c.state_dict().items())
+    for i in range(3, 5):
+        a(tied_batch(i)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        twin(tied_batch(i)).float().square().mean().backward()
+        ref.step()
+    opt.synchronize()
+    assert same_params(a, twin) and same_state(opt, ref)
+    opt.remove()
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["model", "no-model"])
+def test_clipping_sums_the_norm_in_the_model_order_with_param_groups_in_another(given):
+    """NEW-2: with param groups listed in another order than the model's, ``max_grad_norm``
+    summed the norms in group order; clip_grad_norm_(model.parameters()) (Trainer,
+    accelerate) sums them in the model's, and the clip coefficient differed in its last bits.
+    With ``model=`` the norm is the model's; without it, that of the parameters in the order
+    given (Note: [The order of the clipping norm])."""
+
+    def groups(m):
+        return [
+            {"params": list(m[1:].parameters()), "lr": 0.02},
+            {"params": list(m[0].parameters())},
+        ]
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(31, 8), nn.Linear(8, 8), nn.Linear(8, 31))
+
+    ref, a = build(), build()
+    opt = to.OffloadedOptimizer(groups(a), torch.optim.Adagrad, lr=1e-2, max_grad_norm=1.0,
+                                model=a if given else None)  # fmt: skip
+    plain = torch.optim.Adagrad(groups(ref), lr=1e-2)
+    x = torch.tensor([[11, 28, 11], [13, 7, 29], [22, 5, 13]])
+    for i in range(2):
+        for m in (ref, a):
+            m(x + i).float().pow(2).mean().mul(100).backward()
+        in_groups = [p for g in groups(ref) for p in g["params"]]
+        grads = [p.grad for p in ref.parameters()]
+        by_group = [p.grad for p in in_groups]
+        # at the first step the two orders round differently: a real test of the order
+        differ = not torch.equal(torch.nn.utils.get_total_norm(grads),
+                                 torch.nn.utils.get_total_norm(by_group))  # fmt: skip
+        assert differ or i > 0
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters() if given else in_groups, 1.0)
+        plain.step()
+        plain.zero_grad()
+        opt.step()
+        opt.zero_grad()
+        assert torch.equal(opt.grad_norm, norm), i
+        assert same_params(a, ref), i
+    opt.remove()
+
+
+class Views(nn.Module):
+    """Two bf16 parameters that are views of one storage (the halves of one tensor) and a
+    weight, registered in ``order``; ``b`` is unused at every third step."""
+
+    def __init__(self, order):
+        super().__init__()
+        torch.manual_seed(0)
+        base = torch.randn(2, 16).to(torch.bfloat16)
+        tensors = {"a": base[0], "b": base[1], "w": torch.randn(16, 16).to(torch.bfloat16)}
+        for name in order:
+            setattr(self, name, nn.Parameter(tensors[name]))
+
+    def loss(self, i):
+        out = (self.a * (1 + 0.1 * i)) @ self.w
+        if i % 3 != 1:
+            out = out * self.b
+        return out.float().square().mean()
+
+
+@pytest.mark.parametrize(
+    "order, fraction, bucket_bytes",
+    [("abw", 0.5, None), ("awb", 0.5, None), ("awb", 1.0, 64), ("abw", 1.0, 32)],
+    ids=["split-device", "split-between", "buckets-between", "buckets-apart"],
+)
+@pytest.mark.parametrize("convert_on", ["device", "host"])
+def test_parameters_that_share_a_storage_are_stepped_bitwise(order, fraction, bucket_bytes,
+                                                             convert_on):  # fmt: skip
+    """NEW-3: with offload_fraction < 1, bf16 parameters that are views of one storage were
+    not the plain class on fp32 masters: the device part's write of one moved the version of
+    the other, whose master was then read again from its rounded value. With buckets that
+    separated them, the overlap's upload of one failed autograd's version check of the other
+    in backward. The parameters of a storage now stay in one part and one bucket, and the
+    optimizer's own writes do not count as changes (Note: [Parameters that share a
+    storage])."""
+    a, twin = Views(order), Views(order)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, convert_on=convert_on,
+                                offload_fraction=fraction, bucket_bytes=bucket_bytes)  # fmt: skip
+    rt = opt._runtime
+    placed = {n: rt.layout.entries[rt._index[id(p)]].bucket if id(p) in rt._index else "device"
+              for n, p in a.named_parameters()}  # fmt: skip
+    assert placed["a"] == placed["b"]
+    for i in range(7):
+        a.loss(i).backward()
+        opt.step()
+        opt.zero_grad()
+        twin.loss(i).backward()
+        ref.step()
+        assert same_params(a, twin), i
+    assert same_state(opt, ref)
+    opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.1], ids=["host", "split"])
+def test_state_dict_after_an_in_place_edit_holds_the_masters_of_the_edited_values(fraction):
+    """NEW-5: after an in-place edit of a bf16 parameter between steps (manual weight decay),
+    state_dict() held the stale fp32 master, and loading the checkpoint into a fresh model
+    and optimizer was refused ("does not round to parameter 0's current value"). The masters
+    are read again first, as the next step reads them: the resumed run continues bitwise.
+    (With 0.1 the weight is stepped on the device, the bias on the host.)"""
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Linear(8, 4).to(torch.bfloat16)
+
+    def x(i):
+        return torch.randn(2, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+
+    m = build()
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2,
+                                offload_fraction=fraction)  # fmt: skip
+    assert (opt._device is not None) == (fraction < 1)
+    m(x(0)).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        m.weight.mul_(0.9)  # manual weight decay between steps
+        m.bias.add_(0.01)
+    checkpoint = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    for i, p in enumerate(m.parameters()):
+        assert torch.equal(checkpoint[1]["master_params"][i].to(p.dtype), p.detach()), i
+    resumed = build()
+    resumed.load_state_dict(checkpoint[0])
+    opt2 = to.OffloadedOptimizer(resumed.parameters(), torch.optim.AdamW, lr=1e-2,
+                                 offload_fraction=fraction)  # fmt: skip
+    opt2.load_state_dict(checkpoint[1])
+    for mm, o in ((m, opt), (resumed, opt2)):
+        for i in range(1, 3):
+            mm(x(i)).float().sum().backward()
+            o.step()
+            o.zero_grad()
+    assert same_params(m, resumed)
+    opt.remove()
+    opt2.remove()

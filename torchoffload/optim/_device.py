@@ -12,7 +12,8 @@ during backward is hidden; the device steps the rest in a few milliseconds but k
 fp32 masters, gradients and state (16 bytes a bf16 parameter with AdamW). So ``f`` trades
 device memory for host time. The parameters the host takes are those whose gradients arrive
 first, so its step starts as early in backward as it can; those the device keeps are those
-the next forward reads first.
+the next forward reads first. Parameters that are views of one storage go together, where
+the last of them goes (Note: [Parameters that share a storage] in _runtime.py).
 
 The device part is what a resident fp32-master recipe does: fp32 masters (a parameter that is
 fp32 is its own master), the optimizer class over them on the device, the new values rounded
@@ -83,7 +84,18 @@ class DeviceStep:
                     f"{p.device}, was {dtype} {shape} on {device} when the optimizer was built: "
                     "build the OffloadedOptimizer after converting the model"
                 )
-            if self.masters[k] is not p and (p._version, p.data_ptr()) != self.synced[k]:
+        self.follow()
+
+    def follow(self) -> None:
+        """Re-read the master of every parameter changed in place since it was last read or
+        written (one whose dtype, shape or device changed is left to `check`)."""
+        for k, p in enumerate(self.params):
+            changed = (p._version, p.data_ptr()) != self.synced[k]
+            if (
+                changed
+                and self.masters[k] is not p
+                and self.built[k] == (p.dtype, tuple(p.shape), p.device)
+            ):
                 self.reload(k)
 
     def reload(self, k: int) -> None:
@@ -119,6 +131,9 @@ class DeviceStep:
             # The step consumes the gradient, as the host part's left the device (Note: [The
             # gradient after step()]).
             p.grad = ConsumedGrad(p) if stepped[k] else None
+        # After every write: a write moves the version of the other views of its storage
+        # (Note: [Parameters that share a storage] in _runtime.py).
+        for k, p in enumerate(self.params):
             self.synced[k] = (p._version, p.data_ptr())
 
     def state_bytes(self) -> int:

@@ -14,7 +14,9 @@ host and is not counted here; `host_state_bytes` estimates it from ``state_float
 
 A bucket is a run of consecutive parameters, in reverse order (the order in which backward
 usually finishes their gradients), of about ``bucket_bytes`` parameter bytes: its gradients
-leave the device together and its step runs as one call of the optimizer class.
+leave the device together and its step runs as one call of the optimizer class. Parameters
+that are views of one storage go into one bucket, that of the last of them (Note:
+[Parameters that share a storage] in _runtime.py).
 """
 
 from __future__ import annotations
@@ -70,19 +72,33 @@ def default_bucket_bytes(param_bytes: int) -> int:
 
 
 def plan_layout(
-    shapes: list[tuple[tuple[int, ...], torch.dtype]], bucket_bytes: int, staging: bool = False
+    shapes: list[tuple[tuple[int, ...], torch.dtype]],
+    bucket_bytes: int,
+    staging: bool = False,
+    *,
+    families: list[int] | None = None,
 ) -> HostLayout:
     """The host layout of parameters given as ``(shape, dtype)`` in the optimizer's order;
-    ``staging``: a staging buffer for each parameter that is not fp32 (host conversions)."""
+    ``staging``: a staging buffer for each parameter that is not fp32 (host conversions);
+    ``families``: for each parameter, a key shared by the parameters that must be in one
+    bucket (views of one storage), placed with the last of them."""
     sizes = [(torch.Size(s).numel(), dtype) for s, dtype in shapes]
+    family: dict[int, list[int]] = {}
+    for i, key in enumerate(range(len(sizes)) if families is None else families):
+        family.setdefault(key, []).append(i)
     buckets: list[list[int]] = []
     filled = 0
+    placed: set[int] = set()
     for i in reversed(range(len(sizes))):
-        nbytes = sizes[i][0] * sizes[i][1].itemsize
+        if i in placed:
+            continue
+        together = family[i if families is None else families[i]]
+        nbytes = sum(sizes[j][0] * sizes[j][1].itemsize for j in together)
         if not buckets or (filled and filled + nbytes > bucket_bytes):
             buckets.append([])
             filled = 0
-        buckets[-1].append(i)
+        buckets[-1].extend(sorted(together, reverse=True))
+        placed.update(together)
         filled += nbytes
     bucket_of = {i: b for b, members in enumerate(buckets) for i in members}
     entries = []

@@ -21,6 +21,7 @@ from torchoffload.optim._runtime import (
     is_dtensor,
     local,
     shape_of,
+    storage_families,
     value_of,
 )
 
@@ -59,7 +60,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     [Loss scaling]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
-    `OptimizerOffloadConfig`, whose fields may also be passed by keyword.
+    `OptimizerOffloadConfig`, whose fields may also be passed by keyword; ``model``: the
+    module these parameters belong to, needed by ``step_ahead`` (its forward waits for the
+    step) and used by ``max_grad_norm`` (the norm is summed as ``clip_grad_norm_(
+    model.parameters())`` sums it: Note: [The order of the clipping norm]).
     """
 
     def __init__(
@@ -136,7 +140,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.config = config
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        on_host = _split(flat, config.offload_fraction)
+        on_host = _split(flat, config.offload_fraction, storage_families(flat))
         # Indices, in the optimizer's parameter order, of the host part's parameters and of
         # the device part's (Note: [Which parameters stay on the device]).
         self._host_index = [i for i, h in enumerate(on_host) if h]
@@ -147,9 +151,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 [flat[i] for i in kept], kept, [group_of[i] for i in kept], self.param_groups,
                 optimizer_class, kwargs,
             )  # fmt: skip
+        rank = _clip_order(flat, model)
         self._runtime = HostStepRuntime(
             [flat[i] for i in self._host_index], [group_of[i] for i in self._host_index],
             self.param_groups, optimizer_class, kwargs, config, device, self._host_index,
+            clip_order=[rank[i] for i in self._host_index],
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
@@ -161,8 +167,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if config.step_ahead:
             rt = self._runtime
             self._forward_hooks = [
-                model.register_forward_pre_hook(rt.enter_forward),
-                model.register_forward_hook(rt.exit_forward, always_call=True),
+                model.register_forward_pre_hook(_ModelHook(rt.enter_forward)),
+                model.register_forward_hook(_ModelHook(rt.exit_forward), always_call=True),
             ]
             # See Note: [Reading the model while stepping ahead]: every module that owns one of
             # these parameters finishes the step before its state is saved or loaded.
@@ -170,8 +176,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for m in model.modules():
                 if any(id(p) in ours for _, p in m.named_parameters(recurse=False)):
                     self._forward_hooks += [
-                        m.register_state_dict_pre_hook(rt.before_state_dict),
-                        m.register_load_state_dict_pre_hook(rt.before_state_dict),
+                        m.register_state_dict_pre_hook(_ModelHook(rt.before_state_dict)),
+                        m.register_load_state_dict_pre_hook(_ModelHook(rt.before_state_dict)),
                     ]
         # GradScaler unscales through its own unscale_ (Note: [Loss scaling]): no
         # _step_supports_amp_scaling, whose path hands step() a scale after the host may
@@ -256,9 +262,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
-        the fp32 master of every parameter that is not fp32, by index."""
+        the fp32 master of every parameter that is not fp32, by index. A parameter changed in
+        place since the last step has its master read again first, as the next step would:
+        the masters round to the parameters as they are now."""
         rt = self._live()
         rt.check_idle("state_dict()")
+        rt.follow_parameters()
+        if self._device is not None:
+            self._device.follow()
         gidx = self._host_index
         packed_groups, index = [], 0
         for group in self.param_groups:
@@ -434,6 +445,36 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 _CONFIG_FIELDS = frozenset(OptimizerOffloadConfig.__dataclass_fields__)
 
 
+class _ModelHook:
+    """A hook this optimizer puts on ``model`` (``step_ahead``). A copy of the model
+    (`copy.deepcopy`, pickle: an EMA copy, ``torch.save(model)``) is a plain model of its own
+    parameters, which this optimizer does not step: it gets an inert hook, not this one."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any = None):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> None:
+        if self.fn is not None:
+            self.fn(*args)
+
+    def __deepcopy__(self, memo: Any) -> _ModelHook:
+        return _ModelHook()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_ModelHook, ())
+
+
+def _clip_order(params: list[torch.Tensor], model: torch.nn.Module | None) -> list[int]:
+    """Each parameter's place in the sum of the clipping norm: its place in
+    ``model.parameters()``, those the model lacks after them in the order given (Note: [The
+    order of the clipping norm])."""
+    place = {} if model is None else {id(p): k for k, p in enumerate(model.parameters())}
+    after = len(place)
+    return [place.get(id(p), after + i) for i, p in enumerate(params)]
+
+
 def _needs_closure(cls: type) -> bool:
     """Whether ``cls.step`` requires its closure (LBFGS re-evaluates the loss)."""
     try:
@@ -441,6 +482,8 @@ def _needs_closure(cls: type) -> bool:
     except (TypeError, ValueError):
         return False
     return param is not None and param.default is inspect.Parameter.empty
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter, HostedParameter)  # Note: [Placeholders never answer]
 
 
@@ -451,20 +494,31 @@ def _zeros_like(p: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
-def _split(params: list[torch.Tensor], fraction: float) -> list[bool]:
+def _split(params: list[torch.Tensor], fraction: float, families: list[int]) -> list[bool]:
     """Which parameters the host steps: the trainable ones whose gradients backward finishes
     first (the last in order) until ``fraction`` of the trainable bytes (at least one), and,
     with every parameter on the host, the frozen ones too (Note: [Which parameters stay on
-    the device])."""
+    the device]). The parameters of one storage (one key in ``families``) go together, where
+    the last of them goes (Note: [Parameters that share a storage])."""
     if fraction >= 1.0:
         return [True] * len(params)
     nbytes = [local(p).numel() * p.element_size() if p.requires_grad else 0 for p in params]
+    members: dict[int, list[int]] = {}
+    for i, key in enumerate(families):
+        members.setdefault(key, []).append(i)
     want, taken = fraction * sum(nbytes), 0
     on_host = [False] * len(params)
+    decided: set[int] = set()
     for i in reversed(range(len(params))):
-        if nbytes[i] and (taken < want or taken == 0):
-            on_host[i] = True
-            taken += nbytes[i]
+        if families[i] in decided:
+            continue
+        decided.add(families[i])
+        together = members[families[i]]
+        size = sum(nbytes[j] for j in together)
+        if size and (taken < want or taken == 0):
+            for j in together:
+                on_host[j] = True
+            taken += size
     return on_host
 
 

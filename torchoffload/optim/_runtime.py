@@ -113,6 +113,37 @@ logger = logging.getLogger(__name__)
 # nothing here makes dynamo trace while the worker may step; a user's recompile during a
 # step ahead (a new input shape) still can: not solved yet.
 #
+# Note: [Parameters that share a storage]
+# Parameters that are views of one storage (`nn.Parameter(base[0])`, `nn.Parameter(base[1])`)
+# share its version counter: the optimizer's write of one (an upload, the device part's
+# rounding) moves the version of the others, which then look changed outside the optimizer
+# (`_check`), and a bf16 one's fp32 master would be read again from its rounded value,
+# losing the low bits the plain class keeps in its fp32 master. And uploading one during
+# backward, while autograd still holds another saved for its backward, fails autograd's
+# version check. So the parameters of one storage are kept together: in one part of an
+# ``offload_fraction`` split (Note: [Which parameters stay on the device]) and in one bucket,
+# whose upload starts once all their gradients are final (so backward no longer reads any of
+# them: Note: [Uploading while backward runs]). After the optimizer writes a bucket (or the
+# device part its parameters), every parameter of a storage it wrote is recorded as in sync:
+# each was in sync before (checked when the bucket was dispatched, or by the device part's
+# `check`), and, as for every parameter, nothing but the optimizer writes it between its
+# final backward and `step()`.
+#
+# Note: [The order of the clipping norm]
+# ``clip_grad_norm_`` takes the norm of each gradient (`torch._foreach_norm`, per device and
+# dtype), stacks those norms in the order of the tensors it was given and takes the norm of
+# that vector: the order of that sum changes the last bits of the clip coefficient. The
+# reference of ``max_grad_norm`` is what Trainer and accelerate call,
+# ``clip_grad_norm_(model.parameters())``, over the fp32 gradients the host steps: with
+# ``model=`` given, the norms are stacked in the order of ``model.parameters()`` (the
+# optimizer's parameters the model lacks after them, in the order given); without it, in
+# the order the parameters were given (the param groups concatenated), which is
+# ``clip_grad_norm_(params)``. Param groups listed in another order than the model's (a
+# decay and a no-decay group) therefore need ``model=`` to match the model's bits. The host
+# gradients are all fp32 tensors of one device, so clip_grad_norm_'s grouping by device and
+# dtype does not reorder them: for fp32 parameters this is bitwise ``clip_grad_norm_`` on
+# the model; for others it is ``clip_grad_norm_`` over their fp32 master gradients.
+#
 # Note: [Stepping ahead]
 # With ``step_ahead``, `step()` queues every bucket with a snapshot of the hyperparameters and
 # returns. The parameters of buckets not yet uploaded are "waiting"; while any is, a
@@ -155,7 +186,9 @@ class OptimizerOffloadConfig:
       host overhead per step). ``None``: `default_bucket_bytes` of the parameters' bytes
       (about 50 buckets, 32 to 256 MiB each).
     - ``max_grad_norm``: clip the gradients to this global norm before the step (like
-      ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32). The step then starts
+      ``torch.nn.utils.clip_grad_norm_``, computed on the host in fp32, summed in the order of
+      ``model.parameters()`` when the optimizer is given ``model``, else in the order the
+      parameters were given: Note: [The order of the clipping norm]). The step then starts
       only once every gradient has arrived; the copies still overlap backward. ``None``: no
       clipping. Clip here, not with ``clip_grad_norm_`` on the model: its gradients have left
       the device by then (reading them raises).
@@ -245,7 +278,7 @@ class _Record:
     """One parameter: its place, its host views, its state in the current step."""
 
     __slots__ = ("entry", "param", "trainable", "master", "grad", "staging", "synced",
-                 "has_grad", "final", "dtensor", "hosted")  # fmt: skip
+                 "has_grad", "final", "dtensor", "hosted", "family")  # fmt: skip
 
     def __init__(self, entry: Entry, param: torch.Tensor, master, grad, staging):
         self.entry = entry
@@ -263,6 +296,8 @@ class _Record:
         # Streamed by stream_parameters: its values are in the host store (Note: [Hosted
         # parameters]); the optimizer reads and writes them there.
         self.hosted: Hosted | None = HOSTED.get(param)
+        # The parameters of one storage share a key (Note: [Parameters that share a storage])
+        self.family = entry.index
 
 
 class _Bucket:
@@ -305,6 +340,7 @@ class HostStepRuntime:
         config: OptimizerOffloadConfig,
         device: torch.device,
         numbering: list[int] | None = None,
+        clip_order: list[int] | None = None,
     ):
         self.config = config
         self.device = device
@@ -312,7 +348,11 @@ class HostStepRuntime:
         # Each parameter's index in the optimizer's order, for messages (the host part of an
         # offload_fraction split is a subset)
         self.numbering = list(range(len(params))) if numbering is None else numbering
+        # Each parameter's place in the sum of the clipping norm (Note: [The order of the
+        # clipping norm])
+        self.clip_order = list(range(len(params))) if clip_order is None else clip_order
         shapes = [(shape_of(p), p.dtype) for p in params]
+        families = storage_families(params)
         bucket_bytes = config.bucket_bytes
         if bucket_bytes is None:  # of the trainable bytes, as the planner counts them
             trainable = zip(shapes, params, strict=True)
@@ -321,7 +361,7 @@ class HostStepRuntime:
             bucket_bytes = default_bucket_bytes(total)
         self.bucket_bytes = bucket_bytes
         self.layout: HostLayout = plan_layout(
-            shapes, bucket_bytes, staging=config.convert_on == "host"
+            shapes, bucket_bytes, staging=config.convert_on == "host", families=families
         )
         self.engine = copy_engine(device, use_streams=config.use_streams)
         # - Host buffers (allocated once, exact size)
@@ -331,6 +371,8 @@ class HostStepRuntime:
         self._grad_buf = pinned_buffer(layout.grad_bytes, pin=pin)
         self._staging_buf = pinned_buffer(layout.staging_bytes, pin=pin)
         self.records = [self._record(e, p) for e, p in zip(layout.entries, params, strict=True)]
+        for rec, key in zip(self.records, families, strict=True):
+            rec.family = key
         self._index = {id(p): i for i, p in enumerate(params)}
         for rec in self.records:
             self._refresh(rec)
@@ -552,6 +594,23 @@ class HostStepRuntime:
             # follows. A blocking copy, only after such a change.
             self._refresh(rec)
 
+    def follow_parameters(self) -> None:
+        """Read again the master of every parameter changed in place since the optimizer last
+        read or wrote it, as the next step would (`_check`), so that a `state_dict()` holds
+        masters that round to the parameters as the user left them. A parameter whose dtype,
+        shape or device changed is left to the next step, which refuses it."""
+        for rec in self.records:
+            if rec.hosted is not None:
+                if HOSTED.get(rec.param) is rec.hosted and rec.synced[0] != rec.hosted.version:
+                    self._refresh(rec)
+                continue
+            p = local(rec.param)
+            built = (self.device, rec.entry.dtype, rec.entry.shape)
+            if (p.device, p.dtype, tuple(p.shape)) == built and (
+                (p._version, p.data_ptr()) != rec.synced
+            ):
+                self._refresh(rec)
+
     def _refresh(self, rec: _Record) -> None:
         if rec.hosted is not None:
             rec.master.copy_(rec.hosted.host)
@@ -647,8 +706,9 @@ class HostStepRuntime:
                 self._step(bucket)
 
     def _clip(self) -> None:
-        """Scale every host gradient like ``clip_grad_norm_`` over them in parameter order:
-        the per-tensor norms (computed as buckets arrived) are stacked in that order."""
+        """Scale every host gradient like ``clip_grad_norm_`` over them: the per-tensor norms
+        (computed as buckets arrived) are stacked in ``clip_order`` (Note: [The order of the
+        clipping norm])."""
         norms: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             with_grad = [r for r in bucket.records if r.has_grad]
@@ -656,7 +716,7 @@ class HostStepRuntime:
         if not norms:
             self.grad_norm = torch.tensor(0.0)
             return
-        ordered = [norms[i] for i in sorted(norms)]
+        ordered = [norms[i] for i in sorted(norms, key=self.clip_order.__getitem__)]
         total = torch.linalg.vector_norm(torch.stack(ordered), self.config.norm_type)
         self.grad_norm = total
         masters = []
@@ -701,8 +761,11 @@ class HostStepRuntime:
                 bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
                 self._last_upload = bucket.upload_event
                 self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
+                # Every parameter of a storage written here, the unwritten ones included
+                # (Note: [Parameters that share a storage])
+                written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
                 for rec in bucket.records:
-                    if rec.has_grad and rec.hosted is None:
+                    if rec.family in written:
                         p = local(rec.param)
                         rec.synced = (p._version, p.data_ptr())
         except BaseException as exc:
@@ -1038,6 +1101,23 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 
 def _completed(event: Any) -> bool:
     return event is None or event.query()
+
+
+def storage_families(params: list[torch.Tensor]) -> list[int]:
+    """For each parameter, the index of the first of ``params`` that is a view of the same
+    storage (its own index when none is; a streamed parameter's values are its host store's):
+    Note: [Parameters that share a storage]."""
+    first: dict[tuple[torch.device, int], int] = {}
+    out = []
+    for i, p in enumerate(params):
+        if p in HOSTED:
+            out.append(i)
+            continue
+        t = local(p)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        out.append(first.setdefault(key, i) if storage.nbytes() else i)
+    return out
 
 
 def shape_of(p: torch.Tensor) -> tuple[int, ...]:
