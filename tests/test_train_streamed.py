@@ -425,3 +425,35 @@ def test_two_forwards_then_one_backward_of_a_frozen_streamed_base():
     rt = handle._runtime
     assert rt.loaded_bytes == 0 and all(u.inputs_pending == 0 for u in rt.units)
     handle.remove()
+
+
+class _ResidualRMSNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(10, 4)
+        self.norm = nn.RMSNorm(4)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.fc(self.norm(h))
+        return self.head(h)
+
+
+def test_a_units_input_used_inside_and_outside_it_sums_its_gradient_as_plain_autograd():
+    """Fuzzer finding NEW-7: under unit="leaves" an identity node on the norm's input summed
+    the norm's two uses of h before the residual's: emb.weight's gradient 3.7e-9 off. The
+    unit's inputs are now watched by hooks, which add no node (Note: [When a unit's backward
+    is done])."""
+    ref, off = _ResidualRMSNorm(), _ResidualRMSNorm()
+    handle = to.stream_parameters(off, budget_bytes=1 << 20, unit="leaves")
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 1, 2]])
+    for m in (ref, off):
+        m(x).square().mean().backward()
+    for (name, p), q in zip(off.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    rt = handle._runtime
+    assert rt.loaded_bytes == 0 and all(u.inputs_pending == 0 for u in rt.units)
+    handle.remove()

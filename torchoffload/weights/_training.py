@@ -32,12 +32,14 @@ A unit is loaded again when the gradient of any of its outputs is computed (a mu
 registered in forward), which autograd runs before any node of the unit. It is dropped when
 both (a) every trainable parameter of the unit (streamed or not) has had its gradient
 accumulated: every node that reads the unit's weights to compute a parameter's gradient has
-run; and (b) if its inputs required gradients, their gradients are computed (an identity
-autograd function on the inputs, applied in forward): every node that reads the weights to
-compute an input's gradient has run (counted per graph: several forwards before one backward
-each wait for their own). Whatever is still loaded when the backward pass ends
-(a callback queued on the pass) is dropped then; so is what a backward that raised left behind,
-at the next forward.
+run; and (b) if its inputs required gradients, their gradients are computed (a hook on each
+input, registered in forward): every node that reads the weights to compute an
+input's gradient has run (counted per graph: several forwards before one backward each wait
+for their own). The hooks add no node to the graph: an identity node on the inputs summed the
+unit's own uses of an input before its other uses, a different order of the same sum (an
+RMSNorm inside a residual came out an ulp off; found by the fuzzer). Whatever is still loaded
+when the backward pass ends (a callback queued on the pass) is dropped then; so is what a
+backward that raised left behind, at the next forward.
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class _Unit:
         self.grad_flags = [(p, p.requires_grad) for p in params]
         self.pending = 0
         # graphs built through the unit whose inputs' gradients are not computed yet (each
-        # forward that applied _AfterBackward, until its backward runs or its graph is freed)
+        # forward that watched its inputs, until their gradients are computed or the graph is freed)
         self.inputs_pending = 0
         self.backward = False  # loaded for the current backward pass
 
@@ -282,14 +284,11 @@ class ParameterRuntime:
             self._prefetch(index, +1)
         if not torch.is_grad_enabled():
             return None
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        where = [k for k, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:
-            return None
-        outs = _AfterBackward.apply(self, index, *(flat[k] for k in where))
-        for k, out in zip(where, outs, strict=True):
-            flat[k] = out
-        return pytree.tree_unflatten(flat, spec)
+        inputs = [x for x in pytree.tree_leaves((args, kwargs))
+                  if isinstance(x, torch.Tensor) and x.requires_grad]  # fmt: skip
+        if inputs:
+            _watch_inputs(self, index, inputs)
+        return None
 
     def post_forward(self, index: int, output: Any) -> None:
         unit = self.units[index]
@@ -515,26 +514,32 @@ def _call(ref: weakref.ref, name: str, *args: Any) -> None:
         getattr(rt, name)(*args)
 
 
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward tells the runtime that their gradients are
-    computed (Note: [When a unit's backward is done])."""
+class _Token:
+    """Lives as long as the hooks of one forward's unit inputs (their graph)."""
 
-    @staticmethod
-    def forward(ctx, runtime, index, *inputs):  # type: ignore[override]
-        ctx.runtime = ref = weakref.ref(runtime)
-        ctx.index = index
-        ctx.ran = ran = [False]
+
+def _watch_inputs(runtime: ParameterRuntime, index: int, inputs: list[torch.Tensor]) -> None:
+    """Tell the runtime when the gradients of a unit's inputs are computed (Note: [When a
+    unit's backward is done]): a hook on each input, counted once. A hook adds no node to the
+    graph, so the gradients are summed in the order autograd sums them without streaming (an
+    identity node on the inputs once summed the unit's uses of an input before its other uses,
+    an ulp off for an RMSNorm inside a residual). An input whose graph is freed without its
+    backward (a forward whose loss was dropped) stops being waited for, with its hook (which
+    refers to nothing that refers back to it: no cycle keeps it alive)."""
+    ref = weakref.ref(runtime)
+    for t in inputs:
+        ran = [False]
+        token = _Token()
+
+        def done(_grad: Any, token: _Token = token, ran: list[bool] = ran) -> None:
+            if not ran[0]:
+                ran[0] = True
+                _call(ref, "inputs_done", index)
+
         runtime.inputs_pending(index, +1)
-        # A graph freed without this backward (a forward whose loss was dropped) stops being
-        # waited for: several forwards before one backward each count until theirs runs.
-        weakref.finalize(ctx, _abandoned, ref, index, ran)
-        return inputs  # returned as they are: autograd makes them outputs of this node
-
-    @staticmethod
-    def backward(ctx, *grads):  # type: ignore[override]
-        ctx.ran[0] = True
-        _call(ctx.runtime, "inputs_done", ctx.index)
-        return (None, None, *grads)
+        t.register_hook(done)
+        weakref.finalize(token, _abandoned, ref, index, ran)
+        del token
 
 
 def _abandoned(ref: weakref.ref, index: int, ran: list[bool]) -> None:
