@@ -70,6 +70,15 @@ def test_activation_offloading_training_with_dropout_is_equal():
     assert report.compared > 20 and "equal" in str(report)
 
 
+def test_layer_aware_offloading_with_a_budget_is_equal():
+    config = to.ActivationOffloadConfig(min_bytes=0, max_offload_bytes=256, skip_last_layers=0)
+    report = to.verify(
+        net(), X, loss=loss, optimizer=adamw, steps=2,
+        apply=lambda m: to.apply_activation_offloading(m, layers=m.blocks, config=config),
+    )  # fmt: skip
+    assert report.equal, str(report)
+
+
 def test_stream_weights_inference_is_equal():
     model = net().eval()
     budget = to.minimum_budget(model, prefetch_depth=1)
