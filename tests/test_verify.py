@@ -137,6 +137,7 @@ def test_a_planted_weight_change_is_named():
     ]
     assert "blocks.1.1.weight" in str(report) and "1 of 64 elements differ" in str(report)
     assert [d.kind for d in report.differences][-2:] == ["parameter", "parameter after remove"]
+    assert str(report.differences[-1]).startswith("parameter 'blocks.1.1.weight' after remove()")
     # Undone by the handle's remove(): the state after it is the same.
     report = to.verify(net().eval(), X, apply=perturb)
     assert [d.kind for d in report.differences] == ["output", "output", "parameter"]

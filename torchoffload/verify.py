@@ -47,8 +47,13 @@ class Difference:
     detail: str = ""  # why they cannot be compared element by element (shape, dtype, missing)
 
     def __str__(self) -> str:
-        when = "after" if self.kind.startswith(("parameter", "buffer")) else "at"
-        where = f"{self.kind} {self.name!r} {when} step {self.step}"
+        kind, _, removed = self.kind.partition(" after ")
+        if removed:
+            where = f"{kind} {self.name!r} after remove()"
+        elif kind in ("parameter", "buffer"):
+            where = f"{kind} {self.name!r} after step {self.step}"
+        else:
+            where = f"{kind} {self.name!r} at step {self.step}"
         if self.detail:
             return f"{where}: {self.detail}"
         return (
