@@ -11,8 +11,9 @@ One state machine per engine (``pytest tests/test_fuzz.py -k StreamWeights`` run
 "ci" profile (default) is small and derandomized; ``make fuzz`` runs the "fuzz" profile:
 ``FUZZ_EXAMPLES`` examples per engine (default 500), no deadline, random seeds, failures kept
 in ``.hypothesis/``. ``KNOWN_BROKEN`` lists what issue 38 found and is being fixed: generation
-skips those operations (``FUZZ_KNOWN_BROKEN=1`` draws them too). The findings themselves are
-the corpus at the end of this file, each an ``xfail(strict=True)`` case of the same checks.
+skips those operations (``FUZZ_KNOWN_BROKEN=1`` draws them too; ``FUZZ_NO_SHRINK=1`` reports
+the first failure as drawn, quickly). The findings themselves are the corpus at the end of
+this file, each an ``xfail(strict=True)`` case of the same checks.
 """
 
 from __future__ import annotations
