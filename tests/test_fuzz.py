@@ -7,7 +7,7 @@ same program run on a twin model without torchoffload. Where torchoffload refuse
 must be its own (raised in the package, a RuntimeError, ValueError or TypeError) and nothing
 may have changed.
 
-One state machine per engine (``pytest "tests/test_fuzz.py::test_fuzz[stream_weights]"`` runs one). The
+One state machine per engine (``make fuzz FUZZ_ENGINE=stream_weights`` runs one). The
 "ci" profile (default) is small and derandomized; ``make fuzz`` runs the "fuzz" profile:
 ``FUZZ_EXAMPLES`` examples per engine (default 500), no deadline, random seeds, failures kept
 in ``.hypothesis/``. ``KNOWN_BROKEN`` lists what issue 38 found and is being fixed: generation
