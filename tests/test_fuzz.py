@@ -88,6 +88,10 @@ KNOWN_BROKEN: dict[tuple[str, str], int] = {
     ("optimizer", "clip_group_order"): -2,  # max_grad_norm: norm summed in param-group order
     ("stream_parameters", "clip_group_order"): -2,
     ("optimizer", "split_bf16_views"): -3,  # bf16 views of one storage in two buckets
+    # state_dict() before the step that reads edited parameters again: stale fp32 masters
+    ("optimizer", "stale_master"): -5,
+    ("stream_parameters", "stale_master"): -5,
+    ("stream_parameters", "rms_norm_leaves"): -7,  # unit="leaves" + RMSNorm: gradients differ
 }
 if os.environ.get("FUZZ_KNOWN_BROKEN"):
     KNOWN_BROKEN = {}
@@ -343,6 +347,7 @@ class TrainingMachine(RuleBasedStateMachine):
     def setup(self, data):
         EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
         self.opt_config = {}
+        self.touched = False  # parameters changed outside the optimizer since its last step
         self.stopped = False
         self.pending = False  # a conversion whose effect the next step shows
         self.steps = 0
@@ -495,6 +500,7 @@ class TrainingMachine(RuleBasedStateMachine):
         if self.both(lambda s: s.opt.step(), "step") is None and self.stopped:
             return
         self.steps += 1
+        self.touched = False
         forms = ["set_to_none"]
         if self.op_ok("zero_grad_zeros"):
             forms.append("zeros")
@@ -545,6 +551,7 @@ class TrainingMachine(RuleBasedStateMachine):
                 else:
                     p.copy_(torch.full(p.shape, 0.125, dtype=p.dtype))
 
+        self.touched = True
         self.both(fn, f"edit {how} {name}")
 
     @precondition(lambda self: self.can("read"))
@@ -563,6 +570,8 @@ class TrainingMachine(RuleBasedStateMachine):
     def save_and_load(self, data):
         """torch.save of the state_dict, torch.load, load_state_dict; the optimizer's too."""
         optimizer_too = data.draw(st.booleans(), label="optimizer state too")
+
+        self.touched = True
 
         def fn(side):
             buf = io.BytesIO()
@@ -604,6 +613,9 @@ class TrainingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.live() and not self.pending)
     @rule()
     def remove_and_apply_again(self):
+        if self.touched and self.spec.dtype == "bfloat16" and not self.op_ok("stale_master"):
+            return  # NEW-5: the old optimizer's state_dict() holds the masters before the edit
+
         def fn(side):
             if side is self.off:
                 self.reapply()
@@ -748,6 +760,8 @@ class StreamParameters(Optimizer):
     def draw_engine(self, data):
         m = self.off.model
         kinds = ["blocks", "leaves"] if self.spec.layers > 1 else ["leaves"]
+        if self.spec.norm == "rms" and self.spec.residual and not self.op_ok("rms_norm_leaves"):
+            kinds = [k for k in kinds if k == "blocks"]
         if self.spec.transposed and not self.op_ok("foreign_read"):
             kinds = [k for k in kinds if k == "blocks"]
         assume(kinds)
@@ -1619,8 +1633,9 @@ def test_new6_views_of_one_storage_uploaded_during_backward():
 
 @new(
     5,
-    "state_dict() after an in-place edit of a bf16 parameter holds the stale fp32 master: "
-    "the checkpoint cannot be loaded",
+    "state_dict() does not first read again the parameters changed outside the optimizer: "
+    "a checkpoint after an in-place edit of a bf16 parameter holds the stale fp32 master and "
+    "is refused at load (where it still rounds to the parameter, the resumed run differs)",
 )
 def test_new5_checkpoint_after_an_in_place_edit():
     def model():
@@ -1645,3 +1660,35 @@ def test_new5_checkpoint_after_an_in_place_edit():
         opt2.load_state_dict(checkpoint[1])
     finally:
         opt2.remove()
+
+
+class ResidualRMSNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.norm = torch.nn.RMSNorm(4)
+        self.fc = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 10)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.fc(self.norm(h))
+        return self.head(h)
+
+
+@new(
+    7,
+    "stream_parameters(unit='leaves'): a residual around an RMSNorm changes the gradients "
+    "by an ulp (LayerNorm, or unit='blocks', do not)",
+)
+def test_new7_stream_parameters_leaves_rms_norm_gradients():
+    ref, off = ResidualRMSNorm(), ResidualRMSNorm()
+    handle = to.stream_parameters(off, budget_bytes=1 << 20, unit="leaves")
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 1, 2]])
+    try:
+        for m in (ref, off):
+            m(x).square().mean().backward()
+        assert_same(grads(ref), grads(off), "gradients")  # emb.weight: 3.7e-9 apart
+    finally:
+        handle.remove()
