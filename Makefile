@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test gpu-test lint format bench clean
+.PHONY: demo test fuzz gpu-test lint format bench clean
 
 # The demo needs torch and the package only.
 $(STAMP): pyproject.toml Makefile
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Tests and lint add pytest and ruff, and the optional integrations they cover.
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9"
+	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9" "hypothesis==6.170.17"
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed.
 	$(PY) -m pip install --quiet transformers || echo "transformers not installed: its tests skip"
 	$(PY) -m pip install --quiet matplotlib || echo "matplotlib not installed: plot tests skip"
@@ -30,6 +30,15 @@ demo: $(STAMP)
 
 test: $(DEV_STAMP)
 	$(PY) -m pytest -q
+
+# The differential fuzzer, long: FUZZ_EXAMPLES examples per engine, random seeds, failures kept
+# in .hypothesis/ and replayed first next time (`make test` runs it small and derandomized).
+# `make fuzz FUZZ_EXAMPLES=5000 FUZZ_ENGINE=stream_weights` runs one engine for longer.
+FUZZ_EXAMPLES ?= 500
+FUZZ_ENGINE ?=
+fuzz: $(DEV_STAMP)
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
+		tests/test_fuzz.py::test_fuzz $(if $(FUZZ_ENGINE),-k "$(FUZZ_ENGINE)")
 
 SOURCES := torchoffload tests benchmarks examples
 
@@ -48,4 +57,4 @@ bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/activations.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -438,6 +438,16 @@ CASES = [
     ),
     ("lsp-package", lambda: toc.read_catalog(3), TypeError, "package_path"),
     ("catalog-json", lambda: toc.Catalog.from_json("[]"), ValueError, "catalog"),
+    # -- verify
+    ("verify-model", lambda: torchoffload.verify(lambda x: x, ()), TypeError, "model"),
+    ("verify-steps", lambda: torchoffload.verify(model(), (), steps=0), ValueError, "steps"),
+    ("verify-apply", lambda: torchoffload.verify(model(), (), apply=1), TypeError, "apply"),
+    (
+        "verify-optimizer",
+        lambda: torchoffload.verify(model(), (), optimizer=lambda m: None),
+        ValueError,
+        "loss",
+    ),
     (
         "sew-ep",
         lambda: toc.stream_exported_weights(model(), "cpu", budget_bytes=1 << 20),
@@ -474,12 +484,16 @@ def test_every_public_callable_has_a_row():
         "stream_weights",
         "stream_parameters",
         "unregister_flattener",
+        "verify",
     }
     # Types users receive rather than build, exceptions, and the argument-free context manager:
     exempt = {
         "ActivationOffloadHandle",
         "CheckpointError",
         "ActivationStats",
+        "Difference",
+        "VerificationError",
+        "VerifyReport",
         "InfeasibleBudgetError",
         "Plan",
         "Profile",

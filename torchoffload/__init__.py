@@ -20,6 +20,7 @@ from torchoffload.optim import (
     OptimizerStats,
 )
 from torchoffload.planner import Hardware, InfeasibleBudgetError, Plan, Profile, plan, trace
+from torchoffload.verify import Difference, VerificationError, VerifyReport, verify
 from torchoffload.weights import (
     CheckpointError,
     ParameterStats,
@@ -36,6 +37,7 @@ __all__ = [
     "ActivationOffloadHandle",
     "ActivationStats",
     "CheckpointError",
+    "Difference",
     "apply_activation_offloading",
     "find_layers",
     "Hardware",
@@ -61,6 +63,9 @@ __all__ = [
     "stream_parameters",
     "stream_weights",
     "unregister_flattener",
+    "verify",
+    "VerificationError",
+    "VerifyReport",
     "WeightStats",
     "WeightStreamHandle",
 ]

@@ -1,0 +1,150 @@
+"""Random small models for the differential fuzzer (`tests/test_fuzz.py`), built from parts
+real models have: an embedding (tied to the head or not), blocks with norms before or after,
+residuals, two parameters that are views of one storage, a weight also read transposed, a
+parameter used twice, a buffer, a branch on the input's shape (a parameter only one-token
+inputs use), a final norm and a head, in float32, float64 or bfloat16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+from torch import nn
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Spec:
+    vocab: int
+    dim: int
+    hidden: int
+    layers: int
+    tied: bool
+    norm: str  # "layer", "rms" or "none"
+    post_norm: bool  # the norm after the residual (post-LN) rather than before the MLP
+    residual: bool
+    shared_storage: bool  # the MLP's gate and scale are views of one parameter storage
+    transposed: bool  # the block reads fc1's weight again, transposed (outside fc1's forward)
+    used_twice: bool  # a gain vector multiplies the block's input and its output
+    buffer: bool
+    branch: bool  # one-token inputs add a projection that other inputs never use
+    final_norm: bool
+    head_bias: bool
+    dropout: float
+    dtype: str
+    seed: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def specs(*, dtypes=tuple(DTYPES), dropout: bool = False, max_layers: int = 3):
+    return st.builds(
+        Spec,
+        vocab=st.integers(5, 40),
+        dim=st.sampled_from([4, 8, 16]),
+        hidden=st.sampled_from([8, 16, 32]),
+        layers=st.integers(1, max_layers),
+        tied=st.booleans(),
+        norm=st.sampled_from(["layer", "rms", "none"]),
+        post_norm=st.booleans(),
+        residual=st.booleans(),
+        shared_storage=st.booleans(),
+        transposed=st.booleans(),
+        used_twice=st.booleans(),
+        buffer=st.booleans(),
+        branch=st.booleans(),
+        final_norm=st.booleans(),
+        head_bias=st.booleans(),
+        dropout=st.sampled_from([0.0, 0.25]) if dropout else st.just(0.0),
+        dtype=st.sampled_from(dtypes),
+        seed=st.integers(0, 2**16),
+    )
+
+
+def _norm(kind: str, dim: int) -> nn.Module:
+    if kind == "layer":
+        return nn.LayerNorm(dim)
+    if kind == "rms":
+        return nn.RMSNorm(dim)
+    return nn.Identity()
+
+
+class Block(nn.Module):
+    def __init__(self, s: Spec):
+        super().__init__()
+        self.s = s
+        self.norm = _norm(s.norm, s.dim)
+        self.fc1 = nn.Linear(s.dim, s.hidden)
+        self.fc2 = nn.Linear(s.hidden, s.dim, bias=False)
+        self.drop = nn.Dropout(s.dropout)
+        if s.shared_storage:
+            base = torch.randn(2, s.hidden) * 0.5
+            self.gate = nn.Parameter(base[0])  # views of one storage
+            self.shift = nn.Parameter(base[1])
+        if s.used_twice:
+            self.gain = nn.Parameter(1 + 0.1 * torch.randn(s.dim))
+        if s.buffer:
+            self.register_buffer("scale", torch.linspace(0.5, 1.5, s.dim))
+        if s.branch:
+            self.one = nn.Linear(s.dim, s.dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        s = self.s
+        x = h if s.post_norm else self.norm(h)
+        if s.used_twice:
+            x = x * self.gain
+        u = self.fc1(x)
+        if s.shared_storage:
+            u = u * torch.sigmoid(self.gate) + self.shift
+        a = F.gelu(u)
+        out = self.fc2(a)
+        if s.transposed:
+            out = out + 0.1 * (a @ self.fc1.weight)  # (hidden, dim): fc1's weight, transposed use
+        if s.used_twice:
+            out = out * self.gain
+        if s.buffer:
+            out = out * self.scale
+        if s.branch and h.shape[1] == 1:
+            out = out + self.one(x)
+        out = self.drop(out)
+        if s.residual:
+            out = h + out
+        return self.norm(out) if s.post_norm else out
+
+
+class Model(nn.Module):
+    def __init__(self, s: Spec):
+        super().__init__()
+        torch.manual_seed(s.seed)
+        self.s = s
+        self.emb = nn.Embedding(s.vocab, s.dim)
+        self.blocks = nn.ModuleList(Block(s) for _ in range(s.layers))
+        self.norm = _norm(s.norm if s.final_norm else "none", s.dim)
+        self.head = nn.Linear(s.dim, s.vocab, bias=s.head_bias)
+        if s.tied:
+            self.head.weight = self.emb.weight  # one Parameter in two modules, as HF ties
+        self.to(s.torch_dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(self.norm(h))
+
+
+def build(s: Spec) -> Model:
+    return Model(s)
+
+
+def tokens(s: Spec, batch: int, seq: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, s.vocab, (batch, seq), generator=g)
+
+
+def loss_of(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
