@@ -182,6 +182,16 @@ def main() -> None:
         if gpu:
             torch.cuda.empty_cache()
 
+    # First, the check anyone can run on their own model: one forward of the prompt, resident
+    # against streamed at this budget, bitwise (on copies of the model).
+    report = torchoffload.verify(
+        model.to(device) if gpu else model, (prompt,),
+        apply=lambda m: torchoffload.stream_weights(m, device, budget_bytes=budget,
+                                                    pin_memory=gpu),
+    )  # fmt: skip
+    model.to("cpu")
+    print(f"verify (stream_weights against resident): {report}")
+
     # The recipe: one call; the weights move to pinned host memory, the arena to the device.
     handle = torchoffload.stream_weights(model, device, budget_bytes=budget, pin_memory=gpu)
     if gpu:

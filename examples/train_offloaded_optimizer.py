@@ -14,7 +14,9 @@ download), in bf16 with gradient checkpointing. Two runs from the same weights:
   on the host.
 Each prints the step time, tokens/s, peak device memory and host memory. With bf16 parameters
 the two are different arithmetic (fp32 masters on the host), so their losses differ; with
-``--dtype fp32`` on the CPU they are bitwise equal, which the script checks.
+``--dtype fp32`` on the CPU they are bitwise equal, which the script checks. First,
+``torchoffload.verify`` checks two steps of ``params`` against ``host`` (the same arithmetic:
+bitwise in any dtype, on any device) on a copy of the model, and prints its report.
 """
 
 from __future__ import annotations
@@ -127,6 +129,18 @@ def main() -> None:
     device = torch.device(args.device)
     print(f"Llama hidden {args.hidden}, {args.layers} layers, {args.dtype}, batch {args.batch} x "
           f"{args.seq} on {device}, torch {torch.__version__}")  # fmt: skip
+    report = torchoffload.verify(
+        build(args, device),
+        kwargs={"input_ids": (x := torch.randint(0, args.vocab, (args.batch, args.seq),
+                                                 generator=torch.Generator().manual_seed(1)
+                                                 ).to(device)), "labels": x},
+        apply=lambda m: torchoffload.stream_parameters(m, args.param_budget_mib << 20),
+        optimizer=lambda m: torchoffload.OffloadedOptimizer(m.parameters(), torch.optim.AdamW,
+                                                            lr=args.lr),
+        loss=lambda out: out.loss,
+        steps=2,
+    )  # fmt: skip
+    print(f"verify (params against host): {report}")
     on_device = run(args, device, "device")
     on_host = run(args, device, "host")
     streamed = run(args, device, "params")

@@ -69,6 +69,7 @@ def test_generate_streamed():
     pytest.importorskip("transformers")
     out = script_output("test_generate_streamed")
     assert "tokens identical to the all-on-device run: True" in out
+    assert "verify (stream_weights against resident): equal" in out
     assert "stream_weights" in out
     assert "CUDA-graph tokens identical to the all-on-device static-cache decode: True" in out
     assert "CUDA-graph decode: 7 of 8 calls replayed (timed decode)" in out  # eager: prefill
@@ -79,6 +80,7 @@ def test_train_offloaded_optimizer_bitwise_on_cpu():
     pytest.importorskip("transformers")
     out = script_output("test_train_offloaded_optimizer_bitwise_on_cpu")
     assert "bitwise equal losses: True" in out
+    assert "verify (params against host): equal" in out
     assert "host step" in out and out.count("tokens/s") == 3
     assert "parameters: at most" in out
 
