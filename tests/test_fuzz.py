@@ -404,7 +404,8 @@ class TrainingMachine(RuleBasedStateMachine):
 
     # -- helpers
     def read_state(self, side: Side) -> dict:
-        if side is self.off and self.step_ahead and broken(self.ENGINE, "step_ahead_read"):
+        if (side is self.off and self.step_ahead and side.opt is not None
+                and broken(self.ENGINE, "step_ahead_read")):  # fmt: skip
             side.opt.synchronize()
         return values(side.model)
 
@@ -420,7 +421,7 @@ class TrainingMachine(RuleBasedStateMachine):
     def both(self, fn, what: str):
         """``fn(side)`` on the offloaded side first, then (unless it refused) on the plain one;
         their results must be the same."""
-        if self.step_ahead and broken(self.ENGINE, "step_ahead_read"):
+        if self.step_ahead and self.off.opt is not None and broken(self.ENGINE, "step_ahead_read"):
             self.off.opt.synchronize()  # item 6: reads outside forward do not finish the step
         count(OPERATIONS, self.ENGINE)
         try:
@@ -551,10 +552,11 @@ class TrainingMachine(RuleBasedStateMachine):
             torch.save(side.model.state_dict(), buf)
             buf.seek(0)
             side.model.load_state_dict(torch.load(buf))
-            if optimizer_too:
-                side.opt.load_state_dict(copy.deepcopy(side.opt.state_dict()))
 
         self.both(fn, "save and load")
+        if optimizer_too and not self.stopped:  # on its own: a refusal here skips only this
+            self.both(lambda s: s.opt.load_state_dict(copy.deepcopy(s.opt.state_dict())),
+                      "the optimizer's state_dict saved and loaded")  # fmt: skip
 
     @precondition(lambda self: self.steps == 0 and self.can("convert"))
     @rule(data=st.data())
@@ -718,8 +720,11 @@ class Optimizer(TrainingMachine):
         """opt.remove(), then a new OffloadedOptimizer loaded with the old one's state."""
         sd = self.off.opt.state_dict()
         self.off.opt.remove()
+        self.off.opt = None  # until the new one is built (a refusal ends the example)
+        self.stopped = True  # unless the new optimizer is built and loaded
         self.off.opt = self.off_optimizer()
         self.load_or_stop(sd)
+        self.stopped = False
         if self.off.sched is not None:
             self.off.sched.optimizer = self.off.opt
 
@@ -762,10 +767,13 @@ class StreamParameters(Optimizer):
     def reapply(self):
         sd = self.off.opt.state_dict()
         self.off.opt.remove()
+        self.off.opt = None  # until the new one is built (a refusal ends the example)
+        self.stopped = True  # unless the engine is applied again and the optimizer loaded
         self.remove_engine()
         self.apply_engine()
         self.off.opt = self.off_optimizer()
         self.load_or_stop(sd)
+        self.stopped = False
         if self.off.sched is not None:
             self.off.sched.optimizer = self.off.opt
 
