@@ -91,10 +91,11 @@ class HostStore(Protocol):
         ordered on the compute stream. Raises `HostedError` when it cannot be read now."""
         ...
 
-    def write_piece(self, key: Any, data: torch.Tensor) -> None:
+    def write_piece(self, key: Any, data: torch.Tensor, written: list[tuple[int, int]]) -> None:
         """Write ``data`` (uint8, the piece's bytes, on the compute device) into the host store;
-        device copies of the piece become stale. Raises `HostedError` when it cannot be
-        written now (before anything changes)."""
+        device copies of the piece become stale. ``written``: the byte ranges of the piece that
+        the function wrote through (the tensors of other ranges kept their values). Raises
+        `HostedError` when it cannot be written now (before anything changes)."""
         ...
 
 
@@ -505,7 +506,7 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
     with DisableTorchFunctionSubclass():
         out = func(*a, **k)
     name = refs[0].name
-    written: set[tuple[int, Any]] = set()
+    written: dict[tuple[int, Any], list[tuple[int, int]]] = {}
     for i, (v, pk) in temps.items():
         if (v.shape, v.stride(), v.storage_offset()) != before[i][1:]:
             raise HostedError(
@@ -513,7 +514,7 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
                 "unit; it was not applied"
             )
         if v._version != before[i][0]:
-            written.add(pk)
+            written.setdefault(pk, []).append(_byte_range(v))
     by_temp = {id(temps[id(t)][0]): t for t in holders}
     storages = {p.untyped_storage()._cdata: pk for pk, (_, p) in pieces.items()}
     results = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
@@ -524,9 +525,9 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
             "host store. Compute it under torch.no_grad() or on p.detach(), or inside the "
             "forward of the module that owns it"
         )
-    for pk in written:
+    for pk, ranges in written.items():
         ref, piece = pieces[pk]
-        ref.store.write_piece(ref.key, piece)
+        ref.store.write_piece(ref.key, piece, ranges)
         _bump_versions(ref.store, ref.key)
 
     def back(o: Any) -> Any:
@@ -546,6 +547,14 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
         return p
 
     return pytree.tree_map(back, out)
+
+
+def _byte_range(v: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage that ``v`` spans: [start, end)."""
+    item = v.element_size()
+    extent = 1 + sum((n - 1) * st for n, st in zip(v.shape, v.stride(), strict=True))
+    start = v.storage_offset() * item
+    return start, start + (extent * item if v.numel() else 0)
 
 
 def _bump_versions(store: HostStore, key: Any) -> None:

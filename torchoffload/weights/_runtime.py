@@ -899,7 +899,7 @@ class WeightRuntime:
             out.copy_(data)  # synchronous for the host: the store may change after it
             return out
 
-    def write_piece(self, key: Any, data: torch.Tensor) -> None:
+    def write_piece(self, key: Any, data: torch.Tensor, written: list[tuple[int, int]]) -> None:
         """_hosted.HostStore: write the piece's bytes into the host store; the arena forgets
         what it holds (as `write_host`)."""
         with self._lock:

@@ -409,18 +409,24 @@ class ParameterRuntime:
             out.copy_(piece.host)  # on the compute stream, synchronous for the host
             return out
 
-    def write_piece(self, key: Any, data: torch.Tensor) -> None:
+    def write_piece(self, key: Any, data: torch.Tensor, written: list[tuple[int, int]]) -> None:
         """_hosted.HostStore: write the piece's bytes into the host store. A device copy made
-        before is stale (loaded again at its next use); a host optimizer reads its masters
-        again (``Hosted.version``)."""
+        before is stale (loaded again at its next use); a host optimizer reads again the
+        masters of the parameters whose bytes were written (``Hosted.version``): a parameter
+        that only shares the storage keeps its fp32 master, as resident (the fuzzer found a
+        bf16 view's master re-read from its rounded value after an edit of its sibling)."""
         with self._lock:
             piece = self._piece(key)
             _settle(piece)
             self.before_write(piece)
             with torch.no_grad():
                 piece.host.copy_(data)
-            for t, _, _, _ in piece.leaves:
-                HOSTED[t].version += 1
+            for t, offset, size, stride in piece.leaves:
+                item = t.element_size()
+                extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
+                lo, hi = offset * item, (offset + extent) * item
+                if any(a < hi and lo < b for a, b in written):
+                    HOSTED[t].version += 1
 
     def _piece(self, key: Any) -> _Piece:
         if self.removed:
