@@ -1552,7 +1552,6 @@ def test_new3_bf16_views_of_one_storage_in_two_buckets():
         opt.remove()
 
 
-@new(3, "the same in the fuzzer's model with bucket_bytes=64 (found there)")
 def test_new3_found_by_the_fuzzer_with_small_buckets():
     spec = Spec(vocab=25, dim=4, hidden=32, layers=2, tied=True, norm="rms", post_norm=False,
                 residual=True, shared_storage=True, transposed=False, used_twice=False,

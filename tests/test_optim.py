@@ -1428,6 +1428,35 @@ def test_parameters_that_share_a_storage_are_stepped_bitwise(order, fraction, bu
     opt.remove()
 
 
+@pytest.mark.parametrize("bucket_bytes", [32, 64], ids=["apart", "between"])
+def test_views_given_storages_of_their_own_by_to_dtype_are_stepped_bitwise(bucket_bytes):
+    """NEW-3 (fuzzer): views of one fp32 storage converted by ``module.to(torch.bfloat16)``
+    get storages of their own but keep one version counter (``to`` sets ``param.data``), so
+    the upload of one in its bucket moved the other's version, whose fp32 master was then read
+    again from its rounded value. They are now one family, as views of one storage are."""
+
+    def build():
+        m = Views("abw")
+        torch.manual_seed(0)
+        base = torch.randn(2, 16)
+        m.a, m.b = nn.Parameter(base[0]), nn.Parameter(base[1])
+        return m.to(torch.bfloat16)
+
+    a, twin = build(), build()
+    assert a.a.untyped_storage().data_ptr() != a.b.untyped_storage().data_ptr()
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                bucket_bytes=bucket_bytes)  # fmt: skip
+    for i in range(4):
+        a.loss(i).backward()
+        opt.step()
+        opt.zero_grad()
+        twin.loss(i).backward()
+        ref.step()
+        assert same_params(a, twin), i
+    opt.remove()
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.1], ids=["host", "split"])
 def test_state_dict_after_an_in_place_edit_holds_the_masters_of_the_edited_values(fraction):
     """NEW-5: after an in-place edit of a bf16 parameter between steps (manual weight decay),

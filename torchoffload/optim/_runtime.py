@@ -127,7 +127,9 @@ logger = logging.getLogger(__name__)
 # device part its parameters), every parameter of a storage it wrote is recorded as in sync:
 # each was in sync before (checked when the bucket was dispatched, or by the device part's
 # `check`), and, as for every parameter, nothing but the optimizer writes it between its
-# final backward and `step()`.
+# final backward and `step()`. Views that ``module.to(dtype)`` gave storages of their own
+# still share one version counter (``to`` sets ``param.data``): one family too
+# (`storage_families` finds them by bumping each counter, which changes no value).
 #
 # Note: [The order of the clipping norm]
 # ``clip_grad_norm_`` takes the norm of each gradient (`torch._foreach_norm`, per device and
@@ -1117,6 +1119,20 @@ def storage_families(params: list[torch.Tensor]) -> list[int]:
         storage = t.untyped_storage()
         key = (t.device, storage.data_ptr())
         out.append(first.setdefault(key, i) if storage.nbytes() else i)
+    # Views that ``module.to(dtype)`` gave storages of their own (it sets ``param.data``) still
+    # share the version counter: found by bumping each counter (no value changes)
+    probe = [i for i, p in enumerate(params) if p not in HOSTED]
+    before = [local(params[i])._version for i in probe]
+    for i in probe:
+        torch.autograd.graph.increment_version(local(params[i]))
+    shared = [i for i, b in zip(probe, before, strict=True) if local(params[i])._version > b + 1]
+    for i in shared:
+        seen = [local(params[j])._version for j in shared]
+        torch.autograd.graph.increment_version(local(params[i]))
+        together = [j for j, v in zip(shared, seen, strict=True) if local(params[j])._version != v]
+        key = min(out[j] for j in together)
+        old = {out[j] for j in together}
+        out = [key if k in old else k for k in out]
     return out
 
 
