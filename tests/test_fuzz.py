@@ -62,7 +62,6 @@ def profile(ci_examples: int) -> settings:
 # - What issue 38 found and is being fixed: (engine, operation) -> item. Generation skips these
 # until the fixes merge; the corpus below holds each as an xfail(strict=True) case.
 KNOWN_BROKEN: dict[tuple[str, str], int] = {
-    ("optimizer", "split_bf16_views"): -3,  # bf16 views of one storage in small buckets
 }
 if os.environ.get("FUZZ_KNOWN_BROKEN"):
     KNOWN_BROKEN = {}
