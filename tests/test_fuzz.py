@@ -59,10 +59,10 @@ def profile(ci_examples: int) -> settings:
     return LONG if FUZZ else settings(CI, max_examples=ci_examples)
 
 
-# - What issue 38 found and is being fixed: (engine, operation) -> item. Generation skips these
-# until the fixes merge; the corpus below holds each as an xfail(strict=True) case.
-KNOWN_BROKEN: dict[tuple[str, str], int] = {
-}
+# - Operations known broken and being fixed: (engine, operation) -> issue 38 item (negative:
+# the fuzzer's NEW-n). Generation skips these until the fix merges; the corpus below holds each
+# as an xfail(strict=True) case. Empty: every finding so far is fixed.
+KNOWN_BROKEN: dict[tuple[str, str], int] = {}
 if os.environ.get("FUZZ_KNOWN_BROKEN"):
     KNOWN_BROKEN = {}
 
