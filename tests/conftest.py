@@ -15,6 +15,24 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 SMALL = GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=33)
 
 
+class EmbedResidual(torch.nn.Module):
+    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
+    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.ln = torch.nn.LayerNorm(32)
+        self.fc1 = torch.nn.Linear(32, 64)
+        self.fc2 = torch.nn.Linear(64, 32)
+        self.head = torch.nn.Linear(32, 50, bias=False)
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
+        return self.head(h)
+
+
 def train_steps(model, batches, ctx_factory=None, lr=1e-2, autocast=None):
     """Train ``model`` on ``batches``; return per-step losses and grads and the final params."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)

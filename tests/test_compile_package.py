@@ -15,7 +15,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import in_threads
+from conftest import EmbedResidual, in_threads
 from torch import nn
 
 import torchoffload.compile as toc
@@ -677,30 +677,12 @@ def test_a_weights_file_that_cannot_be_written_leaves_no_package(tmp_path):
     assert not out.exists()
 
 
-class _EmbedResidual(nn.Module):
-    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
-    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(50, 32)
-        self.ln = nn.LayerNorm(32)
-        self.fc1 = nn.Linear(32, 64)
-        self.fc2 = nn.Linear(64, 32)
-        self.head = nn.Linear(32, 50, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
-        return self.head(h)
-
-
 def test_every_weight_is_declared_written_by_the_probe_that_finishes_it():
     """Note: [Ordering weights in a compiled program], 2: each probe p whose last reader comes
     before a later probe is in the ``finished`` list of exactly one probe, the first placed
     after that reader; the others say they write nothing."""
     torch.manual_seed(0)
-    ep, catalog = toc.export_streamed(_EmbedResidual().eval(), (torch.tensor([[7]]),))
+    ep, catalog = toc.export_streamed(EmbedResidual().eval(), (torch.tensor([[7]]),))
     finish = torch.ops.torchoffload.weight.finish
     probes = [n for n in ep.graph.nodes if n.target in (torch.ops.torchoffload.weight.default,
                                                         finish)]  # fmt: skip
@@ -720,7 +702,7 @@ def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(
     the issue; call 0 matched: the slot still held the embedding). The package at each depth's
     least budget is bitwise the same package with every unit kept, call after call."""
     torch.manual_seed(0)
-    model, x = _EmbedResidual().eval(), torch.tensor([[7]])
+    model, x = EmbedResidual().eval(), torch.tensor([[7]])
     toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
     with zipfile.ZipFile(tmp_path / "m.pt2") as z:  # the declared writes copy nothing
         code = [z.read(f).decode() for f in z.namelist() if f.endswith(".cpp")]

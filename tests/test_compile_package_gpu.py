@@ -12,6 +12,7 @@ import zipfile
 
 import pytest
 import torch
+from conftest import EmbedResidual  # tests/ is on sys.path
 
 import torchoffload.compile as toc
 from torchoffload import minimum_budget, testing
@@ -227,29 +228,11 @@ def test_hf_llama_with_parameters_on_meta_reads_its_checkpoint(tmp_path):
     assert (outs[0][0].float() - ref.float()).abs().max() < 0.25  # compiled vs eager bf16
 
 
-class _EmbedResidual(torch.nn.Module):
-    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
-    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 32)
-        self.ln = torch.nn.LayerNorm(32)
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, 32)
-        self.head = torch.nn.Linear(32, 50, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
-        return self.head(h)
-
-
 def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot(tmp_path):
     """Issue 38 on CUDA: the package's calls after the first read the embedding from a reused
     slot at the least budget (Note: [Ordering weights in a compiled program])."""
     torch.manual_seed(0)
-    model = _EmbedResidual().eval()  # on the host: export never reads the weights
+    model = EmbedResidual().eval()  # on the host: export never reads the weights
     x = torch.tensor([[7]], device="cuda")
     toc.save_streamed_package(model, (x,), tmp_path / "m.pt2", weights=tmp_path / "m.safetensors")
     with zipfile.ZipFile(tmp_path / "m.pt2") as z:  # the declared writes copy nothing

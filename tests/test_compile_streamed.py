@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EmbedResidual  # tests/ is on sys.path
 from torch._inductor.utils import run_and_get_code
 
 import torchoffload.compile as toc
@@ -119,31 +120,13 @@ def test_a_weight_read_late_through_an_elided_copy_stays_until_read():
     assert all(torch.equal(o, outs[-1]) for o in outs)
 
 
-class _EmbedResidual(torch.nn.Module):
-    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
-    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 32)
-        self.ln = torch.nn.LayerNorm(32)
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, 32)
-        self.head = torch.nn.Linear(32, 50, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
-        return self.head(h)
-
-
 def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot():
     """Issue 38: at the least budget, calls 1, 2 and 3 were off by 0.97 (call 0 matched: the
     slot still held the embedding), at every budget below all-kept. Now the probe that
     finishes the embedding declares a write to it (Note: [Ordering weights in a compiled
     program])."""
     torch.manual_seed(0)
-    model, x = _EmbedResidual().eval(), torch.tensor([[7]])
+    model, x = EmbedResidual().eval(), torch.tensor([[7]])
     kept = toc.compile_streamed(model, (x,), budget_bytes=1 << 30, pin_memory=False)
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
         want, code = run_and_get_code(kept, x)

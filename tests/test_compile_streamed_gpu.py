@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EmbedResidual  # tests/ is on sys.path
 from torch._inductor.utils import run_and_get_code
 
 import torchoffload.compile as toc
@@ -47,29 +48,11 @@ def test_streamed_graph_bitwise_with_slowed_copies(mode):
     assert stats.h2d_bytes > stats.streamed_bytes and stats.peak_device_bytes <= budget
 
 
-class _EmbedResidual(torch.nn.Module):
-    """Issue 38's model, ``emb -> h + fc2(relu(fc1(ln(h)))) -> head``: Inductor computes the
-    embedding gather again inside the kernel of the residual add, after the MLP's probes."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = torch.nn.Embedding(50, 32)
-        self.ln = torch.nn.LayerNorm(32)
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, 32)
-        self.head = torch.nn.Linear(32, 50, bias=False)
-
-    def forward(self, x):
-        h = self.emb(x)
-        h = h + self.fc2(torch.relu(self.fc1(self.ln(h))))
-        return self.head(h)
-
-
 def test_a_weight_a_compiler_reads_again_later_is_never_read_from_a_reused_slot():
     """Issue 38 on CUDA: calls 1, 2 and 3 were off by 0.971, 0.971, 0.969 at the least
     budget (Note: [Ordering weights in a compiled program])."""
     torch.manual_seed(0)
-    model = _EmbedResidual().eval()  # on the host: only the store is filled from it
+    model = EmbedResidual().eval()  # on the host: only the store is filled from it
     x = torch.tensor([[7]], device="cuda")
     kept = toc.compile_streamed(model, (x,), budget_bytes=1 << 30, device="cuda")
     with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
