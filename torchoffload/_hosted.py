@@ -247,8 +247,6 @@ def _getters(*names: str) -> set[Any]:
                 fn = getattr(attr, part, None)
                 if fn is not None:
                     out.add(fn)
-            if callable(attr) and not hasattr(attr, "__get__"):
-                out.add(attr)
             out.add(attr)
     return out
 
@@ -358,11 +356,8 @@ _REFUSED = _methods("numpy", "__array__", "__dlpack__", "__dlpack_device__", "sh
                     "pin_memory", "set_", "resize_", "resize_as_", "as_strided_", "t_",
                     "transpose_", "squeeze_", "unsqueeze_", "swapdims_", "swapaxes_",
                     "detach_", "_coalesced_")  # fmt: skip
-_SET_DATA = set()
-for _base in (_T, _C):
-    _d = _base.__dict__.get("data")
-    if _d is not None and hasattr(_d, "__set__"):
-        _SET_DATA.add(_d.__set__)
+_SET_DATA = {d.__set__ for d in (_T.__dict__.get("data"), _C.__dict__.get("data"))
+             if d is not None and hasattr(d, "__set__")}  # fmt: skip
 _COPIES = _methods("__deepcopy__", "__reduce_ex__", "__reduce__")
 _TYPE = _methods("type")  # with no argument it names the type; with one it converts
 _DATA = _getters("data")
