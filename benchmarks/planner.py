@@ -18,7 +18,7 @@ forward + backward + zero_grad, no optimizer):
   1, 1.5 and 2 times what the budget needs removed (no-offloading peak minus budget), and no
   limit ("hand[all]").
 - plan[f]: `plan_from_profile` at budget f x the no-offloading peak, applied with
-  ``apply_activation_offloading(model, plan=plan)``. Decisions per layer: k keep, o offload,
+  ``plan.apply(model)``. Decisions per layer: k keep, o offload,
   r recompute, R recompute with the input offloaded, s stream (the whole model).
 
 The checkpointing rows are predicted too (a plan that recomputes the first m layers), which
@@ -137,9 +137,12 @@ def run_shape(shape, hw, pool, args, device, dtype):
         return measure(model, x, device=device, ctx=ctx, phases=phases, **timing)
 
     def with_handle(config=None, plan=None):
-        handle = apply_activation_offloading(
-            model, layers=model.layers, config=config, plan=plan, pool=pool
-        )
+        if plan is not None:
+            handle = plan.apply(model, layers=model.layers, pool=pool)
+        else:
+            handle = apply_activation_offloading(
+                model, layers=model.layers, config=config, pool=pool
+            )
         try:
             result = run()
             result["offloaded"] = handle.stats().offloaded_bytes // result["steps"]

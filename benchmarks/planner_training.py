@@ -10,7 +10,7 @@ everything on the device (fused AdamW, state in bf16); its peak over the timed s
 budgets: 75%, 50% and 25% of it. For each, `plan_from_profile` on the traced step (optimizer
 "adamw") chooses the activation decisions and where the optimizer state and the parameters
 live; the plan is applied as a user would (`plan.stream_parameters`, `plan.optimizer`,
-`apply_activation_offloading(model, plan=plan)`) to a fresh model, and its peak
+`plan.apply(model)`) to a fresh model, and its peak
 (`max_memory_allocated` over the timed steps, the optimizer step included) is compared with
 the budget and the prediction.
 """
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner import CODE  # noqa: E402
 
-from torchoffload import OffloadedOptimizer, apply_activation_offloading  # noqa: E402
+from torchoffload import OffloadedOptimizer  # noqa: E402
 from torchoffload.models import BlockStack  # noqa: E402
 from torchoffload.planner import (  # noqa: E402
     Hardware,
@@ -131,7 +131,7 @@ def main() -> None:
         params = plan.stream_parameters(model)
         kw = dict(lr=1e-4, fused=fused)
         opt = plan.optimizer(model.parameters(), torch.optim.AdamW, **kw)
-        act = apply_activation_offloading(model, layers=model.layers, plan=plan)
+        act = plan.apply(model, layers=model.layers)
         try:
             ms, peak = measure(model, opt, x, steps=args.steps, warmup=args.warmup, device=device)
         finally:

@@ -692,7 +692,7 @@ class Plans(TrainingMachine):
 
     def apply_engine(self):
         m = self.off.model
-        self.off.handle = to.apply_activation_offloading(m, layers=m.blocks, plan=self.plan)
+        self.off.handle = self.plan.apply(m, layers=m.blocks)
 
 
 class Optimizer(TrainingMachine):

@@ -330,7 +330,7 @@ def small_plan(batches, decisions, **trace_kwargs):
 def test_apply_plan_offloads_and_recomputes_bitwise(batches):
     base, model, _, plan = small_plan(batches, ("offload", "recompute", "offload", "keep"))
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
-    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
+    handle = plan.apply(model, device="cpu", pool=pool)
     assert handle.recomputed_layers == [1]
     assert "forward" in vars(model.layers[1])
     got = train_steps(model, batches)
@@ -347,7 +347,7 @@ def test_apply_recompute_only_plan_installs_no_hooks(batches):
 
     base, model, _, plan = small_plan(batches, ("recompute", "recompute", "keep", "keep"))
     global_hooks = len(nn_module._global_forward_pre_hooks)
-    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu")
+    handle = plan.apply(model, device="cpu")
     assert handle.recomputed_layers == [0, 1]
     assert len(nn_module._global_forward_pre_hooks) == global_hooks
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
@@ -365,7 +365,7 @@ def test_apply_plan_recompute_with_offloaded_input_bitwise(batches):
     base, model, prof, plan = small_plan(batches, (both, both, "keep", "keep"), min_bytes=0)
     assert [layer.input_offloadable_bytes > 0 for layer in prof.layers] == [True] * 4
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
-    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
+    handle = plan.apply(model, device="cpu", pool=pool)
     assert handle.recomputed_layers == [0, 1]
     handle.reset_stats()
     got = train_steps(model, batches)
@@ -382,7 +382,7 @@ def test_apply_stream_plan_bitwise(batches):
     base, model, _, plan = small_plan(batches, ("stream",) * 4)
     assert plan.stream and plan.offload_layers == frozenset(range(4))
     pool = torchoffload.PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
-    handle = torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool)
+    handle = plan.apply(model, device="cpu", pool=pool)
     assert handle.mode.value == "stream"
     got = train_steps(model, batches)
     assert handle.stats().offloaded_bytes > 0 and handle.stats().prefetch_misses >= 0
@@ -390,7 +390,7 @@ def test_apply_stream_plan_bitwise(batches):
     assert not model._forward_pre_hooks and not model._forward_hooks
     assert_bitwise(base, got)
     # One handle type for every plan: its `with` removes it.
-    with torchoffload.apply_activation_offloading(model, plan=plan, device="cpu", pool=pool) as h:
+    with plan.apply(model, device="cpu", pool=pool) as h:
         model.loss(batches[0]).backward()
     assert h.stats().offloaded_bytes > 0 and not model._forward_pre_hooks
 
@@ -419,11 +419,15 @@ def test_apply_plan_checks_the_layer_count():
     prof = synthetic_profile(layers=3, saved_bytes=MB, fwd_flops=10**9)
     plan = plan_from_profile(prof, None)
     with pytest.raises(ValueError, match="plan is for 3 layers but the model has 4"):
+        plan.apply(GPT(SMALL4), device="cpu")
+
+
+def test_engines_take_no_plan():
+    """The planner sits above the engines (no engine imports it): `Plan.apply` is the one way
+    to apply a plan, and the engine's entry point says so."""
+    plan = plan_from_profile(synthetic_profile(layers=4, saved_bytes=MB, fwd_flops=10**9), None)
+    with pytest.raises(TypeError, match=r"plan\.apply\(model"):
         torchoffload.apply_activation_offloading(GPT(SMALL4), plan=plan, device="cpu")
-    with pytest.raises(ValueError, match="either config or plan"):
-        torchoffload.apply_activation_offloading(
-            GPT(SMALL4), plan=plan, config=torchoffload.ActivationOffloadConfig(), device="cpu"
-        )
 
 
 # -- CLI ----------------------------------------------------------------------------------------

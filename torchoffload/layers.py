@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections import defaultdict
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from weakref import WeakKeyDictionary
 
 import torch
@@ -43,9 +43,6 @@ from torchoffload._saved import (
     Session,
     Storage,
 )
-
-if TYPE_CHECKING:  # the planner sits above this module: a type, not an import
-    from torchoffload.planner import Plan
 
 __all__ = [
     "ActivationOffloadConfig",
@@ -627,7 +624,7 @@ def apply_activation_offloading(
     config: ActivationOffloadConfig | None = None,
     pool: PinnedPool | None = None,
     device: torch.device | str | int | None = None,
-    plan: Plan | None = None,
+    plan: object = None,
 ) -> ActivationOffloadHandle:
     """Offload ``model``'s activations layer by layer, in place, until ``handle.remove()``.
 
@@ -638,17 +635,15 @@ def apply_activation_offloading(
         config: an `ActivationOffloadConfig` (defaults if None).
         pool: the `PinnedPool` to copy into; default: the process-wide pool.
         device: the compute device; default: the current accelerator, else the CPU.
-        plan: a `torchoffload.Plan` instead of ``config``: the same as ``plan.apply(model,
-            layers=..., pool=..., device=...)`` (see `Plan.apply`).
+        plan: not accepted: a `torchoffload.Plan` applies itself, ``plan.apply(model,
+            layers=..., pool=..., device=...)``. The planner sits above the engines, and
+            no engine imports it.
     """
     if plan is not None:
-        from torchoffload.planner import Plan  # the planner sits above: imported when used
-
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan must be a torchoffload.Plan, got {type(plan).__name__}")
-        if config is not None:
-            raise ValueError("pass either config or plan, not both")
-        return plan.apply(model, layers=layers, pool=pool, device=device)
+        raise TypeError(
+            "apply_activation_offloading takes no plan: apply a torchoffload.Plan with "
+            "plan.apply(model, layers=..., pool=..., device=...)"
+        )
     config = ActivationOffloadConfig() if config is None else config
     if not isinstance(config, ActivationOffloadConfig):
         raise TypeError(f"config must be an ActivationOffloadConfig, got {type(config).__name__}")
