@@ -454,6 +454,33 @@ def trace(
             h.remove()
         tracer.close()
 
+    profile = _assemble(
+        rec, layer_list, args, kwargs, params, grad_events,
+        step_marks={"forward_end": forward_end, "backward_end": backward_end, "step_end": step_end},
+        param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+        description=type(model).__name__, min_bytes=min_bytes,
+    )  # fmt: skip
+    _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)
+    return profile
+
+
+def _assemble(
+    rec: _StepRecorder,
+    layer_list: list[nn.Module],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    params: list[torch.Tensor],
+    grad_events: list[tuple[int, int]],
+    *,
+    step_marks: dict[str, int],
+    param_bytes: int,
+    grad_bytes: int,
+    optimizer_bytes: int,
+    description: str,
+    min_bytes: int,
+) -> Profile:
+    """The `Profile` of a traced step, from what the recorder and its tracer saw."""
+    tracer = rec.tracer
     missing = [i for i in range(len(layer_list)) if i not in rec.fwd_end]
     if missing:
         raise RuntimeError(f"layers {missing} did not run in forward: are they all used?")
@@ -462,13 +489,13 @@ def trace(
     # A layer whose output needs no grad has no backward marker: use the next one's.
     starts = []
     for i in range(len(layer_list)):
-        starts.append(bwd_start.get(i, bwd_start.get(i + 1, backward_end)))
-    profile = Profile(
+        starts.append(bwd_start.get(i, bwd_start.get(i + 1, step_marks["backward_end"])))
+    return Profile(
         layers=tuple(profiles),
         timeline=tuple(tracer.timeline),
         fwd_end=tuple(fwd_end[i] for i in range(len(layer_list))),
         bwd_start=tuple(starts),
-        step_marks={"forward_end": forward_end, "backward_end": backward_end, "step_end": step_end},
+        step_marks=step_marks,
         param_bytes=param_bytes,
         grad_bytes=grad_bytes,
         optimizer_bytes=optimizer_bytes,
@@ -476,7 +503,7 @@ def trace(
         outside_bwd_flops=tracer.flops[(None, True)],
         outside_saved_bytes=sum(n for _, n in saved.get(None, {}).values()),
         tokens=_tokens(args, kwargs),
-        description=type(model).__name__,
+        description=description,
         min_bytes=min_bytes,
         saved_storages=tuple(
             (e[0], e[1], e[2], e[3] if e[3] >= 0 else len(tracer.timeline), e[4])
@@ -489,8 +516,6 @@ def trace(
         largest_trainable_numel=max((p.numel() for p in params), default=0),
         outside_bwd_ops=tuple(tracer.ops[(None, True)]),
     )
-    _log.debug("traced %s in %.1f s", type(model).__name__, time.perf_counter() - start)
-    return profile
 
 
 def _fake_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
