@@ -13,7 +13,7 @@ import torch
 
 from torchoffload import minimum_budget, stream_weights, testing
 from torchoffload.models import GPT, GPTConfig
-from torchoffload.weights import StreamedGraph
+from torchoffload.weights import HostReadInCapture, StreamedGraph
 
 CFG = GPTConfig(hidden=64, layers=4, heads=2, vocab=256, max_seq=64)
 
@@ -657,3 +657,56 @@ def test_a_replay_outside_inference_mode_of_a_graph_captured_inside_it(streamed)
             assert torch.equal(g(z), ref(z))
     s = g.stats()
     assert (s.graphs, s.eager_calls, s.replays) == (2, 2, 4)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda y: y.sum().item(),
+        lambda y: y[0, 0].tolist(),
+        lambda y: bool((y > 0).any()),
+        lambda y: int(y.argmax()),
+        lambda y: y.nonzero(),
+        lambda y: torch.equal(y, y),
+        lambda y: repr(y),
+    ],
+    ids=["item", "tolist", "bool", "int", "nonzero", "equal", "repr"],
+)
+def test_a_host_read_fails_where_the_gpu_captures(streamed, read):
+    """Note: [Host reads in a captured call]: on the CPU, the call that stands for the capture
+    (a signature's second) refuses what a GPU capture refuses, every time it is captured
+    again; the warm-up may read values, and a function without reads is replayed."""
+    ref, model, h = streamed
+    x = tokens((2, 16), 0)
+
+    def step(ids):
+        y = model(ids)
+        read(y)
+        return y
+
+    g = h.cuda_graph(step)
+    assert torch.equal(g(x), ref(x))  # the warm-up: eager, as on the GPU
+    for _ in range(2):
+        with pytest.raises(HostReadInCapture, match="reads a tensor's value on the host"):
+            g(x)
+    assert g.stats().replays == 0
+    plain = h.cuda_graph(model)
+    for _ in range(3):
+        assert torch.equal(plain(x), ref(x))
+    assert plain.stats().replays == 2
+
+
+def test_a_read_only_in_the_warm_up_is_allowed(streamed):
+    ref, model, h = streamed
+    seen = []
+
+    def step(ids):
+        y = model(ids)
+        if not seen:  # lazy set-up on the first call, as a cache might do
+            seen.append(y.sum().item())
+        return y
+
+    g = h.cuda_graph(step)
+    x = tokens((2, 16), 0)
+    for _ in range(3):
+        assert torch.equal(g(x), ref(x))

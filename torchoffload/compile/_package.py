@@ -734,6 +734,8 @@ class StreamedPackage:
     `load_streamed_package`). Call it like the exported model; ``handle`` is the weight
     engine's `WeightStreamHandle` (``stats()``, ``schedule``); ``catalog`` the package's."""
 
+    dynamo_compiled = False  # True for `compile_streamed`'s (Note: [Host reads in a captured call])
+
     def __init__(self, program: Any, catalog: Catalog, runtime: WeightRuntime,
                  holder: nn.Module):  # fmt: skip
         self.catalog = catalog
@@ -952,7 +954,9 @@ def compile_streamed(
     runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
                                    pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
     program = _without_alias_check(torch.compile(ep.module(), fullgraph=True, mode=mode))
-    return StreamedPackage(program, catalog, runtime, holder)
+    package = StreamedPackage(program, catalog, runtime, holder)
+    package.dynamo_compiled = True
+    return package
 
 
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")

@@ -34,6 +34,7 @@ from torchoffload.weights._handle import (
     minimum_budget,
     stream_weights,
 )
+from torchoffload.weights._syncs import HostReadInCapture
 from torchoffload.weights._training import (
     ParameterStats,
     ParameterStreamHandle,
@@ -43,6 +44,7 @@ from torchoffload.weights._training import (
 __all__ = [
     "CheckpointError",
     "GraphStats",
+    "HostReadInCapture",
     "StreamedGraph",
     "WeightStats",
     "WeightStreamHandle",

@@ -25,11 +25,13 @@ captured graph] in _runtime.py).
 
 On the CPU (no CUDA graphs) a "replay" runs the function again with the runtime in capture
 mode, so the bookkeeping (static inputs and outputs, the ring reset, kept units, counters)
-is tested without a GPU.
+is tested without a GPU; the run that stands for the capture refuses what a capture would
+(Note: [Host reads in a captured call] in _syncs.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import warnings
@@ -43,6 +45,7 @@ from torchoffload._transfer import CopyEngine
 from torchoffload._validate import check_bool, check_callable, check_int
 from torchoffload.weights._arena import Counters
 from torchoffload.weights._runtime import Primes, WeightRuntime
+from torchoffload.weights._syncs import HostReadCheck, is_compiled
 
 __all__ = ["GraphStats", "StreamedGraph"]
 
@@ -373,9 +376,11 @@ class StreamedGraph:
         args, kwargs = entry.fn_args
         rt.prepare_capture(entry.primes)
         end: Primes = ()
+        check = entry.outputs is None and not is_compiled(self._fn)  # the capture's stand-in
         try:
             rt.start_capture(rt.engine, entry.primes)
-            out = self._fn(*args, **kwargs)
+            with HostReadCheck() if check else contextlib.nullcontext():
+                out = self._fn(*args, **kwargs)  # Note: [Host reads in a captured call]
             end = rt.finish_capture()
         finally:
             entry.delta = rt.end_capture(keep=end)
