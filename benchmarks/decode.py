@@ -175,8 +175,10 @@ def main(argv=None) -> int:
                    help="deterministic algorithms and math attention (as the GPU parity tests): "
                    "tokens comparable over long decodes, kernels slower")  # fmt: skip
     args = p.parse_args(argv)
-    if args.deterministic:  # without it, even the resident CUDA graph departs from eager
-        import contextlib  # resident after a few hundred tokens (benchmarks/README.md)
+    # Without it, even the resident CUDA graph departs from eager resident after a few hundred
+    # tokens (benchmarks/log/2026-11-24-primed-replays.md, "Tokens over long decodes").
+    if args.deterministic:
+        import contextlib
         import os
 
         from torch.nn.attention import SDPBackend, sdpa_kernel

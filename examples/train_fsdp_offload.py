@@ -16,7 +16,8 @@ download) when transformers is installed, else torchoffload's small GPT (``--mod
 Offloading every eligible activation is only free when the link can carry them within the
 compute time. Hugging Face Llama saves many bytes per FLOP, so at these shapes it is link-bound
 on an H200 (the default GPU shape runs about 3x slower, in 59% of the memory); ``--budget-gib``
-caps the bytes per step, so that the copies hide behind compute (benchmarks/README.md).
+caps the bytes per step, so that the copies hide behind compute (benchmarks/README.md, "FSDP2 on
+two GPUs").
 """
 
 from __future__ import annotations

@@ -62,9 +62,10 @@ CAST_CHUNK = 2 << 20  # elements per conversion chunk: Note: [Copies that conver
 # one chunk. Conversions between fp32 and bf16/fp16 round to nearest even on
 # the CPU and on CUDA alike, so the bits are those a host conversion gives (tested bitwise).
 # 2 Mi elements a chunk (8 MiB of fp32) keeps the scratch small beside a small model's
-# gradients; measured on an H100 (benchmarks/optim.py calibrate, run G) the chunks cost 32 us
-# (D2H) and 23 us (H2D) of host time each and move fp32 at 49 and 44 GB/s, against 55 and 54
-# for plain pinned copies (the cast and the copy of a chunk are serial on one stream).
+# gradients; measured on an H100 (benchmarks/optim.py calibrate, run G in
+# benchmarks/log/2026-11-23-optimizer-on-host.md) the chunks cost 32 us (D2H) and 23 us (H2D)
+# of host time each and move fp32 at 49 and 44 GB/s, against 55 and 54 for plain pinned
+# copies (the cast and the copy of a chunk are serial on one stream).
 #
 # Note: [H2D into an arena]
 # The weight engine copies into a device arena it allocated once and manages itself, instead of

@@ -5,10 +5,11 @@ With ``offload_fraction=f`` the host steps the trainable parameters last in the 
 parameter order (its param groups, concatenated), about ``f`` of the trainable bytes; for a
 model's ``parameters()`` those are the last layers, whose gradients backward finishes first.
 The rest, the first layers and typically the embedding, are stepped on the device at
-`step()`; frozen parameters stay there too, without a copy. The host
-step binds a host-placed step (benchmarks/README.md: a fused fp32 AdamW over 3.2 B parameters
-took 0.6-1.2 s of host time against 0.52 s of forward and backward), and what the host steps
-during backward is hidden; the device steps the rest in a few milliseconds but keeps its
+`step()`; frozen parameters stay there too, without a copy. The host step binds a
+host-placed step (benchmarks/log/2026-11-23-optimizer-on-host.md: a fused fp32 AdamW over
+3.2 B parameters took 0.6-1.2 s of host time against 0.52 s of forward and backward), and
+what the host steps during backward is hidden; the device steps the rest in a few
+milliseconds but keeps its
 fp32 masters, gradients and state (16 bytes a bf16 parameter with AdamW). So ``f`` trades
 device memory for host time. The parameters the host takes are those whose gradients arrive
 first, so its step starts as early in backward as it can; those the device keeps are those

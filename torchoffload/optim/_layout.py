@@ -65,9 +65,10 @@ def default_bucket_bytes(param_bytes: int) -> int:
     bytes in all: about 50 buckets, between 32 and 256 MiB each. Each bucket costs the worker a
     call of the optimizer class and its Python (which waits for the GIL while backward's
     hooks and recomputation hold it, a likely cause not measured); each bucket more is overlap
-    gained. Measured for a Llama-3.2-3B shape (benchmarks/README.md runs I and J): on one H100
-    machine 128 MiB buckets took a step from 1617 to 1256 ms (32 MiB before), on another all
-    sizes from 32 to 128 MiB were within 5%."""
+    gained. Measured for a Llama-3.2-3B shape (runs I and J in
+    benchmarks/log/2026-11-23-optimizer-on-host.md): on one H100 machine 128 MiB buckets took
+    a step from 1617 to 1256 ms (32 MiB before), on another all sizes from 32 to 128 MiB were
+    within 5%."""
     return min(max(param_bytes // 50, 32 << 20), 256 << 20)
 
 

@@ -76,12 +76,13 @@ logger = logging.getLogger(__name__)
 # Note: [Where the conversions run]
 # A bf16 parameter is stepped as an fp32 master: its gradient goes bf16 -> fp32 and its new
 # value fp32 -> bf16. On the host those conversions are 12 bytes of memory traffic per element
-# beside the 28 of a fused AdamW step, and the host step is what binds (benchmarks/README.md,
-# Llama-3.2-3B shape on an H100: fused AdamW 687 ms, the conversions about 400 ms more). The
-# link has room (the bf16 bytes both ways took 234 ms), so by default the copies convert on
-# the device (Note: [Copies that convert] in _transfer.py): twice the link bytes, no host
-# conversion, no staging buffer (2 bytes of host memory less per element). Both give the same
-# bits: a widening conversion is exact, and rounding to bf16 is round-to-nearest-even on both.
+# beside the 28 of a fused AdamW step, and the host step is what binds (run E in
+# benchmarks/log/2026-11-23-optimizer-on-host.md, Llama-3.2-3B shape on an H100: fused AdamW
+# 687 ms, the conversions about 400 ms more). The link has room (the bf16 bytes both ways
+# took 234 ms), so by default the copies convert on the device (Note: [Copies that convert]
+# in _transfer.py): twice the link bytes, no host conversion, no staging buffer (2 bytes of
+# host memory less per element). Both give the same bits: a widening conversion is exact, and
+# rounding to bf16 is round-to-nearest-even on both.
 # Measured in one run on an H100 machine (run G): 1222 ms a step converting on the device
 # against 1558 on the host, host memory 49.4 GiB against 55.3. ``convert_on="host"`` keeps the
 # host placement, for a link slower than the host.
@@ -103,7 +104,8 @@ logger = logging.getLogger(__name__)
 # completed (else the oldest): the host launches backward well ahead of the device, so the
 # newest bucket's copy completes only when the device gets there, and waiting on it would idle
 # the worker for most of backward (picking the newest regardless, 3% of the host step ran
-# during backward on two H100 machines; this rule is not measured yet: benchmarks/README.md).
+# during backward on two H100 machines, runs C and D in
+# benchmarks/log/2026-11-23-optimizer-on-host.md; this rule is not measured yet).
 #
 # Note: [Compiling while the host steps]
 # `torch.compiler.is_compiling()` reads a process-wide flag, set while dynamo traces on any

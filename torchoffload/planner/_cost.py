@@ -19,8 +19,8 @@ budget (32 MiB + 1% by default). The margin covers what the trace does not see: 
 allocator's rounding (each block to 512 bytes), workspaces that kernels allocate inside
 themselves (cuBLAS beyond ``workspace_bytes``, attention backward), and ops that differ between
 the CPU kernels traced and the CUDA ones run. Measured prediction errors (measured minus
-predicted peak, H100 and H200, benchmarks/README.md "Planner validation" and
-"Training-state plans against their budgets", and issue 38):
+predicted peak, H100 and H200, benchmarks/README.md "Planner accuracy" (its two tables), and
+issue 38):
 - GPT h2048, 12 layers, batch 8, seq 2048, bf16, AdamW, the plan for 75% of the measured
   no-offload peak, on an H100: predicted 11.824 GiB, measured 11.889 GiB, budget 11.855 GiB:
   +65 MiB, 34 MiB over the budget (the worst measured; its cause is not found yet);
@@ -73,7 +73,8 @@ state for them, and at the step one gradient converted to fp32. The host step an
 carry f of the work; the device part steps after backward at the memory bandwidth, while the
 host finishes its part and uploads it. The planner tries f in `HOST_FRACTIONS` and keeps the
 fastest that fits (the most on the host among equals): a host-bound step trades device memory
-for host time (measured: benchmarks/README.md run K, 1085 -> 768 ms a step at f = 0.5).
+for host time (measured: run K in benchmarks/log/2026-11-23-optimizer-on-host.md, 1085 ->
+768 ms a step at f = 0.5).
 
 Note: [Parameters on the host]
 With the parameters streamed from the host too (`stream_parameters`, which needs the optimizer

@@ -25,8 +25,9 @@ class Hardware:
     """What the time model needs; see Note: [How a plan changes time]. The defaults are what
     `detect` measured on one H200 of the GPU machine (torch 2.11, CUDA 13): pinned copies
     55.4 GB/s each way, a bf16 8192^3 matmul at 801 TFLOP/s, an elementwise add at 4223 GB/s,
-    and the host times of tiny blocks (planner validation run 5, benchmarks/README.md;
-    the host times of two machines of that kind differed by up to 2x).
+    and the host times of tiny blocks (planner validation run 5,
+    benchmarks/log/2026-11-21-planner-validation-h200.md; the host times of two machines of
+    that kind differed by up to 2x).
     The three efficiencies are the shares of those rates that a training step's matmuls,
     attention kernels and memory-bound ops reached there, read from `torch.profiler`'s
     per-kernel times of the GPT steps in `benchmarks/planner.py`; ``kernel_us`` is what the

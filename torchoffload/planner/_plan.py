@@ -130,7 +130,8 @@ class Plan:
         Note: [Plans] A plan that offloads no layer needs none of the engine's hooks: module
         hooks on every layer and the global parameter hook cost host time in every layer's
         forward and backward, which a host-bound step pays in full (measured in the planner's
-        validation, benchmarks/README.md). Its handle only wraps the recomputed layers.
+        validation, benchmarks/README.md "Planner accuracy" and the runs it links). Its handle
+        only wraps the recomputed layers.
         """
         layer_list = resolve_layers(model, layers)
         if len(self.decisions) != len(layer_list):

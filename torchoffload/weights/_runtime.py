@@ -88,7 +88,8 @@ _MiB = 1 << 20
 # Note: [Primed replays]
 # A graph that stops prefetching at its call's last unit leaves the copy stream idle while
 # its last units compute and until the next replay's first copy ends: on the H100 a 181 us
-# median gap per decode step of the demo Llama, 1.18x the link bound (benchmarks/README.md).
+# median gap per decode step of the demo Llama, 1.18x the link bound
+# (benchmarks/log/2026-11-23-decode-cuda-graph.md).
 # Eager calls avoid it by prefetching the next call's first units; a graph may do the same
 # only if the next replay finds them where its kernels read them, at addresses fixed at
 # capture. So a graph is captured with its *primes*: the schedule's first ring units loaded
@@ -111,9 +112,9 @@ _MiB = 1 << 20
 #   12 GiB streams 8 and 32 MiB units; primed with its first two (16 MiB), its replays left
 #   the copy stream idle a median 284 us at each boundary (H100), and ran at 0.915-0.939 of
 #   the link bound; primed with the first eight (64 MiB: two of its largest), 47 us and
-#   0.992-0.997 (H200; benchmarks/README.md). Primes past what the tail's compute covers delay
-#   the next launch by the difference; bounded so, that is no more than a prefetch of the
-#   largest units could delay it.
+#   0.992-0.997 (H200; benchmarks/log/2026-11-25-aoti-session12.md). Primes past what the
+#   tail's compute covers delay the next launch by the difference; bounded so, that is no
+#   more than a prefetch of the largest units could delay it.
 # - They leave room above them for the tail, its last ``prefetch_depth + 1`` ring units (at
 #   least two of the largest ring unit); fewer are primed when the ring is smaller, none when
 #   nothing is prefetched. A tail that does not fit waits for its own compute: the demo
