@@ -121,7 +121,9 @@ def verify(
     Args:
         model: the model, before any engine is applied to it (it is deep-copied for each run
             and never changed).
-        args, kwargs: the model's inputs (a lone tensor is one argument); copied for each call.
+        args: the model's positional inputs (a lone tensor is one argument); copied for each
+            call.
+        kwargs: the model's keyword inputs; copied for each call.
         apply: ``apply(model_copy)`` applies an engine to the offloaded run's copy, e.g.
             ``lambda m: torchoffload.stream_weights(m, "cuda", budget_bytes=2 << 30)``. What it
             returns is removed at the end (``.remove()``); if it is callable (a compiled
@@ -133,10 +135,10 @@ def verify(
             ``step()`` and ``zero_grad()`` run after each backward.
         loss: ``loss(output)`` gives the scalar to backpropagate; ``None`` runs inference.
         steps: calls or steps per run, each compared.
-        reference_apply, reference_optimizer: the plain run's engine (default none) and
-            optimizer (default ``optimizer``: the same factory). To check `OffloadedOptimizer`
-            against the plain class, pass ``reference_optimizer=lambda m: torch.optim.AdamW(
-            m.parameters())``.
+        reference_apply: the plain run's engine (default none).
+        reference_optimizer: the plain run's optimizer (default ``optimizer``: the same
+            factory). To check `OffloadedOptimizer` against the plain class, pass
+            ``reference_optimizer=lambda m: torch.optim.AdamW(m.parameters())``.
         deterministic: run both under ``torch.use_deterministic_algorithms(True,
             warn_only=True)`` (on CUDA, set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before the first
             matmul for deterministic cuBLAS).
