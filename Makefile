@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test fuzz gpu-test lint format bench clean
+.PHONY: demo test docs fuzz gpu-test lint format bench clean
 
 # The demo needs torch and the package only.
 $(STAMP): pyproject.toml Makefile
@@ -24,6 +24,20 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet transformers || echo "transformers not installed: its tests skip"
 	$(PY) -m pip install --quiet matplotlib || echo "matplotlib not installed: plot tests skip"
 	touch $(DEV_STAMP)
+
+# The documentation site (mkdocs.yml, docs/) needs MkDocs only: mkdocstrings reads the source
+# statically, so neither torch nor the package is imported. Pinned: a newer release can add
+# warnings that --strict turns into errors.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11"
+	touch $(DOCS_STAMP)
+
+# Into site/ (git-ignored); --strict fails on a broken link or anchor, or a docstring that
+# mkdocstrings cannot parse.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 demo: $(STAMP)
 	$(VENV)/bin/torchoffload demo
@@ -57,4 +71,4 @@ bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/activations.py
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis site
