@@ -207,10 +207,16 @@ class MasterRef:
     def param_groups(self):
         return self.opt.param_groups
 
-    def step(self):
+    def follow(self):
+        """Read again the master of every parameter changed in place since the last step."""
         for i, (m, p) in enumerate(zip(self.masters, self.params, strict=True)):
             if p._version != self.versions[i]:
                 m.copy_(p.detach().float())
+                self.versions[i] = p._version
+
+    def step(self):
+        self.follow()
+        for m, p in zip(self.masters, self.params, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
@@ -228,7 +234,10 @@ class MasterRef:
                 else:
                     p.grad.zero_()
 
-    def state_dict(self):  # the masters too, as OffloadedOptimizer's "master_params"
+    def state_dict(self):
+        """The masters too, as OffloadedOptimizer's "master_params": read again first from a
+        parameter edited in place, as the next step would (they round to the parameters)."""
+        self.follow()
         return {"opt": self.opt.state_dict(), "masters": [m.clone() for m in self.masters]}
 
     def load_state_dict(self, sd):
@@ -1646,3 +1655,32 @@ def test_new7_stream_parameters_leaves_rms_norm_gradients():
         assert_same(grads(ref), grads(off), "gradients")  # emb.weight: 3.7e-9 apart
     finally:
         handle.remove()
+
+
+def test_new9_reference_masters_follow_an_edit_before_a_checkpoint():
+    # The reference was wrong: MasterRef's state_dict() held the masters from before the
+    # in-place edit and its load_state_dict() marked them current, so its next step lost the
+    # edit (as torch.optim on the bf16 parameters would not); OffloadedOptimizer's masters are
+    # read again first (its state_dict() docstring), in both parts of an offload_fraction split
+    spec = Spec(vocab=5, dim=4, hidden=8, layers=1, tied=False, norm="layer", post_norm=False,
+                residual=False, shared_storage=False, transposed=False, used_twice=False,
+                buffer=False, branch=False, final_norm=False, head_bias=False, dropout=0.0,
+                dtype="bfloat16", seed=0)  # fmt: skip
+    cls, kw = OPTIMIZERS["adagrad"]
+    ref, off = build(spec), build(spec)
+    opt = to.OffloadedOptimizer(off.parameters(), cls, offload_fraction=0.25, **kw)
+    plain = MasterRef(ref, cls, kw, False)
+    x = tokens(spec, 1, 1, 0)
+    try:
+        for m, o in ((ref, plain), (off, opt)):
+            with torch.no_grad():
+                m.emb.weight.mul_(0.9)
+            m.load_state_dict(copy.deepcopy(m.state_dict()))
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+            torch.manual_seed(0)
+            loss_of(m(x), x).backward()
+            o.step()
+            o.zero_grad()
+        assert_same(values(ref), values(off), "parameters")  # emb.weight: 0.21 apart
+    finally:
+        opt.remove()
