@@ -194,14 +194,16 @@ def param_groups(model: torch.nn.Module, params, split: bool) -> list[dict]:
 
 class MasterRef:
     """The plain class stepping fp32 copies of a bf16 model's parameters, rounded back into
-    them (and read again from a parameter changed in place), with torch.optim's API."""
+    them (and read again from a parameter changed in place), with torch.optim's API. Clips
+    as `PlainRef` does."""
 
-    def __init__(self, model, cls, kw, split, max_grad_norm=None):
+    def __init__(self, model, cls, kw, split, max_grad_norm=None, by_model=False):
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         self.opt = cls(param_groups(model, self.masters, split), **kw)
         self.versions = [p._version for p in self.params]
         self.max_grad_norm = max_grad_norm
+        self.by_model = by_model
 
     @property
     def param_groups(self):
@@ -219,7 +221,9 @@ class MasterRef:
         for m, p in zip(self.masters, self.params, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
+            given = [m for g in self.opt.param_groups for m in g["params"]]
+            order = self.masters if self.by_model else given
+            torch.nn.utils.clip_grad_norm_(order, self.max_grad_norm)
         self.opt.step()
         with torch.no_grad():
             for m, p in zip(self.masters, self.params, strict=True):
@@ -248,12 +252,16 @@ class MasterRef:
 
 
 class PlainRef:
-    """torch.optim's class, with clip_grad_norm_ before the step where asked."""
+    """torch.optim's class, with clip_grad_norm_ before the step where asked: over the
+    parameters in the order the optimizer was given them, or (``by_model``: an
+    OffloadedOptimizer given ``model=``) in ``model.parameters()`` order (Note: [The order of
+    the clipping norm])."""
 
-    def __init__(self, model, cls, kw, split, max_grad_norm=None):
+    def __init__(self, model, cls, kw, split, max_grad_norm=None, by_model=False):
         self.model = model
         self.opt = cls(param_groups(model, model.parameters(), split), **kw)
         self.max_grad_norm = max_grad_norm
+        self.by_model = by_model
 
     @property
     def param_groups(self):
@@ -261,7 +269,9 @@ class PlainRef:
 
     def step(self):
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            given = [p for g in self.param_groups for p in g["params"]]
+            order = self.model.parameters() if self.by_model else given
+            torch.nn.utils.clip_grad_norm_(order, self.max_grad_norm)
         self.opt.step()
 
     def zero_grad(self, set_to_none=True):
@@ -349,6 +359,7 @@ class TrainingMachine(RuleBasedStateMachine):
         self.opt_cls, self.opt_kw = cls, kw
         self.split = data.draw(st.booleans(), label="param groups")
         self.max_grad_norm = None
+        self.by_model = False  # the OffloadedOptimizer is given model=
         self.build_optimizers(data)
         if self.stopped:
             return
@@ -372,15 +383,16 @@ class TrainingMachine(RuleBasedStateMachine):
         dtype = self.spec.torch_dtype
         if self.OFFLOADED_OPTIMIZER and dtype == torch.bfloat16:
             return MasterRef(self.ref.model, self.opt_cls, self.opt_kw, self.split,
-                             self.max_grad_norm)  # fmt: skip
-        return PlainRef(self.ref.model, self.opt_cls, self.opt_kw, self.split, self.max_grad_norm)
+                             self.max_grad_norm, self.by_model)  # fmt: skip
+        return PlainRef(self.ref.model, self.opt_cls, self.opt_kw, self.split, self.max_grad_norm,
+                        self.by_model)  # fmt: skip
 
     def off_optimizer(self):
         if not self.OFFLOADED_OPTIMIZER:
             return PlainRef(self.off.model, self.opt_cls, self.opt_kw, self.split)
         m = self.off.model
         cfg = dict(self.opt_config)
-        if cfg.get("step_ahead"):
+        if self.by_model:
             cfg["model"] = m
         return to.OffloadedOptimizer(param_groups(m, m.parameters(), self.split), self.opt_cls,
                                      **self.opt_kw, **cfg)  # fmt: skip
@@ -390,6 +402,10 @@ class TrainingMachine(RuleBasedStateMachine):
         if self.OFFLOADED_OPTIMIZER:
             self.opt_config = data.draw(self.optimizer_configs(), label="offload config")
             self.max_grad_norm = self.opt_config.get("max_grad_norm")
+            # model= is needed by step_ahead, and sets the order of the clipping norm
+            self.by_model = bool(self.opt_config.get("step_ahead")) or (
+                self.max_grad_norm is not None and data.draw(st.booleans(), label="model=")
+            )
             if self.max_grad_norm is not None and not self.op_ok("clip_group_order"):
                 self.split = False
             if (self.spec.shared_storage and self.spec.dtype == "bfloat16"
@@ -1682,5 +1698,33 @@ def test_new9_reference_masters_follow_an_edit_before_a_checkpoint():
             o.step()
             o.zero_grad()
         assert_same(values(ref), values(off), "parameters")  # emb.weight: 0.21 apart
+    finally:
+        opt.remove()
+
+
+@pytest.mark.parametrize("by_model", [False, True], ids=["params", "model"])
+def test_new10_reference_clips_in_the_order_the_optimizer_sums(by_model):
+    # The reference was wrong: it clipped clip_grad_norm_(model.parameters()) while the
+    # machine built OffloadedOptimizer without model= (except with step_ahead), which sums the
+    # norm in the order of its param groups (Note: [The order of the clipping norm]); with
+    # the blocks' group first, emb.weight was 1 ulp apart
+    spec = Spec(vocab=28, dim=4, hidden=8, layers=2, tied=False, norm="layer", post_norm=False,
+                residual=False, shared_storage=False, transposed=True, used_twice=False,
+                buffer=True, branch=False, final_norm=True, head_bias=True, dropout=0.0,
+                dtype="float32", seed=228)  # fmt: skip
+    cls, kw = OPTIMIZERS["adagrad"]
+    ref, off = build(spec), build(spec)
+    model = {"model": off} if by_model else {}
+    opt = to.OffloadedOptimizer(param_groups(off, off.parameters(), True), cls,
+                                max_grad_norm=0.05, **model, **kw)  # fmt: skip
+    plain = PlainRef(ref, cls, kw, True, 0.05, by_model)
+    x = tokens(spec, 1, 4, 0)
+    try:
+        for m, o in ((ref, plain), (off, opt)):
+            torch.manual_seed(0)
+            loss_of(m(x), x).backward()
+            o.step()
+            o.zero_grad()
+        assert_same(values(ref), values(off), "parameters")
     finally:
         opt.remove()
