@@ -1093,16 +1093,16 @@ def test_a_scheduler_step_while_the_worker_reads_the_values_changes_nothing(monk
     import threading
     import time
 
-    import torchoffload.optim._runtime as runtime
+    import torchoffload.optim._step as step  # where the worker reads them
 
-    hyper = runtime._hyper
+    hyper = step.hyper
 
     def slow_in_the_worker(group):
         if threading.current_thread() is not threading.main_thread():
             time.sleep(0.02)
         return hyper(group)
 
-    monkeypatch.setattr(runtime, "_hyper", slow_in_the_worker)
+    monkeypatch.setattr(step, "hyper", slow_in_the_worker)
     _steps_with_a_tensor_lr_and_a_scheduler()
 
 

@@ -8,12 +8,18 @@ opt.step()        # waits for the last buckets; the next forward waits on the up
 opt.zero_grad()
 ```
 
-Modules, bottom up: `_layout` (the pure host layout and buckets), `_grads` (what
-``param.grad`` holds once moved), `_runtime` (copies, hooks, the worker), `_device` (the
-part stepped on the device with ``offload_fraction`` < 1), `_optimizer` (the public face, a
+Modules, bottom up: `_config` (the config and stats), `_layout` (the pure host layout and
+buckets), `_params` (what the optimizer reads of a parameter and a param group), `_grads`
+(what ``param.grad`` holds once moved), `_host` (the pinned buffers, records and buckets),
+`_checks` (what the host step refuses), `_step` (the work on a bucket), `_worker` (the thread
+and its queue), `_dispatch` (gradients leaving the device), `_ahead` (``step_ahead``'s waits),
+`_runtime` (`HostStepRuntime`, which sequences a step over those), `_device` (the part stepped
+on the device with ``offload_fraction`` < 1), `_build` (the constructor's checks and
+placement), `_state` (the state dict and stats), `_optimizer` (the public face, a
 `torch.optim.Optimizer`).
 """
 
+from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._grads import ConsumedGrad, MovedGrad, MovedGradError
 from torchoffload.optim._layout import (
     HostLayout,
@@ -22,10 +28,6 @@ from torchoffload.optim._layout import (
     plan_layout,
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
-from torchoffload.optim._runtime import (
-    OptimizerOffloadConfig,
-    OptimizerStats,
-)
 
 __all__ = [
     "ConsumedGrad",

@@ -14,7 +14,7 @@ fp32 masters, gradients and state (16 bytes a bf16 parameter with AdamW). So ``f
 device memory for host time. The parameters the host takes are those whose gradients arrive
 first, so its step starts as early in backward as it can; those the device keeps are those
 the next forward reads first. Parameters that are views of one storage go together, where
-the last of them goes (Note: [Parameters that share a storage] in _runtime.py).
+the last of them goes (Note: [Parameters that share a storage] in _params.py).
 
 The device part is what a resident fp32-master recipe does: fp32 masters (a parameter that is
 fp32 is its own master), the optimizer class over them on the device, the new values rounded
@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from torchoffload.optim._grads import ConsumedGrad
-from torchoffload.optim._runtime import _hyper
+from torchoffload.optim._params import hyper
 
 
 class DeviceStep:
@@ -64,7 +64,7 @@ class DeviceStep:
             by_group.setdefault(g, []).append(master)
         self.groups = list(by_group)
         self.optimizer = optimizer_class(
-            [{**_hyper(user_groups[g]), "params": ms} for g, ms in by_group.items()],
+            [{**hyper(user_groups[g]), "params": ms} for g, ms in by_group.items()],
             **optimizer_kwargs,
         )
 
@@ -133,7 +133,7 @@ class DeviceStep:
             # gradient after step()]).
             p.grad = ConsumedGrad(p) if stepped[k] else None
         # After every write: a write moves the version of the other views of its storage
-        # (Note: [Parameters that share a storage] in _runtime.py).
+        # (Note: [Parameters that share a storage] in _params.py).
         for k, p in enumerate(self.params):
             self.synced[k] = (p._version, p.data_ptr())
 

@@ -83,20 +83,21 @@ class _Unscale:
         self.error: BaseException | None = None
         self.done = threading.Event()
 
-    def run(self, runtime: Any) -> None:
+    def run(self, host_step: Any) -> None:
+        """On the worker, with its `HostStep` (its ``buckets`` and ``config``)."""
         try:
-            stepped = sum(b.stepped for b in runtime.buckets)
+            stepped = sum(b.stepped for b in host_step.buckets)
             if stepped:
                 raise RuntimeError(
                     f"torch.amp.GradScaler: the host had already stepped {stepped} of "
-                    f"{len(runtime.buckets)} buckets with the scaled gradients during backward "
+                    f"{len(host_step.buckets)} buckets with the scaled gradients during backward "
                     "(no scaler was seen in the first step(), so buckets are stepped as their "
                     "gradients arrive): those parameters took a step with scaled gradients. "
                     "Use the scaler from the first step on, or build the OffloadedOptimizer "
                     "with overlap=False (the host then steps at step() only). See Note: [Loss "
                     "scaling]"
                 )
-            if any(not runtime.buckets[r.entry.bucket].arrived for r in self.records):
+            if any(not host_step.buckets[r.entry.bucket].arrived for r in self.records):
                 raise RuntimeError("GradScaler: a moved gradient never reached the host")
             found = torch.zeros((), dtype=torch.float32)
             grads = [r.grad for r in self.records]
@@ -105,11 +106,11 @@ class _Unscale:
                 for r in self.records:  # what the op writes into a gradient of this dtype
                     if r.entry.dtype != torch.float32:
                         r.grad.copy_(r.grad.to(r.entry.dtype))
-                if runtime.config.max_grad_norm is not None:  # norms of unscaled gradients
+                if host_step.config.max_grad_norm is not None:  # norms of unscaled gradients
                     for b in {r.entry.bucket for r in self.records}:
-                        bucket = runtime.buckets[b]
+                        bucket = host_step.buckets[b]
                         with_grad = [r.grad for r in bucket.records if r.has_grad]
-                        norm_type = runtime.config.norm_type
+                        norm_type = host_step.config.norm_type
                         bucket.norms = list(torch._foreach_norm(with_grad, norm_type))
             self.found = bool(found.item())
         except BaseException as exc:

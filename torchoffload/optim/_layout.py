@@ -16,7 +16,7 @@ A bucket is a run of consecutive parameters, in reverse order (the order in whic
 usually finishes their gradients), of about ``bucket_bytes`` parameter bytes: its gradients
 leave the device together and its step runs as one call of the optimizer class. Parameters
 that are views of one storage go into one bucket, that of the last of them (Note:
-[Parameters that share a storage] in _runtime.py).
+[Parameters that share a storage] in _params.py).
 """
 
 from __future__ import annotations

@@ -1,0 +1,91 @@
+"""What the host step refuses, before anything changes: a parameter converted, moved, frozen or
+unstreamed since the optimizer was built, a gradient `step()` consumed, hyperparameters changed
+after buckets were stepped with the old ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload._hosted import HOSTED
+from torchoffload.optim._grads import ConsumedGrad
+from torchoffload.optim._host import Bucket, HostMasters, Record
+from torchoffload.optim._params import local
+
+
+def check_record(host: HostMasters, rec: Record) -> None:
+    """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
+    p = local(rec.param)
+    if rec.param.requires_grad != rec.trainable:
+        raise RuntimeError(
+            f"parameter {host.no(rec)}: requires_grad was {rec.trainable} when the "
+            f"optimizer was built and is {rec.param.requires_grad} now: build the "
+            "OffloadedOptimizer after freezing or unfreezing parameters"
+        )
+    if rec.hosted is not None:
+        if HOSTED.get(rec.param) is not rec.hosted:
+            raise RuntimeError(
+                f"parameter {host.no(rec)} is no longer streamed by the "
+                "stream_parameters handle it was streamed by when the optimizer was built"
+            )
+        if rec.synced[0] != rec.hosted.version:
+            host.refresh(rec)
+        return
+    if p.device != host.device:
+        raise RuntimeError(
+            f"parameter {host.no(rec)} is now on {p.device}, was on {host.device} when "
+            "the optimizer was built"
+        )
+    if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
+        raise RuntimeError(
+            f"parameter {host.no(rec)} is now {p.dtype} {tuple(p.shape)}, was "
+            f"{rec.entry.dtype} {rec.entry.shape} when the optimizer was built: build "
+            "the OffloadedOptimizer after converting the model"
+        )
+    if (p._version, p.data_ptr()) != rec.synced:
+        # Changed outside the optimizer (load_state_dict, an in-place init): its master
+        # follows. A blocking copy, only after such a change.
+        host.refresh(rec)
+
+
+def refuse_consumed(every: list[tuple[int, torch.Tensor]], what: str) -> None:
+    """Refuse ``what`` while a parameter of ``every`` (its index, the parameter) holds a
+    `ConsumedGrad`, before anything changes (Note: [The gradient after step()])."""
+    for i, p in every:
+        if type(p.grad) is ConsumedGrad:
+            does = "accumulate into" if "backward" in what else "step again with"
+            raise RuntimeError(
+                f"{what} after step() without zero_grad(): torch.optim would {does} "
+                f"the last step's gradient of parameter {i}, which left the device: call "
+                "optimizer.zero_grad() (either form) or model.zero_grad() "
+                "(set_to_none=True) after step(). See Note: [The gradient after step()]"
+            )
+
+
+def changed_hyper(buckets: list[Bucket], snapshot: list[dict[str, Any]]) -> str | None:
+    """The first hyperparameter that differs between a bucket stepped during backward and
+    ``snapshot`` (those of the `step()` call), as a message; None when none does."""
+    for bucket in buckets:
+        if bucket.used is None:
+            continue
+        for used, g in zip(bucket.used, bucket.groups, strict=True):
+            now = snapshot[g]
+            for key in now.keys() | used.keys():
+                if not _same(used.get(key), now.get(key)):
+                    return f"group {g} {key}: {used.get(key)!r} -> {now.get(key)!r}"
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a, b))
+        )
+    try:
+        return bool(a == b)
+    except Exception:
+        return a is b

@@ -1,0 +1,89 @@
+"""What the optimizer reads of a parameter (a DTensor's local shard, a streamed one's host
+store, the parameters that share its storage) and of a param group (its hyperparameters)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload._hosted import HOSTED
+
+# Note: [Parameters that share a storage]
+# Parameters that are views of one storage (`nn.Parameter(base[0])`, `nn.Parameter(base[1])`)
+# share its version counter: the optimizer's write of one (an upload, the device part's
+# rounding) moves the version of the others, which then look changed outside the optimizer
+# (`check_record`), and a bf16 one's fp32 master would be read again from its rounded value,
+# losing the low bits the plain class keeps in its fp32 master. And uploading one during
+# backward, while autograd still holds another saved for its backward, fails autograd's
+# version check. So the parameters of one storage are kept together: in one part of an
+# ``offload_fraction`` split (Note: [Which parameters stay on the device]) and in one bucket,
+# whose upload starts once all their gradients are final (so backward no longer reads any of
+# them: Note: [Uploading while backward runs]). After the optimizer writes a bucket (or the
+# device part its parameters), every parameter of a storage it wrote is recorded as in sync:
+# each was in sync before (checked when the bucket was dispatched, or by the device part's
+# `check`), and, as for every parameter, nothing but the optimizer writes it between its
+# final backward and `step()`. Views that ``module.to(dtype)`` gave storages of their own
+# still share one version counter (``to`` sets ``param.data``): one family too
+# (`storage_families` finds them by bumping each counter, which changes no value).
+
+
+def storage_families(params: list[torch.Tensor]) -> list[int]:
+    """For each parameter, the index of the first of ``params`` that is a view of the same
+    storage (its own index when none is; a streamed parameter's values are its host store's):
+    Note: [Parameters that share a storage]."""
+    first: dict[tuple[torch.device, int], int] = {}
+    out = []
+    for i, p in enumerate(params):
+        if p in HOSTED:
+            out.append(i)
+            continue
+        t = local(p)
+        storage = t.untyped_storage()
+        key = (t.device, storage.data_ptr())
+        out.append(first.setdefault(key, i) if storage.nbytes() else i)
+    # Views that ``module.to(dtype)`` gave storages of their own (it sets ``param.data``) still
+    # share the version counter: found by bumping each counter (no value changes)
+    probe = [i for i, p in enumerate(params) if p not in HOSTED]
+    before = [local(params[i])._version for i in probe]
+    for i in probe:
+        torch.autograd.graph.increment_version(local(params[i]))
+    shared = [i for i, b in zip(probe, before, strict=True) if local(params[i])._version > b + 1]
+    for i in shared:
+        seen = [local(params[j])._version for j in shared]
+        torch.autograd.graph.increment_version(local(params[i]))
+        together = [j for j, v in zip(shared, seen, strict=True) if local(params[j])._version != v]
+        key = min(out[j] for j in together)
+        old = {out[j] for j in together}
+        out = [key if k in old else k for k in out]
+    return out
+
+
+def shape_of(p: torch.Tensor) -> tuple[int, ...]:
+    """The parameter's shape (a DTensor's local shard; a streamed one's host store view)."""
+    hosted = HOSTED.get(p)
+    return tuple(hosted.host.shape if hosted is not None else local(p).shape)
+
+
+def value_of(p: torch.Tensor) -> torch.Tensor:
+    """The parameter's current values (a streamed one's in the host store)."""
+    hosted = HOSTED.get(p)
+    return hosted.host if hosted is not None else local(p).detach()
+
+
+def is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what this rank's host holds), else the tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def hyper(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's hyperparameters, tensors copied (a scheduler updates a tensor lr in place)."""
+    return {
+        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+        for k, v in group.items()
+        if k != "params"
+    }

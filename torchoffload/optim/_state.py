@@ -1,0 +1,190 @@
+"""An `OffloadedOptimizer`'s state dict across its host part (a `HostStepRuntime`) and its
+device part (a `DeviceStep`, ``offload_fraction`` < 1), in the plain optimizer class's format
+plus ``"master_params"``; and its stats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload.optim._config import OptimizerStats
+from torchoffload.optim._device import DeviceStep
+from torchoffload.optim._params import shape_of, value_of
+from torchoffload.optim._runtime import HostStepRuntime
+
+
+def state_dict_of(
+    rt: HostStepRuntime,
+    dev: DeviceStep | None,
+    host_index: list[int],
+    param_groups: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The state dict of an idle optimizer: ``host_index`` is each host parameter's index in
+    the optimizer's order. A parameter changed in place since the last step has its master
+    read again first, as the next step would."""
+    rt.host.follow()
+    if dev is not None:
+        dev.follow()
+    gidx = host_index
+    packed_groups, index = [], 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(index, index + len(group["params"])))
+        index += len(group["params"])
+        packed_groups.append(packed)
+    state, masters = {}, {}
+    for bucket in rt.buckets:
+        for rec in bucket.records:
+            s = bucket.optimizer.state.get(rec.master)
+            if s:
+                state[gidx[rec.entry.index]] = s
+            if rec.entry.dtype != torch.float32:
+                masters[gidx[rec.entry.index]] = rec.master
+    if dev is not None:
+        for k, master in enumerate(dev.masters):
+            s = dev.optimizer.state.get(master)
+            if s:
+                state[dev.index[k]] = s
+            if master is not dev.params[k]:
+                masters[dev.index[k]] = master
+    return {
+        "state": dict(sorted(state.items())),
+        "param_groups": packed_groups,
+        "master_params": dict(sorted(masters.items())),
+    }
+
+
+def load_state(
+    rt: HostStepRuntime,
+    dev: DeviceStep | None,
+    host_index: list[int],
+    param_groups: list[dict[str, Any]],
+    state_dict: dict[str, Any],
+) -> None:
+    """Load ``state_dict`` (of `state_dict_of` or of the plain class) into an idle optimizer,
+    after checking it all: its groups' sizes and that its masters round to the parameters."""
+    saved = state_dict.get("param_groups")
+    if not isinstance(saved, list) or len(saved) != len(param_groups):
+        raise ValueError(
+            "loaded state dict has a different number of parameter groups "
+            f"({len(saved) if isinstance(saved, list) else saved!r}, expected "
+            f"{len(param_groups)})"
+        )
+    for g, (mine, theirs) in enumerate(zip(param_groups, saved, strict=True)):
+        if len(theirs.get("params", ())) != len(mine["params"]):
+            raise ValueError(
+                f"loaded state dict's group {g} has {len(theirs.get('params', ()))} "
+                f"parameters, this optimizer's has {len(mine['params'])}"
+            )
+    order = [i for group in saved for i in group["params"]]  # saved id of each parameter
+    state = state_dict.get("state", {})
+    masters = state_dict.get("master_params", {})
+    every = [(host_index[k], rec.param) for k, rec in enumerate(rt.records)]
+    if dev is not None:
+        every += list(zip(dev.index, dev.params, strict=True))
+    _check_masters(every, order, masters)
+    for mine, theirs in zip(param_groups, saved, strict=True):
+        mine.update({k: v for k, v in theirs.items() if k != "params"})
+    _load_host(rt, host_index, order, state, param_groups)
+    if dev is not None:
+        _load_device(dev, order, state, masters, param_groups)
+    for k, rec in enumerate(rt.records):
+        m = masters.get(order[host_index[k]])
+        if m is not None:
+            rt.host.load_master(rec, m)
+        else:
+            rt.host.refresh(rec)
+
+
+def _check_masters(every: list[tuple[int, torch.Tensor]], order: list[int], masters) -> None:
+    """Every saved master of ``every`` (index, parameter) must round to the parameter."""
+    for i, param in every:
+        m = masters.get(order[i])
+        if m is None:
+            continue
+        p = value_of(param)
+        if tuple(m.shape) != shape_of(param):
+            raise ValueError(
+                f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
+                f"{shape_of(param)}"
+            )
+        rounded = m.to(device=p.device, dtype=p.dtype)
+        if not torch.equal(rounded, p):
+            raise ValueError(
+                f"master_params[{order[i]}] does not round to parameter {i}'s current "
+                "value: load the model's state dict from the same checkpoint first"
+            )
+
+
+def _load_host(rt: HostStepRuntime, gidx, order, state, user_groups) -> None:
+    """Each bucket's instance of the optimizer class loads its parameters' saved state."""
+    for bucket in rt.buckets:
+        local_groups, local_state, slot = [], {}, 0
+        by_master = {id(r.master): r for r in bucket.records}
+        for host_group in bucket.optimizer.param_groups:
+            ids = []
+            for master in host_group["params"]:
+                rec = by_master[id(master)]
+                key = order[gidx[rec.entry.index]]
+                if key in state:
+                    local_state[slot] = state[key]
+                ids.append(slot)
+                slot += 1
+            local_groups.append({**{k: v for k, v in host_group.items() if k != "params"},
+                                 "params": ids})  # fmt: skip
+        for host_group, g in zip(local_groups, bucket.groups, strict=True):
+            host_group.update({k: v for k, v in user_groups[g].items() if k != "params"})
+        bucket.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+
+
+def _load_device(dev: DeviceStep, order, state, masters, user_groups) -> None:
+    """`load_state_dict` for the device part: its state and masters from the saved ones."""
+    local_state, local_groups, slot = {}, [], 0
+    position = {id(m): k for k, m in enumerate(dev.masters)}
+    for group, g in zip(dev.optimizer.param_groups, dev.groups, strict=True):
+        ids = []
+        for master in group["params"]:
+            key = order[dev.index[position[id(master)]]]
+            if key in state:
+                local_state[slot] = state[key]
+            ids.append(slot)
+            slot += 1
+        local_groups.append({**{k: v for k, v in user_groups[g].items() if k != "params"},
+                             "params": ids})  # fmt: skip
+    dev.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+    for k, master in enumerate(dev.masters):
+        m = masters.get(order[dev.index[k]])
+        if m is not None and master is not dev.params[k]:
+            master.copy_(m)
+            dev.synced[k] = (dev.params[k]._version, dev.params[k].data_ptr())
+        else:
+            dev.reload(k)
+
+
+def stats_of(rt: HostStepRuntime, dev: DeviceStep | None) -> OptimizerStats:
+    """What the optimizer did (its last step finished)."""
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for b in rt.buckets
+        for s in b.optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    step = rt.stepper
+    host = step.last_host_ms
+    return OptimizerStats(
+        steps=rt.steps,
+        buckets=len(rt.buckets),
+        pinned_bytes=rt.layout.pinned_bytes,
+        state_bytes=state_bytes,
+        d2h_bytes=rt.dispatch.d2h_bytes,
+        h2d_bytes=step.h2d_bytes,
+        host_step_ms=host,
+        host_step_ms_after_call=step.last_host_ms_after_call,
+        step_wait_ms=rt.wait_ms,
+        overlap=(1 - step.last_host_ms_after_call / host) if host > 0 else 0.0,
+        grad_norm=None if step.grad_norm is None else float(step.grad_norm),
+        device_params=0 if dev is None else sum(dev.trainable),
+        device_state_bytes=0 if dev is None else dev.state_bytes(),
+    )

@@ -1,0 +1,237 @@
+"""The host step itself, run on the worker: a bucket's gradients arrive in fp32, are clipped
+(``max_grad_norm``), stepped by the bucket's instance of the optimizer class with the
+hyperparameters of the `step()` call, and the new values uploaded to the device."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from torchoffload.optim._config import OptimizerOffloadConfig
+from torchoffload.optim._host import Bucket, HostMasters
+from torchoffload.optim._params import hyper, local
+
+# Note: [Where the conversions run]
+# A bf16 parameter is stepped as an fp32 master: its gradient goes bf16 -> fp32 and its new
+# value fp32 -> bf16. On the host those conversions are 12 bytes of memory traffic per element
+# beside the 28 of a fused AdamW step, and the host step is what binds (run E in
+# benchmarks/log/2026-11-23-optimizer-on-host.md, Llama-3.2-3B shape on an H100: fused AdamW
+# 687 ms, the conversions about 400 ms more). The link has room (the bf16 bytes both ways
+# took 234 ms), so by default the copies convert on the device (Note: [Copies that convert]
+# in _transfer.py): twice the link bytes, no host conversion, no staging buffer (2 bytes of
+# host memory less per element). Both give the same bits: a widening conversion is exact, and
+# rounding to bf16 is round-to-nearest-even on both.
+# Measured in one run on an H100 machine (run G): 1222 ms a step converting on the device
+# against 1558 on the host, host memory 49.4 GiB against 55.3. ``convert_on="host"`` keeps the
+# host placement, for a link slower than the host.
+#
+# Note: [Uploading while backward runs]
+# A bucket's new values are copied into its device parameters on the copy stream after an event
+# recorded on the compute stream when the bucket's gradients became final. Every kernel through
+# which autograd reads a parameter in backward (its gradient formula, a forward recomputed under
+# activation checkpointing) is queued before the parameter's gradient is accumulated, so before
+# that event. Invariant relied on: nothing queued later in backward reads the parameter, i.e.
+# the model does not read parameters in backward outside autograd (a backward hook reading a
+# weight under `no_grad`). `step()` makes the compute stream wait on the last upload, so the
+# next forward reads the new values; no host sync.
+#
+# Note: [The order of the clipping norm]
+# ``clip_grad_norm_`` takes the norm of each gradient (`torch._foreach_norm`, per device and
+# dtype), stacks those norms in the order of the tensors it was given and takes the norm of
+# that vector: the order of that sum changes the last bits of the clip coefficient. The
+# reference of ``max_grad_norm`` is what Trainer and accelerate call,
+# ``clip_grad_norm_(model.parameters())``, over the fp32 gradients the host steps: with
+# ``model=`` given, the norms are stacked in the order of ``model.parameters()`` (the
+# optimizer's parameters the model lacks after them, in the order given); without it, in
+# the order the parameters were given (the param groups concatenated), which is
+# ``clip_grad_norm_(params)``. Param groups listed in another order than the model's (a
+# decay and a no-decay group) therefore need ``model=`` to match the model's bits. The host
+# gradients are all fp32 tensors of one device, so clip_grad_norm_'s grouping by device and
+# dtype does not reorder them: for fp32 parameters this is bitwise ``clip_grad_norm_`` on
+# the model; for others it is ``clip_grad_norm_`` over their fp32 master gradients.
+
+
+class HostStep:
+    """The worker's work on ``host``'s buckets, and the state of the current `step()` call:
+    its time and hyperparameters, the errors of its buckets, its last upload. ``lock`` is the
+    runtime's (it guards the buckets' flags and the snapshot); ``clip_order``: each
+    parameter's place in the sum of the clipping norm."""
+
+    def __init__(
+        self,
+        host: HostMasters,
+        user_groups: list[dict[str, Any]],
+        config: OptimizerOffloadConfig,
+        engine: Any,
+        lock: threading.Lock,
+        clip_order: list[int],
+    ):
+        self.host = host
+        self.buckets = host.buckets
+        self.user_groups = user_groups  # the public optimizer's param_groups (live dicts)
+        self.config = config
+        self.engine = engine
+        self.lock = lock
+        self.clip_order = clip_order
+        # - The current call (reset by `end_call`)
+        self.call_time: float | None = None
+        self.snapshot: list[dict[str, Any]] | None = None  # hyperparameters at step()
+        self.errors: list[tuple[int, BaseException]] = []  # (bucket index or -1, the error)
+        self.last_upload: Any = None
+        # A GradScaler unscales this optimizer's gradients: None until the first step() is
+        # done (Note: [Loss scaling])
+        self.loss_scaling: bool | None = None
+        # - Counters
+        self.h2d_bytes = 0
+        self.host_ms = 0.0
+        self.host_ms_after_call = 0.0
+        self.last_host_ms = self.last_host_ms_after_call = 0.0
+        self.grad_norm: torch.Tensor | None = None
+
+    def steps_early(self) -> bool:
+        """Whether a bucket is stepped as soon as it arrives (Note: [Loss scaling])."""
+        c = self.config
+        return c.overlap and c.max_grad_norm is None and self.loss_scaling is False
+
+    # - The call (the caller's thread)
+    def open_call(self, called: float) -> list[dict[str, Any]]:
+        """Start a `step()` (or discard) call made at ``called``; its hyperparameters."""
+        self.call_time = called
+        # Every bucket stepped from now on uses the values of this call (a scheduler may
+        # change them while the host still steps ahead). Under the lock: a bucket the worker
+        # steps meanwhile reads either this snapshot or the values before it, never values
+        # changed after step() returned (seen as a flaky "param_groups changed" error).
+        with self.lock:
+            snapshot = [hyper(g) for g in self.user_groups]
+            self.snapshot = snapshot
+        return snapshot
+
+    def end_call(self, keep_times: bool) -> None:
+        """The call is done: its buckets reset, its times kept for `stats()` (``keep_times``)."""
+        if keep_times:
+            self.last_host_ms = self.host_ms
+            self.last_host_ms_after_call = self.host_ms_after_call
+        self.host_ms = self.host_ms_after_call = 0.0
+        for bucket in self.buckets:
+            bucket.reset()
+        self.call_time = None
+        self.snapshot = None
+
+    # - The worker's thread
+    def arrive(self, bucket: Bucket, event: Any) -> None:
+        """The bucket's gradients are on the host once ``event`` completes: to fp32 (host
+        conversions), their norms (``max_grad_norm``), then the step if it runs early."""
+        start = time.perf_counter()
+        try:
+            if event is not None:
+                event.synchronize()  # the worker's wait: see Note: [When a gradient is final]
+                start = time.perf_counter()  # host work only
+            with torch.no_grad():
+                for rec in bucket.records:
+                    if rec.has_grad and rec.staging is not None:
+                        rec.grad.copy_(rec.staging)
+                if self.config.max_grad_norm is not None:
+                    grads = [r.grad for r in bucket.records if r.has_grad]
+                    norm_type = self.config.norm_type
+                    bucket.norms = list(torch._foreach_norm(grads, norm_type)) if grads else []
+            bucket.arrived = True
+        except BaseException as exc:
+            bucket.failed = exc
+            self.errors.append((bucket.index, exc))
+        self._account(start)
+        if self.steps_early() and not bucket.failed:
+            self.step(bucket)
+
+    def finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
+        """Step what has arrived and is not stepped yet (clipping first), in forward order,
+        with the hyperparameters of the `step()` call; or, when not ``step_rest`` (zero_grad),
+        nothing more."""
+        start = time.perf_counter()
+        todo = [b for b in reversed(self.buckets) if b.arrived and not b.stepped and not b.failed]
+        if step_rest and self.config.max_grad_norm is not None:
+            self._clip()
+        self._account(start)
+        if step_rest:
+            for bucket in todo:
+                self.step(bucket)
+
+    def _clip(self) -> None:
+        """Scale every host gradient like ``clip_grad_norm_`` over them: the per-tensor norms
+        (computed as buckets arrived) are stacked in ``clip_order`` (Note: [The order of the
+        clipping norm])."""
+        norms: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            with_grad = [r for r in bucket.records if r.has_grad]
+            norms.update({r.entry.index: n for r, n in zip(with_grad, bucket.norms, strict=True)})
+        if not norms:
+            self.grad_norm = torch.tensor(0.0)
+            return
+        ordered = [norms[i] for i in sorted(norms, key=self.clip_order.__getitem__)]
+        total = torch.linalg.vector_norm(torch.stack(ordered), self.config.norm_type)
+        self.grad_norm = total
+        masters = []
+        for rec in self.host.records:
+            if rec.has_grad:
+                rec.master.grad = rec.grad
+                masters.append(rec.master)
+        torch.nn.utils.clip_grads_with_norm_(masters, self.config.max_grad_norm, total)
+
+    def step(self, bucket: Bucket) -> None:
+        """One call of the optimizer class over the bucket, then the upload of its new values.
+        See Note: [Uploading while backward runs]."""
+        start = time.perf_counter()
+        try:
+            optimizer = bucket.optimizer
+            with self.lock:  # `open_call` takes its snapshot under it: both, or the snapshot
+                snapshot = self.snapshot  # (a scheduler may change the values after step())
+                if snapshot is None:  # stepped during backward: checked against step()'s
+                    bucket.used = [hyper(self.user_groups[g]) for g in bucket.groups]
+            for k, (host_group, g) in enumerate(
+                zip(optimizer.param_groups, bucket.groups, strict=True)
+            ):
+                host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
+            for rec in bucket.records:
+                rec.master.grad = rec.grad if rec.has_grad else None
+            optimizer.step()
+            pairs = []
+            with torch.no_grad():
+                for rec in bucket.records:
+                    rec.master.grad = None
+                    if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
+                        rec.hosted.before_write()
+                        rec.hosted.host.copy_(rec.master)
+                        rec.synced = (rec.hosted.version, -2)
+                    elif rec.has_grad:
+                        if rec.staging is not None:
+                            rec.staging.copy_(rec.master)
+                        pairs.append((local(rec.param).detach(), rec.master
+                                      if rec.staging is None else rec.staging))  # fmt: skip
+            bucket.stepped = True
+            if pairs:
+                bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
+                self.last_upload = bucket.upload_event
+                self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
+                # Every parameter of a storage written here, the unwritten ones included
+                # (Note: [Parameters that share a storage])
+                written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
+                for rec in bucket.records:
+                    if rec.family in written:
+                        p = local(rec.param)
+                        rec.synced = (p._version, p.data_ptr())
+        except BaseException as exc:
+            bucket.failed = exc
+            self.errors.append((bucket.index, exc))
+            for rec in bucket.records:  # not uploaded: the master follows the device again
+                rec.synced = (-1, -1)
+        bucket.done.set()
+        self._account(start)
+
+    def _account(self, start: float) -> None:
+        end = time.perf_counter()
+        self.host_ms += (end - start) * 1e3
+        called = self.call_time
+        if called is not None and end > called:
+            self.host_ms_after_call += (end - max(start, called)) * 1e3

@@ -1,0 +1,131 @@
+"""The worker thread of the host step and its queue: buckets whose gradients are on their way,
+GradScaler unscales, and the `step()` (or discard) calls to finish, each acknowledged to the
+caller that waits for it."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from torchoffload.optim._grads import _Unscale
+from torchoffload.optim._host import Bucket
+from torchoffload.optim._step import HostStep
+
+# Note: [Host threads]
+# The host step runs on its own thread, whose OpenMP team has `host_threads` threads (set with
+# `torch.set_num_threads` on that thread: it changes that thread's setting and the default of
+# threads started later, not the caller's). Leaving cores to backward's own host work was
+# measured not to pay: on the H100 machine (16 cores, a Llama-3.2-3B shape, benchmarks/optim.py)
+# a step took 1536 ms with all 16 threads and 1602 ms with 14. So the default keeps the
+# process's setting.
+
+# Note: [The order of the host step]
+# Backward finishes the last layers' buckets first, the next forward needs the first layers'
+# first. The worker therefore steps, among the buckets it has, the one of the earliest
+# parameters (the highest bucket index) first: when it lags behind backward, what is left when
+# `step()` is called is the later layers', which the next forward needs last; after `step()`
+# the rest goes in forward order. It picks only among buckets whose gradient copy has
+# completed (else the oldest): the host launches backward well ahead of the device, so the
+# newest bucket's copy completes only when the device gets there, and waiting on it would idle
+# the worker for most of backward (picking the newest regardless, 3% of the host step ran
+# during backward on two H100 machines, runs C and D in
+# benchmarks/log/2026-11-23-optimizer-on-host.md; this rule is not measured yet).
+
+
+def completed(event: Any) -> bool:
+    return event is None or event.query()
+
+
+class HostWorker:
+    """The thread that runs ``stepper`` on what the caller's threads queue. ``host_threads``:
+    its intra-op threads (Note: [Host threads]); None keeps the process's setting."""
+
+    def __init__(self, stepper: HostStep, buckets: list[Bucket], host_threads: int | None):
+        self.stepper = stepper
+        self.buckets = buckets
+        self.host_threads = host_threads
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = threading.Condition()
+        self._finish_seq = 0  # finishes queued
+        self._done_seq = 0  # finishes the worker completed
+        self._thread = threading.Thread(target=self._work, name="torchoffload-host-step",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    # - The caller's threads
+    def send(self, bucket: Bucket, event: Any) -> None:
+        """The bucket's gradients are on the host once ``event`` (None: now) completes."""
+        self._queue.put(("bucket", bucket, event))
+
+    def unscale(self, job: _Unscale) -> None:
+        """Run ``job`` after the buckets queued before it (Note: [Loss scaling])."""
+        self._queue.put(("unscale", job))
+
+    def finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
+        """Finish the call: `HostStep.finish` once the buckets queued before it are in."""
+        self._finish_seq += 1
+        self._queue.put(("finish", step_rest, snapshot, self._finish_seq))
+
+    def wait_done(self) -> BaseException | None:
+        """Wait for the worker to complete the last finish queued. An interrupt (Ctrl-C) does
+        not cut the handshake: the wait goes on, and the interrupt is returned to re-raise."""
+        seq, interrupted = self._finish_seq, None
+        while True:
+            try:
+                with self._done:
+                    self._done.wait_for(lambda: self._done_seq >= seq)
+                return interrupted
+            except BaseException as exc:
+                interrupted = interrupted or exc
+
+    def stop(self) -> None:
+        self._queue.put(("stop",))
+        self._thread.join()
+
+    # - The worker's thread
+    def _work(self) -> None:
+        if self.host_threads is not None:
+            torch.set_num_threads(self.host_threads)
+        stepper = self.stepper
+        ready: dict[int, tuple[Bucket, Any]] = {}
+        finish = None
+        jobs: list[_Unscale] = []  # after the buckets queued before them, before a finish
+        while True:
+            items = [] if ready or finish or jobs else [self._queue.get()]
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            for item in items:
+                if item[0] == "stop":
+                    return
+                if item[0] == "bucket":
+                    ready[item[1].index] = (item[1], item[2])
+                elif item[0] == "unscale":
+                    jobs.append(item[1])
+                else:
+                    finish = item
+            try:
+                if ready:  # Note: [The order of the host step]
+                    copied = [i for i, (_, e) in ready.items() if completed(e)]
+                    stepper.arrive(*ready.pop(max(copied) if copied else min(ready)))
+                    continue
+                if jobs:
+                    jobs.pop(0).run(stepper)
+                    continue
+                if finish is not None:
+                    stepper.finish(finish[1], finish[2])
+            except BaseException as exc:  # reported by step()
+                stepper.errors.append((-1, exc))
+            if finish is not None:
+                seq = finish[3]
+                finish = None
+                for bucket in self.buckets:
+                    bucket.done.set()
+                with self._done:
+                    self._done_seq = seq
+                    self._done.notify_all()
