@@ -413,8 +413,9 @@ class ParameterRuntime:
         """_hosted.HostStore: write the piece's bytes into the host store. A device copy made
         before is stale (loaded again at its next use); a host optimizer reads again the
         masters of the parameters whose bytes were written (``Hosted.version``): a parameter
-        that only shares the storage keeps its fp32 master, as resident (the fuzzer found a
-        bf16 view's master re-read from its rounded value after an edit of its sibling)."""
+        that only shares the storage keeps its fp32 master, as in a loop over fp32 masters
+        that reads again the master of the parameter it wrote (a bf16 view's master read
+        again from its rounded value after an edit of its sibling loses its low bits)."""
         with self._lock:
             piece = self._piece(key)
             _settle(piece)
