@@ -224,7 +224,8 @@ class MasterRef:
         """``params`` were written outside the optimizer: their masters are read again."""
         self.written.update(id(p) for p in params)
 
-    def step(self):
+    def follow(self):
+        """Read again the master of every parameter written since the last step."""
         for i, (m, p) in enumerate(zip(self.masters, self.params, strict=True)):
             if id(p) in self.written:
                 m.copy_(p.detach().float())
@@ -233,6 +234,12 @@ class MasterRef:
                     f"parameter {i} was written outside the optimizer by a rule that did not "
                     "call MasterRef.wrote"
                 )
+        self.versions = [p._version for p in self.params]
+        self.written.clear()
+
+    def step(self):
+        self.follow()
+        for m, p in zip(self.masters, self.params, strict=True):
             m.grad = None if p.grad is None else p.grad.float()
         if self.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.masters, self.max_grad_norm)
@@ -241,7 +248,6 @@ class MasterRef:
             for m, p in zip(self.masters, self.params, strict=True):
                 p.copy_(m)
         self.versions = [p._version for p in self.params]  # after all: views share a counter
-        self.written.clear()
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
@@ -251,7 +257,10 @@ class MasterRef:
                 else:
                     p.grad.zero_()
 
-    def state_dict(self):  # the masters too, as OffloadedOptimizer's "master_params"
+    def state_dict(self):
+        """The masters too, as OffloadedOptimizer's "master_params": read again first from a
+        parameter written outside, as the next step would (they round to the parameters)."""
+        self.follow()
         return {"opt": self.opt.state_dict(), "masters": [m.clone() for m in self.masters]}
 
     def load_state_dict(self, sd):
