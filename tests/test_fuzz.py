@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import torchoffload as to
+from torchoffload._hosted import HOSTED
 
 # - Profiles
 
@@ -62,12 +63,14 @@ def profile(ci_examples: int) -> settings:
 
 # - Operations known broken and being fixed: (engine, operation) -> issue 38 item (negative:
 # the fuzzer's NEW-n). Generation skips these until the fix merges; the corpus below holds each
-# as an xfail(strict=True) case. NEW-11: after a backward refused from inside backward (the
-# gradient a step() consumed), a later in-place edit of a streamed parameter is lost. NEW-12:
-# an in-place edit of a bf16 view of a shared storage (gate, shift) steps otherwise.
+# as an xfail(strict=True) case.
 KNOWN_BROKEN: dict[tuple[str, str], int] = {
-    ("stream_parameters", "after_refused_backward"): -11,
-    ("stream_parameters", "edit_bf16_views"): -12,
+    # an edit of a bf16 view that shares its version counter with another parameter: a
+    # resident OffloadedOptimizer reads the other's master again from its rounded value
+    ("optimizer", "edit_shared_counter"): -8,
+    ("stream_parameters", "edit_shared_counter"): -8,  # the views kept resident
+    # a write to a parameter after a refused backward, before the next forward: lost
+    ("stream_parameters", "write_after_failed_backward"): -11,
 }
 if os.environ.get("FUZZ_KNOWN_BROKEN"):
     KNOWN_BROKEN = {}
@@ -199,14 +202,20 @@ def param_groups(model: torch.nn.Module, params, split: bool) -> list[dict]:
 
 class MasterRef:
     """The plain class stepping fp32 copies of a bf16 model's parameters, rounded back into
-    them (and read again from a parameter changed in place), with torch.optim's API. Clips
-    as `PlainRef` does."""
+    them, with torch.optim's API. A master is read again from its parameter after a write of
+    that parameter outside the optimizer, as a user's loop over fp32 masters would. Views that
+    ``model.to(dtype)`` gave storages of their own still share one version counter, so a
+    counter that moved does not say which of them was written: the rules say it (`wrote`),
+    and the counters check that none was left out (NEW-8: ``gate.mul_`` moved ``shift``'s
+    counter, and the reference read ``shift``'s master again from its rounded value)."""
 
     def __init__(self, model, cls, kw, split, max_grad_norm=None, by_model=False):
         self.params = list(model.parameters())
         self.masters = [p.detach().float().clone() for p in self.params]
         self.opt = cls(param_groups(model, self.masters, split), **kw)
+        self.shared = shared_counters(self.params)
         self.versions = [p._version for p in self.params]
+        self.written: set[int] = set()
         self.max_grad_norm = max_grad_norm
         self.by_model = by_model
 
@@ -214,12 +223,22 @@ class MasterRef:
     def param_groups(self):
         return self.opt.param_groups
 
+    def wrote(self, params) -> None:
+        """``params`` were written outside the optimizer: their masters are read again."""
+        self.written.update(id(p) for p in params)
+
     def follow(self):
-        """Read again the master of every parameter changed in place since the last step."""
+        """Read again the master of every parameter written since the last step."""
         for i, (m, p) in enumerate(zip(self.masters, self.params, strict=True)):
-            if p._version != self.versions[i]:
+            if id(p) in self.written:
                 m.copy_(p.detach().float())
-                self.versions[i] = p._version
+            elif p._version != self.versions[i]:
+                assert self.shared[i] & self.written, (
+                    f"parameter {i} was written outside the optimizer by a rule that did not "
+                    "call MasterRef.wrote"
+                )
+        self.versions = [p._version for p in self.params]
+        self.written.clear()
 
     def step(self):
         self.follow()
@@ -245,7 +264,7 @@ class MasterRef:
 
     def state_dict(self):
         """The masters too, as OffloadedOptimizer's "master_params": read again first from a
-        parameter edited in place, as the next step would (they round to the parameters)."""
+        parameter written outside, as the next step would (they round to the parameters)."""
         self.follow()
         return {"opt": self.opt.state_dict(), "masters": [m.clone() for m in self.masters]}
 
@@ -254,6 +273,18 @@ class MasterRef:
         for m, saved in zip(self.masters, sd["masters"], strict=True):
             m.copy_(saved)
         self.versions = [p._version for p in self.params]
+        self.written.clear()
+
+
+def shared_counters(params: list[torch.Tensor]) -> list[set[int]]:
+    """For each parameter, the ids of the parameters that share its version counter (itself
+    included), found by bumping each counter (no value changes)."""
+    out = []
+    for p in params:
+        before = [q._version for q in params]
+        torch.autograd.graph.increment_version(p)
+        out.append({id(q) for q, b in zip(params, before, strict=True) if q._version != b})
+    return out
 
 
 class PlainRef:
@@ -343,6 +374,7 @@ class TrainingMachine(RuleBasedStateMachine):
         EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
         self.opt_config = {}
         self.touched = False  # parameters changed outside the optimizer since its last step
+        self.raised = False  # the last forward and backward was refused (NEW-11)
         self.stopped = False
         self.pending = False  # a conversion whose effect the next step shows
         self.steps = 0
@@ -495,8 +527,8 @@ class TrainingMachine(RuleBasedStateMachine):
     def train_step(self, data):
         x = self.draw_input(data)
         seed = data.draw(st.integers(0, 99), label="rng")
-        if self.both(lambda s: self.forward(s, x, seed, False), "output, loss") is None:
-            self.after_refused_backward()
+        self.raised = self.both(lambda s: self.forward(s, x, seed, False), "output, loss") is None
+        if self.raised:
             return
         self.pending = False
         same_grads(grads(self.ref.model), grads(self.off.model), "gradient")
@@ -519,12 +551,8 @@ class TrainingMachine(RuleBasedStateMachine):
         """A backward whose gradients are accumulated by the next (inside accumulating())."""
         x = self.draw_input(data)
         seed = data.draw(st.integers(0, 99), label="rng")
-        if self.both(lambda s: self.forward(s, x, seed, True), "accumulated output, loss") is None:
-            self.after_refused_backward()
-
-    def after_refused_backward(self):
-        if not self.op_ok("after_refused_backward"):
-            self.stopped = True  # NEW-11: the streamed parameters no longer take edits
+        out = self.both(lambda s: self.forward(s, x, seed, True), "accumulated output, loss")
+        self.raised = out is None
 
     @precondition(lambda self: self.live() and not self.pending)
     @rule(data=st.data())
@@ -543,9 +571,13 @@ class TrainingMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def edit(self, data):
         """In-place edits of a parameter under no_grad, as manual weight decay or clamping do."""
+        if self.raised and not self.op_ok("write_after_failed_backward"):
+            return
         names = [n for n, _ in self.ref.model.named_parameters()]
-        if self.spec.dtype == "bfloat16" and not self.op_ok("edit_bf16_views"):
-            names = [n for n in names if n.rsplit(".", 1)[-1] not in ("gate", "shift")]
+        if (self.spec.shared_storage and self.spec.dtype == "bfloat16"
+                and not self.op_ok("edit_shared_counter")):  # fmt: skip
+            names = [n for n in names if not n.endswith((".gate", ".shift"))
+                     or self.off.model.get_parameter(n) in HOSTED]  # fmt: skip
         name = data.draw(st.sampled_from(names), label="parameter")
         how = data.draw(st.sampled_from(["mul", "clamp", "add", "copy"]), label="edit")
 
@@ -560,6 +592,8 @@ class TrainingMachine(RuleBasedStateMachine):
                     p.add_(0.01)
                 else:
                     p.copy_(torch.full(p.shape, 0.125, dtype=p.dtype))
+            if isinstance(side.opt, MasterRef):
+                side.opt.wrote([p])
 
         self.touched = True
         self.both(fn, f"edit {how} {name}")
@@ -580,6 +614,8 @@ class TrainingMachine(RuleBasedStateMachine):
     def save_and_load(self, data):
         """torch.save of the state_dict, torch.load, load_state_dict; the optimizer's too."""
         optimizer_too = data.draw(st.booleans(), label="optimizer state too")
+        if self.raised and not self.op_ok("write_after_failed_backward"):
+            return
 
         self.touched = True
 
@@ -588,6 +624,8 @@ class TrainingMachine(RuleBasedStateMachine):
             torch.save(side.model.state_dict(), buf)
             buf.seek(0)
             side.model.load_state_dict(torch.load(buf))
+            if isinstance(side.opt, MasterRef):
+                side.opt.wrote(side.model.parameters())
 
         self.both(fn, "save and load")
         if optimizer_too and not self.stopped:  # on its own: a refusal here skips only this
@@ -1743,73 +1781,116 @@ def test_new10_reference_clips_in_the_order_the_optimizer_sums(by_model):
         opt.remove()
 
 
-def _raise_in_backward(grad):
-    raise RuntimeError("raised in backward")
+NEW8 = Spec(vocab=5, dim=4, hidden=8, layers=1, tied=False, norm="layer", post_norm=False,
+            residual=False, shared_storage=True, transposed=False, used_twice=False,
+            buffer=False, branch=False, final_norm=False, head_bias=False, dropout=0.0,
+            dtype="bfloat16", seed=0)  # fmt: skip
 
 
-@new(11, "stream_parameters: an in-place edit after a backward that raised is lost")
-def test_new11_stream_parameters_edit_after_a_backward_that_raised():
-    # Found through OffloadedOptimizer: a backward after step() without zero_grad() raises in
-    # AccumulateGrad (ConsumedGrad), then p.mul_(0.9) under no_grad left state_dict() and the
-    # next forward with the old values. Any error raised in a streamed parameter's backward
-    # does it, without an optimizer
-    spec = Spec(vocab=5, dim=4, hidden=8, layers=1, tied=False, norm="layer", post_norm=False,
-                residual=False, shared_storage=False, transposed=False, used_twice=False,
-                buffer=False, branch=False, final_norm=False, head_bias=False, dropout=0.0,
-                dtype="float32", seed=1)  # fmt: skip
-    ref, off = build(spec), build(spec)
-    handle = to.stream_parameters(off, budget_bytes=least_parameter_budget(off, "leaves", ()),
-                                  unit="leaves", prefetch_depth=0, use_streams=False)  # fmt: skip
-    x = tokens(spec, 1, 1, 0)
-    try:
-        for m in (ref, off):
-            hook = m.emb.weight.register_hook(_raise_in_backward)
-            with pytest.raises(RuntimeError, match="raised in backward"):
-                loss_of(m(x), x).backward()
-            hook.remove()
-            m.zero_grad()
+def train_with_an_edit(m, o, wrote=lambda p: None):
+    """Two Adagrad steps with ``gate.mul_(0.9)`` between them; ``shift`` shares gate's version
+    counter (views that ``model.to(bfloat16)`` gave storages of their own)."""
+    x = tokens(NEW8, 1, 1, 0)
+    for i in range(2):
+        if i:
+            gate = m.blocks[0].gate
             with torch.no_grad():
-                m.emb.weight.mul_(0.9)
-        assert_same(values(ref), values(off), "parameters")  # emb.weight: the edit is lost
+                gate.mul_(0.9)
+            wrote(gate)
+        torch.manual_seed(0)
+        loss_of(m(x), x).backward()
+        o.step()
+        o.zero_grad()
+    return values(m)
+
+
+class PlainMasters:
+    """The documented reference written out: torch.optim's class on fp32 copies of the
+    parameters, rounded back after each step; the user reads again the master of the
+    parameter they wrote."""
+
+    def __init__(self, m, cls, kw):
+        self.params = list(m.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = cls(self.masters, **kw)
+
+    def wrote(self, p):
+        self.masters[[id(q) for q in self.params].index(id(p))].copy_(p.detach().float())
+
+    def step(self):
+        for mm, p in zip(self.masters, self.params, strict=True):
+            mm.grad = None if p.grad is None else p.grad.float()
+        self.opt.step()
         with torch.no_grad():
-            assert_same(ref(x), off(x), "output")
+            for mm, p in zip(self.masters, self.params, strict=True):
+                p.copy_(mm)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+
+def test_new8_reference_reads_again_only_the_parameter_written():
+    # The reference was wrong: MasterRef read again the master of every parameter whose
+    # version counter moved, and ``gate.mul_`` moves ``shift``'s too, so ``shift``'s fp32
+    # master was replaced by its bf16 value; stream_parameters reads again the masters of the
+    # parameters whose bytes were written (Hosted.version), as the user's loop does
+    cls, kw = OPTIMIZERS["adagrad"]
+    plain_model, ref, off = build(NEW8), build(NEW8), build(NEW8)
+    plain = PlainMasters(plain_model, cls, kw)
+    want = train_with_an_edit(plain_model, plain, plain.wrote)
+    master_ref = MasterRef(ref, cls, kw, False)
+    assert_same(want, train_with_an_edit(ref, master_ref, lambda p: master_ref.wrote([p])),
+                "MasterRef")  # fmt: skip
+    handle = to.stream_parameters(off, budget_bytes=1 << 20, unit="leaves", prefetch_depth=0,
+                                  use_streams=False)  # fmt: skip
+    opt = to.OffloadedOptimizer(off.parameters(), cls, **kw)
+    try:
+        assert_same(want, train_with_an_edit(off, opt), "stream_parameters")
     finally:
+        opt.remove()
         handle.remove()
 
 
-@new(12, "stream_parameters: an edit of one view of a storage re-reads only its own master")
-def test_new12_streamed_views_edited_in_place_step_as_resident_ones():
-    # bf16 gate and shift, views of one storage: gate.mul_(0.9) moves shift's version too, so
-    # the resident OffloadedOptimizer (and the fuzzer's MasterRef) read shift's master again
-    # from its bf16 value; under stream_parameters a write bumps only gate's Hosted.version
-    # and shift keeps its fp32 master: shift ends 1 bf16 ulp apart. Either rule may be the
-    # one to keep; the two modes must agree
-    spec = Spec(vocab=5, dim=4, hidden=8, layers=3, tied=False, norm="layer", post_norm=False,
-                residual=False, shared_storage=True, transposed=False, used_twice=False,
-                buffer=False, branch=False, final_norm=False, head_bias=False, dropout=0.0,
-                dtype="bfloat16", seed=0)  # fmt: skip
+@new(8, "a resident OffloadedOptimizer reads shift's master again after gate.mul_")
+def test_new8_resident_optimizer_after_an_edit_of_a_view():
     cls, kw = OPTIMIZERS["adagrad"]
-    resident, streamed = build(spec), build(spec)
-    budget = least_parameter_budget(streamed, "blocks", ())
-    handle = to.stream_parameters(streamed, budget_bytes=budget, unit="blocks", prefetch_depth=0,
-                                  use_streams=False)  # fmt: skip
-    opts = [to.OffloadedOptimizer(m.parameters(), cls, **kw) for m in (resident, streamed)]
-    x = tokens(spec, 1, 1, 0)
+    plain_model, off = build(NEW8), build(NEW8)
+    plain = PlainMasters(plain_model, cls, kw)
+    want = train_with_an_edit(plain_model, plain, plain.wrote)
+    opt = to.OffloadedOptimizer(off.parameters(), cls, **kw)
     try:
-        for m, o in zip((resident, streamed), opts, strict=True):
-            for name in ("emb.weight", "blocks.0.gate"):
-                torch.manual_seed(0)
-                loss_of(m(x), x).backward()
-                o.step()
-                o.zero_grad()
-                with torch.no_grad():
-                    m.get_parameter(name).mul_(0.9)
-            torch.manual_seed(0)
+        assert_same(want, train_with_an_edit(off, opt), "parameters")  # blocks.0.shift
+    finally:
+        opt.remove()
+
+
+NEW11 = replace(NEW8, shared_storage=False, dtype="float32")
+
+
+@new(11, "a backward that raised leaves its units bound: a write before the next forward is lost")
+def test_new11_edit_after_a_backward_that_raised():
+    # stream_parameters drops what a backward loaded when the pass ends (a queued callback),
+    # or, after a backward that raised (the callback never runs), at the next forward; until
+    # then the parameters are bound to their device copies, not placeholders, and an edit
+    # writes the device copy only: the host store keeps the old values (found by the fuzzer
+    # after a refused zero_grad(set_to_none=False) and a refused backward)
+    ref, off = build(NEW11), build(NEW11)
+    handle = to.stream_parameters(off, budget_bytes=1 << 20, unit="leaves", prefetch_depth=0,
+                                  use_streams=False)  # fmt: skip
+    opt = to.OffloadedOptimizer(off.parameters(), torch.optim.SGD, lr=0.05)
+    plain = torch.optim.SGD(ref.parameters(), lr=0.05)
+    x = tokens(NEW11, 1, 2, 0)
+    try:
+        for m, o in ((ref, plain), (off, opt)):
             loss_of(m(x), x).backward()
             o.step()
-            o.zero_grad()
-        assert_same(values(resident), values(streamed), "parameters")  # blocks.0.shift
+        with pytest.raises(RuntimeError, match="consumed"):  # no zero_grad(): refused
+            loss_of(off(x), x).backward()
+        for m in (ref, off):
+            with torch.no_grad():
+                m.head.weight.mul_(0.9)  # the unit backward reached first
+        assert_same(values(ref), values(off), "parameters")  # head.weight: the edit lost
     finally:
-        for o in opts:
-            o.remove()
+        opt.remove()
         handle.remove()

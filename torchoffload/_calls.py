@@ -2,7 +2,7 @@
 (KeyboardInterrupt, SystemExit) leaves a forward, since PyTorch runs ``always_call`` forward
 hooks for `Exception` only. An engine that began something in a pre-hook remembers the frame
 that called the hook; when that frame is no longer on its thread's stack, the call is over and
-what it began can be undone (see Note: [One call at a time] in weights/_runtime.py)."""
+what it began can be undone (see Note: [One call at a time] in weights/_call.py)."""
 
 from __future__ import annotations
 

@@ -271,7 +271,7 @@ class Arena:
     def reset_ring(self, units: list[UnitState], done: Any, keep: tuple = ()) -> None:
         """Forget the units in the ring (not the kept ones, nor the ring units in ``keep``)
         and make the rest of the ring one tombstone guarded by ``done``: what overwrites it
-        next waits on that event (Note: [Weights in a captured graph] in _runtime.py). What
+        next waits on that event (Note: [Weights in a captured graph] in _capture.py). What
         stays is guarded by ``done`` too; ``None``: the caller synchronized the device. The
         head follows the last unit of ``keep``."""
         stay = {id(u) for u in keep if u.loc is not None}

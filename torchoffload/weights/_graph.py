@@ -21,7 +21,7 @@ up to ``max_graphs``; beyond that calls run eagerly (``stats().eager_calls``). C
 depends on tensor values is fixed at capture, as in any CUDA graph: such a function must be
 captured per branch by the caller. Weights are never stale: ring weights are copied from the
 host store in every replay and kept units are checked before it (Note: [Weights in a
-captured graph] in _runtime.py).
+captured graph] in _capture.py).
 
 On the CPU (no CUDA graphs) a "replay" runs the function again with the runtime in capture
 mode, so the bookkeeping (static inputs and outputs, the ring reset, kept units, counters)
@@ -44,7 +44,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchoffload._transfer import CopyEngine
 from torchoffload._validate import check_bool, check_callable, check_int
 from torchoffload.weights._arena import Counters
-from torchoffload.weights._runtime import Primes, WeightRuntime
+from torchoffload.weights._capture import Primes
+from torchoffload.weights._runtime import WeightRuntime
 from torchoffload.weights._syncs import HostReadCheck, is_compiled
 
 __all__ = ["GraphStats", "StreamedGraph"]
@@ -179,7 +180,8 @@ class StreamedGraph:
         if rt.removed:
             raise RuntimeError("the WeightStreamHandle of this graph was removed")
         leaves, spec = tree_flatten((args, kwargs))
-        key = (spec, tuple(self._describe(i, x) for i, x in enumerate(leaves)))
+        cuda = self.device if self._cuda else None
+        key = (spec, tuple(_describe(i, x, cuda) for i, x in enumerate(leaves)))
         entry = self._graphs.get(key)
         if entry is None or rt.schedule.order is None:  # a warm-up: no schedule, nothing kept
             versions = _versions(leaves)
@@ -236,27 +238,6 @@ class StreamedGraph:
         return f"StreamedGraph({s.graphs} graphs, {s.replays} replays, on {self.device})"
 
     # -- internals -----------------------------------------------------------------------------
-
-    def _describe(self, i: int, x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if self._cuda and x.device != self.device:
-                raise ValueError(
-                    f"argument {i} of the graphed call is on {x.device}: tensors a CUDA graph "
-                    f"reads must be on {self.device} (a host value would be baked in)"
-                )
-            # inference-ness and requires_grad too: a static input mirrors them (Note: [Static
-            # inputs mirror their arguments]), so another kind of tensor is another graph
-            return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device, x.is_inference(),
-                    x.requires_grad)  # fmt: skip
-        try:
-            hash(x)
-        except TypeError:
-            raise TypeError(
-                f"argument {i} of the graphed call is a {type(x).__name__}, which is neither a "
-                "tensor nor hashable: a graph is keyed by its arguments (Note: [Captured calls "
-                "by signature])"
-            ) from None
-        return (type(x), x)
 
     def _eagerly(self, args: Any, kwargs: Any) -> Any:
         self._eager += 1
@@ -319,55 +300,9 @@ class StreamedGraph:
         entry.graph, entry.outputs, entry.delta, entry.primes = graph, outputs, delta, primes
 
     def _capture_once(self, args: Any, kwargs: Any, primes: Primes) -> tuple:
-        """One capture of the call, started with ``primes`` loaded; returns the graph, its
-        outputs, what a replay counts and the units it leaves loaded (Note: [Primed
-        replays])."""
-        rt = self._rt
-        self._engine.testing = rt.engine.testing  # the test instruments of the shared one
-        graph = torch.cuda.CUDAGraph()
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        rt.prepare_capture(primes)
-        end: Primes = ()
-        raised: BaseException | None = None  # what fn raised, if it did
-        ended_in_error = False  # the end of the capture raised (Note: [A capture that fails])
-        reraise: BaseException | None = None
-        torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture allocates in its own pool
-        try:
-            # not torch.cuda.graph: its exit leaves the capture stream current when the end of
-            # the capture raises (Note: [A capture that fails])
-            with torch.cuda.stream(self._stream):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    rt.start_capture(self._engine, primes)
-                    try:
-                        outputs = self._fn(*args, **kwargs)
-                    except BaseException as e:
-                        raised = e
-                        raise
-                    finally:  # joined even when fn raises: the capture ends with its error
-                        end = rt.finish_capture()
-                finally:
-                    try:
-                        graph.capture_end()
-                    except BaseException:
-                        ended_in_error = True
-                        raise
-        except BaseException as e:  # Note: [A capture that fails]
-            if ended_in_error:
-                _restore_generators(self._stream)
-            if raised is None or e is raised:
-                raise
-            if hasattr(raised, "add_note"):  # Python 3.11+
-                raised.add_note(f"(raised while handle.cuda_graph captured the call; then "
-                                f"{type(e).__name__}: {e})")  # fmt: skip
-            reraise = raised  # raised below, outside this handler: its own context kept
-        finally:  # a capture runs nothing: the primes loaded before it are still there
-            delta = rt.end_capture(keep=primes if end == primes else ())
-        if reraise is not None:
-            raise reraise
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        out = _capture_once(self._rt, self._fn, self._engine, self._stream, args, kwargs, primes)
         self._captures += 1
-        return graph, outputs, delta, end
+        return out
 
     def _run_on_host(self, entry: _Captured) -> Any:
         """The CPU stand-in for a capture and for a replay: the call run in capture mode (see
@@ -421,6 +356,82 @@ class StreamedGraph:
                             _write(static, x)  # made under inference mode, maybe
         self._rt.count_replay(entry.delta)
         self._replays += 1
+
+
+def _describe(i: int, x: Any, device: torch.device | None) -> Any:
+    """Argument ``i``'s part of a call's signature (Note: [Captured calls by signature]);
+    ``device``: the CUDA device a graph reads tensors on (None on the CPU)."""
+    if isinstance(x, torch.Tensor):
+        if device is not None and x.device != device:
+            raise ValueError(
+                f"argument {i} of the graphed call is on {x.device}: tensors a CUDA graph "
+                f"reads must be on {device} (a host value would be baked in)"
+            )
+        # inference-ness and requires_grad too: a static input mirrors them (Note: [Static
+        # inputs mirror their arguments]), so another kind of tensor is another graph
+        return ("tensor", tuple(x.shape), x.stride(), x.dtype, x.device, x.is_inference(),
+                x.requires_grad)  # fmt: skip
+    try:
+        hash(x)
+    except TypeError:
+        raise TypeError(
+            f"argument {i} of the graphed call is a {type(x).__name__}, which is neither a "
+            "tensor nor hashable: a graph is keyed by its arguments (Note: [Captured calls "
+            "by signature])"
+        ) from None
+    return (type(x), x)
+
+
+def _capture_once(rt: WeightRuntime, fn: Any, engine: CopyEngine, stream: Any, args: Any,
+                  kwargs: Any, primes: Primes) -> tuple:  # fmt: skip
+    """One capture of ``fn(*args, **kwargs)`` on ``stream``, its copies on ``engine``, started
+    with ``primes`` loaded; returns the graph, its outputs, what a replay counts and the
+    units it leaves loaded (Note: [Primed replays], Note: [A capture that fails])."""
+    device = rt.device
+    engine.testing = rt.engine.testing  # the test instruments of the shared one
+    graph = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(device))
+    rt.prepare_capture(primes)
+    end: Primes = ()
+    raised: BaseException | None = None  # what fn raised, if it did
+    ended_in_error = False  # the end of the capture raised (Note: [A capture that fails])
+    reraise: BaseException | None = None
+    torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture allocates in its own pool
+    try:
+        # not torch.cuda.graph: its exit leaves the capture stream current when the end of
+        # the capture raises (Note: [A capture that fails])
+        with torch.cuda.stream(stream):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                rt.start_capture(engine, primes)
+                try:
+                    outputs = fn(*args, **kwargs)
+                except BaseException as e:
+                    raised = e
+                    raise
+                finally:  # joined even when fn raises: the capture ends with its error
+                    end = rt.finish_capture()
+            finally:
+                try:
+                    graph.capture_end()
+                except BaseException:
+                    ended_in_error = True
+                    raise
+    except BaseException as e:  # Note: [A capture that fails]
+        if ended_in_error:
+            _restore_generators(stream)
+        if raised is None or e is raised:
+            raise
+        if hasattr(raised, "add_note"):  # Python 3.11+
+            raised.add_note(f"(raised while handle.cuda_graph captured the call; then "
+                            f"{type(e).__name__}: {e})")  # fmt: skip
+        reraise = raised  # raised below, outside this handler: its own context kept
+    finally:  # a capture runs nothing: the primes loaded before it are still there
+        delta = rt.end_capture(keep=primes if end == primes else ())
+    if reraise is not None:
+        raise reraise
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph, outputs, delta, end
 
 
 def _restore_generators(stream: Any) -> None:

@@ -4,28 +4,8 @@ Parameters live in a pinned host store; a unit's parameters are copied to the de
 forward, dropped after it, copied again before its backward and dropped once its backward is
 done. The cut into units and the host layout are the weight engine's (`_layout.candidates`);
 the settings are its `StreamConfig`. What differs from inference is where the device bytes
-live (Note: [Training parameters keep their storage]) and when they may be dropped (Note:
-[When a unit's backward is done]).
-
-Note: [Training parameters keep their storage]
-Autograd saves what backward needs when forward runs, and for a weight that is often a view of
-it (``F.linear`` saves ``weight.t()``), which holds the weight's storage object, not the
-parameter. Rebinding the parameter to other memory before backward (as inference does with its
-arena) would leave that view on the old bytes. So each host piece (a source storage, stored
-once however many parameters view it) has one device storage object for the whole session:
-loading resizes it to its bytes (allocated by the caching allocator on the compute stream) and
-copies into it; dropping resizes it to 0 bytes. Every view autograd saved shares that storage
-object and reads the bytes loaded again before backward. The parameters themselves are set to
-their full geometry while loaded and to 0 elements otherwise (so stray reads fail with a shape
-error), with their version counters preserved (the bytes are the same values).
-
-Note: [Streams of a training load]
-A load allocates on the compute stream, records an event there, and copies on the copy stream
-after it (protocol rule 3); every use makes the compute stream wait on the copy's "ready"
-event. A drop first makes the compute stream wait on that event too (a prefetch never used
-must not be overwritten by a later allocation on the compute stream while its copy runs), then
-frees: the caching allocator reuses the bytes only for work queued later on the compute
-stream, after every kernel that read them.
+live (Note: [Training parameters keep their storage] in _pieces.py) and when they may be
+dropped (Note: [When a unit's backward is done]).
 
 Note: [When a unit's backward is done]
 A unit is loaded again when the gradient of any of its outputs is computed (a multi-grad hook
@@ -56,11 +36,11 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from torchoffload import _hosted
-from torchoffload._hosted import HOSTED, MANAGED, Hosted
-from torchoffload._pool import pinned_buffer
-from torchoffload._transfer import compute_device, copy_engine
+from torchoffload._hosted import HOSTED, MANAGED
+from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
+from torchoffload.weights._pieces import Piece, PieceStore
 from torchoffload.weights._runtime import STREAMED, StreamConfig
 
 
@@ -84,31 +64,11 @@ class ParameterStats:
     backward_passes: int
 
 
-class _Piece:
-    __slots__ = ("key", "nbytes", "storage", "host", "leaves", "holders", "ready", "last_copy",
-                 "stale")  # fmt: skip
-
-    def __init__(self, key: Any, nbytes: int, storage: torch.UntypedStorage, host: torch.Tensor):
-        self.key = key
-        self.nbytes = nbytes
-        self.storage = storage  # Note: [Training parameters keep their storage]
-        self.host = host  # uint8 view of the host store
-        self.leaves: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...]]] = []
-        self.holders: set[int] = set()  # units using it or prefetched into it
-        self.ready: Any = None  # event after its last copy (None: not loaded, or on the CPU)
-        self.last_copy: Any = None  # the same event, kept after a drop (Hosted.before_write)
-        self.stale = False  # the host bytes changed since the load
-
-    @property
-    def loaded(self) -> bool:
-        return self.storage.nbytes() > 0
-
-
 class _Unit:
     __slots__ = ("index", "name", "module", "pieces", "trainable", "pending",
                  "inputs_pending", "backward", "grad_flags")  # fmt: skip
 
-    def __init__(self, index: int, name: str, module: nn.Module, pieces: list[_Piece]):
+    def __init__(self, index: int, name: str, module: nn.Module, pieces: list[Piece]):
         self.index = index
         self.name = name
         self.module = module
@@ -127,53 +87,18 @@ class _Unit:
 
 class ParameterRuntime:
     """One model's streamed training parameters, driven by the module hooks of
-    `stream_parameters`."""
+    `stream_parameters`: when each unit's pieces are loaded and dropped, in forward and in
+    backward. The pieces and their host store are a `PieceStore`'s."""
 
     def __init__(self, layout: _layout.Layout, config: StreamConfig):
         self.config = config
         self.device = config.device
         self.layout = layout
-        self.engine = copy_engine(config.device, use_streams=config.use_streams)
         self._lock = threading.RLock()
-        pin = config.pin_memory and config.device.type != "cpu" and torch.cuda.is_available()
-        self.host = pinned_buffer(layout.host_bytes, pin=pin)
-        # - Host store and one device storage per piece
-        self.pieces: dict[Any, _Piece] = {}
-        by_key: dict[Any, list[_layout.Leaf]] = {}
-        for leaf in layout.leaves:
-            by_key.setdefault(leaf.key, []).append(leaf)
-        for key, (lo, hi, off) in layout.pieces.items():
-            src = by_key[key][0].source
-            raw = torch.empty(0, dtype=torch.uint8, device=src.device).set_(src.untyped_storage())
-            host = self.host[off : off + hi - lo]
-            host.copy_(raw[lo:hi])
-            storage = torch.empty(0, dtype=torch.uint8, device=self.device).untyped_storage()
-            piece = _Piece(key, hi - lo, storage, host)
-            for leaf in by_key[key]:
-                piece.leaves.append((leaf.source, (leaf.start - lo) // leaf.source.element_size(),
-                                     leaf.size, leaf.stride))  # fmt: skip
-            self.pieces[key] = piece
-        self._names = {id(leaf.source): leaf.name for leaf in layout.leaves}
-        # - The parameters now hold the (empty) device storages; the originals are released
-        for piece in self.pieces.values():
-            _bind(piece, full=False)
-        self.hosted: list[tuple[torch.Tensor, Hosted]] = []
-        for key, piece in self.pieces.items():
-            lo, _, off = layout.pieces[key]
-            for leaf in by_key[key]:
-                v = torch.empty(0, dtype=leaf.dtype)
-                v.set_(self.host.untyped_storage(), (off + leaf.start - lo) // v.element_size(),
-                       leaf.size, leaf.stride)  # fmt: skip
-                hosted = Hosted(v, _before_write(self, piece))
-                HOSTED[leaf.source] = hosted
-                self.hosted.append((leaf.source, hosted))
-            for t, offset, size, stride in piece.leaves:
-                STREAMED[t] = self
-                # See Note: [Placeholders never answer]
-                _hosted.register(t, _hosted.Ref(self, key, offset, size, stride, t.dtype,
-                                                 self._names[id(t)], nn.Parameter))  # fmt: skip
+        self.store = PieceStore(layout, config, self._lock, self)
+        pieces = self.store.pieces
         self.units = [
-            _Unit(i, u.name, u.module, list({self.pieces[leaf.key]: None for leaf, _ in u.binds}))
+            _Unit(i, u.name, u.module, list({pieces[leaf.key]: None for leaf, _ in u.binds}))
             for i, u in enumerate(layout.units)
         ]
         self._units_of: dict[int, list[_Unit]] = {}
@@ -185,60 +110,28 @@ class ParameterRuntime:
         self._position: dict[int, int] = {}
         self._recording: list[int] = []
         self._backward_pass: int | None = None
-        self.loaded_bytes = 0
-        self.removed = False
-        # - Counters
-        self.loads = self.prefetched = self.on_demand = self.over_budget = 0
-        self.h2d_bytes = self.peak_loaded_bytes = self.backward_passes = 0
+        self.backward_passes = 0
 
-    # -- loading and dropping (Note: [Streams of a training load]) ----------------------------
+    @property
+    def removed(self) -> bool:
+        return self.store.removed
 
-    def _load(self, piece: _Piece, ahead: bool) -> None:
-        if piece.loaded and not piece.stale:
-            return
-        if not piece.loaded:
-            piece.storage.resize_(piece.nbytes)  # on the compute stream
-            self.loaded_bytes += piece.nbytes
-            if not ahead and self.loaded_bytes > self.config.budget_bytes:
-                self.over_budget += 1
-            self.peak_loaded_bytes = max(self.peak_loaded_bytes, self.loaded_bytes)
-        piece.stale = False
-        dst = torch.empty(0, dtype=torch.uint8, device=self.device).set_(piece.storage)
-        piece.ready = piece.last_copy = self.engine.load(
-            [(dst, piece.host)], after=[self.engine.record()]
-        )
-        self.loads += 1
-        self.h2d_bytes += piece.nbytes
-        if ahead:
-            self.prefetched += 1
-        else:
-            self.on_demand += 1
+    @property
+    def loads(self) -> int:
+        return self.store.loads
 
-    def _drop(self, piece: _Piece) -> None:
-        if not piece.loaded:
-            return
-        self.engine.wait(piece.ready)
-        piece.ready = None
-        _bind(piece, full=False)
-        piece.storage.resize_(0)
-        self.loaded_bytes -= piece.nbytes
+    @property
+    def loaded_bytes(self) -> int:
+        return self.store.loaded_bytes
 
     def _hold(self, unit: _Unit) -> None:
-        """Load ``unit`` (or find it loaded), bind it (a prefetched piece stays a placeholder
-        until then) and make the compute stream wait for it."""
-        for piece in unit.pieces:
-            self._load(piece, ahead=False)
-            piece.holders.add(unit.index)
-            _bind(piece, full=True)
-        for piece in unit.pieces:
-            self.engine.wait(piece.ready)
+        """Load ``unit`` (or find it loaded), bind it and make the compute stream wait for
+        it."""
+        self.store.hold(unit.index, unit.pieces)
 
     def _release(self, unit: _Unit) -> None:
         unit.backward = False
-        for piece in unit.pieces:
-            piece.holders.discard(unit.index)
-            if not piece.holders:
-                self._drop(piece)
+        self.store.release(unit.index, unit.pieces)
 
     def _prefetch(self, index: int, step: int) -> None:
         order = self.order
@@ -251,19 +144,11 @@ class ParameterRuntime:
                 return
             unit = self.units[order[j]]
             need = sum(p.nbytes for p in unit.pieces if not p.loaded)
-            if self.loaded_bytes + need > self.config.budget_bytes:
+            if self.store.loaded_bytes + need > self.config.budget_bytes:
                 return
             for piece in unit.pieces:
-                self._load(piece, ahead=True)
+                self.store.load(piece, ahead=True)
                 piece.holders.add(unit.index)
-
-    def before_write(self, piece: _Piece) -> None:
-        """Hosted.before_write: the host bytes of ``piece`` are about to change."""
-        with self._lock:
-            piece.stale = piece.loaded  # a device copy made before the write is old
-            event = piece.last_copy
-        if event is not None:
-            event.synchronize()  # on the optimizer's worker, not the training thread
 
     # -- forward ----------------------------------------------------------------------------
 
@@ -391,50 +276,7 @@ class ParameterRuntime:
         self._backward_pass = None
         for unit in self.units:
             unit.backward = False
-        for piece in self.pieces.values():
-            piece.holders.clear()
-            self._drop(piece)
-
-    # -- the host store of placeholders (Note: [Placeholders never answer]) ------------------
-
-    def read_piece(self, key: Any) -> torch.Tensor:
-        """_hosted.HostStore: the piece's current bytes on the device (a host step still
-        running for one of its parameters is finished first)."""
-        with self._lock:
-            piece = self._piece(key)
-            _settle(piece)
-            if self.device.type == "cpu":
-                return piece.host.clone()
-            out = torch.empty(piece.nbytes, dtype=torch.uint8, device=self.device)
-            out.copy_(piece.host)  # on the compute stream, synchronous for the host
-            return out
-
-    def write_piece(self, key: Any, data: torch.Tensor, written: list[tuple[int, int]]) -> None:
-        """_hosted.HostStore: write the piece's bytes into the host store. A device copy made
-        before is stale (loaded again at its next use); a host optimizer reads again the
-        masters of the parameters whose bytes were written (``Hosted.version``): a parameter
-        that only shares the storage keeps its fp32 master, as resident (the fuzzer found a
-        bf16 view's master re-read from its rounded value after an edit of its sibling)."""
-        with self._lock:
-            piece = self._piece(key)
-            _settle(piece)
-            self.before_write(piece)
-            with torch.no_grad():
-                piece.host.copy_(data)
-            for t, offset, size, stride in piece.leaves:
-                item = t.element_size()
-                extent = 1 + sum((n - 1) * st for n, st in zip(size, stride, strict=True))
-                lo, hi = offset * item, (offset + extent) * item
-                if any(a < hi and lo < b for a, b in written):
-                    HOSTED[t].version += 1
-
-    def _piece(self, key: Any) -> _Piece:
-        if self.removed:
-            raise _hosted.HostedError(
-                "this streamed parameter's ParameterStreamHandle was removed: the tensor is a "
-                "leftover view of it; take it from the model again"
-            )
-        return self.pieces[key]
+        self.store.drop_all()
 
     # -- the real values ----------------------------------------------------------------------
 
@@ -447,71 +289,18 @@ class ParameterRuntime:
         with self._lock:
             if self.removed:
                 return
-            if any(h.users for _, h in self.hosted):
+            if any(h.users for _, h in self.store.hosted):
                 raise RuntimeError(
                     "an OffloadedOptimizer steps these parameters in the host store: remove() "
                     "it (or delete it) first"
                 )
             if self._backward_pass is not None:
                 self._end_backward()
-            for piece in self.pieces.values():
-                piece.holders.clear()
-                self._load(piece, ahead=False)
-                self.engine.wait(piece.ready)
-            for piece in self.pieces.values():
-                _bind(piece, full=True)
-            for t, _ in self.hosted:
-                HOSTED.pop(t, None)
-                STREAMED.pop(t, None)
-                _hosted.unregister(t)
-            self.removed = True
-            self.pieces = {}
-            self.host = None  # type: ignore[assignment]
+            self.store.restore()
 
     def _check_live(self) -> None:
         if self.removed:
             raise RuntimeError("this ParameterStreamHandle was removed")
-
-
-def _bind(piece: _Piece, full: bool) -> None:
-    """Point the piece's parameters at its device storage: their full geometry, or 0 elements.
-
-    Note: [Binding through .data] ``param.data = view`` shares the view's storage object and
-    keeps the parameter's version counter and its gradient accumulator (same dtype and
-    device). ``set_`` would make a new accumulator at every load, so a parameter used in two
-    units (tied weights) or by a unit called twice would have its gradient accumulated, and
-    its post-accumulate-grad hooks run, once per load: an optimizer would step a partial
-    gradient."""
-    for t, offset, size, stride in piece.leaves:
-        _hosted.bound(t)  # a plain parameter while bound (Note: [Placeholders never answer])
-        v = torch.empty(0, dtype=t.dtype, device=piece.storage.device)
-        if full:
-            v.set_(piece.storage, offset, size, stride)
-        else:
-            v.set_(piece.storage, 0, (0,), (1,))
-        t.data = v
-        if not full:
-            _hosted.unbound(t)
-
-
-def _settle(piece: _Piece) -> None:
-    """Finish a host step still running for a parameter of ``piece`` (its host values are
-    about to be read or written)."""
-    for t, _, _, _ in piece.leaves:
-        rt = MANAGED.get(t)
-        if rt is not None:
-            rt.settle()
-
-
-def _before_write(runtime: ParameterRuntime, piece: _Piece) -> Any:
-    ref = weakref.ref(runtime)
-
-    def before_write() -> None:
-        rt = ref()
-        if rt is not None:
-            rt.before_write(piece)
-
-    return before_write
 
 
 def _call(ref: weakref.ref, name: str, *args: Any) -> None:
@@ -583,17 +372,18 @@ class ParameterStreamHandle:
 
     def stats(self) -> ParameterStats:
         rt = self._runtime
+        store = rt.store
         with rt._lock:
             return ParameterStats(
                 units=len(rt.units),
                 streamed_bytes=rt.layout.host_bytes,
                 budget_bytes=rt.config.budget_bytes,
-                loads=rt.loads,
-                prefetched=rt.prefetched,
-                on_demand=rt.on_demand,
-                h2d_bytes=rt.h2d_bytes,
-                peak_loaded_bytes=rt.peak_loaded_bytes,
-                over_budget=rt.over_budget,
+                loads=store.loads,
+                prefetched=store.prefetched,
+                on_demand=store.on_demand,
+                h2d_bytes=store.h2d_bytes,
+                peak_loaded_bytes=store.peak_loaded_bytes,
+                over_budget=store.over_budget,
                 backward_passes=rt.backward_passes,
             )
 

@@ -1,0 +1,319 @@
+"""The host store of a weight runtime: every streamed storage once, in the pieces of the
+layout, filled from the model or from a safetensors checkpoint (checked against the layout
+before anything is allocated or changed), and the real values of the streamed tensors read
+from it and written into it: ``state_dict``, ``load_state_dict`` and the placeholders' reads
+and writes (Note: [Placeholders never answer])."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torchoffload import _hosted
+from torchoffload._flatten import flatten, is_composite
+from torchoffload.weights._checkpoint import Checkpoint, CheckpointError, Entry
+from torchoffload.weights._layout import Layout, Leaf, Slot
+
+if TYPE_CHECKING:
+    from torchoffload.weights._call import Calls
+    from torchoffload.weights._pipeline import Pipeline
+
+
+def read_plan(
+    layout: Layout, checkpoint: Checkpoint | None
+) -> tuple[dict[Any, tuple[Entry, Leaf]], dict[int, torch.Tensor]]:
+    """What to read from ``checkpoint`` (None: the model's own values): for each streamed
+    storage it holds, its entry and leaf; and the values of the resident tensors it holds, on
+    the host (by id). Raises before anything of the model changes."""
+    if checkpoint is None:
+        meta = [s.name for s in (*layout.streamed, *layout.resident) if s.tensor.is_meta]
+        if meta:
+            raise ValueError(
+                f"{len(meta)} tensors of the model are on the meta device (first: "
+                f"{meta[0]!r}) and have no values: pass checkpoint= (a safetensors file or "
+                "directory), or load the weights first"
+            )
+        return {}, {}
+    return _match_checkpoint(layout, checkpoint), _resident_from_checkpoint(layout, checkpoint)
+
+
+def fill_host(host: torch.Tensor, layout: Layout, checkpoint: Checkpoint | None,
+              reads: dict[Any, tuple[Entry, Leaf]]) -> None:  # fmt: skip
+    """Copy every streamed storage into its piece of ``host``: from the checkpoint where
+    ``reads`` says so, else from the model's tensor."""
+    originals: dict[Any, torch.Tensor] = {}
+    for leaf in layout.leaves:
+        originals.setdefault(leaf.key, leaf.source)
+    if checkpoint is not None:
+        pieces = []
+        for key, (entry, leaf) in reads.items():
+            lo, _, off = layout.pieces[key]
+            start = off + leaf.start - lo
+            pieces.append((entry, host[start : start + entry.nbytes]))
+        checkpoint.read_into(pieces)
+    for key, t in originals.items():
+        if key in reads:
+            continue
+        lo, hi, off = layout.pieces[key]
+        storage = t.untyped_storage()
+        src = torch.empty(0, dtype=torch.uint8, device=t.device)
+        src.set_(storage, 0, (storage.nbytes(),), (1,))
+        host[off : off + hi - lo].copy_(src[lo:hi])
+
+
+class HostStore:
+    """The real values of one weight runtime's streamed tensors, in ``host`` (filled by
+    `fill_host`). Reads and writes take the runtime's call lock (``calls``) and wait until no
+    call runs; a write makes the arena (``pipeline``'s) forget what it holds. Implements
+    `_hosted.HostStore` for the placeholders."""
+
+    def __init__(self, layout: Layout, host: torch.Tensor, calls: Calls, pipeline: Pipeline):
+        self.layout = layout
+        self.host = host
+        self.device = pipeline.device
+        self.calls = calls
+        self.pipeline = pipeline
+        self.leaf_ids = {id(leaf.source) for leaf in layout.leaves}
+        # id(state_dict() destination) -> (its weak reference, {storage key: host copy})
+        self._copies: dict[int, tuple[weakref.ref, dict]] = {}
+
+    def copies_for(self, destination: Any) -> dict[Any, torch.Tensor]:
+        """The host copies made for one ``state_dict()`` destination so far (one per storage:
+        tied weights held by several modules share it, as in the model), kept while it
+        lives."""
+        key = id(destination)
+        entry = self._copies.get(key)
+        if entry is not None and entry[0]() is destination:
+            return entry[1]
+        try:
+            ref = weakref.ref(destination, lambda _, key=key: self._copies.pop(key, None))
+        except TypeError:  # a destination that takes no weak reference
+            return {}
+        self._copies[key] = (ref, {})
+        return self._copies[key][1]
+
+    def host_value(self, slot: Slot, cache: dict[Any, torch.Tensor]) -> torch.Tensor:
+        """A host copy of ``slot``'s values, views of one storage sharing one copy (``cache``,
+        by storage key), rebuilt as the tensor type the model holds."""
+
+        def make(leaf: Leaf) -> torch.Tensor:
+            piece = cache.get(leaf.key)
+            if piece is None:
+                lo, hi, off = self.layout.pieces[leaf.key]
+                piece = cache[leaf.key] = self.host[off : off + hi - lo].clone()
+            lo = self.layout.pieces[leaf.key][0]
+            v = torch.empty(0, dtype=leaf.dtype)
+            return v.set_(piece.untyped_storage(), (leaf.start - lo) // v.element_size(),
+                          leaf.size, leaf.stride)  # fmt: skip
+
+        with self.calls.lock:
+            self.calls.check_live()
+            self.calls.wait_idle("state_dict()")
+            if not is_composite(slot.tensor):
+                return make(slot.leaves[0])
+            return rebuild(slot.tensor, iter(slot.leaves), make, torch.device("cpu"),
+                           self.leaf_ids)  # fmt: skip
+
+    def write_host(self, slot: Slot, value: Any) -> str | None:
+        """Copy ``value`` into ``slot``'s bytes in the host store; the arena forgets what it
+        holds. Returns an error message instead when ``value`` does not fit."""
+        if not isinstance(value, torch.Tensor):
+            return f"expected a tensor for {slot.name!r}, got {type(value).__name__}"
+        pairs: list[tuple[Leaf, torch.Tensor]] = []
+        error = _match(slot.tensor, value, iter(slot.leaves), self.leaf_ids, pairs, slot.name)
+        if error is not None:
+            return error
+        with self.calls.lock:
+            self.calls.check_live()
+            self.calls.wait_idle("load_state_dict()")
+            self.pipeline.sync()  # nothing may still read the host bytes
+            with torch.no_grad():
+                for leaf, v in pairs:
+                    self._view(leaf).copy_(v)
+            self.pipeline.forget()
+            self._copies.clear()
+        return None
+
+    def read_piece(self, key: Any) -> torch.Tensor:
+        """_hosted.HostStore: the piece's bytes, copied to the device on the compute stream. The
+        host store changes only between calls (`write_host`, `write_piece`), so a read inside a
+        call needs no wait."""
+        with self.calls.lock:
+            if self.calls.removed:
+                raise _hosted.HostedError(
+                    "this streamed tensor's WeightStreamHandle was removed: the tensor is a "
+                    "leftover view of it; take it from the model again"
+                )
+            lo, hi, off = self.layout.pieces[key]
+            data = self.host[off : off + hi - lo]
+            if self.device.type == "cpu":
+                return data.clone()
+            out = torch.empty(hi - lo, dtype=torch.uint8, device=self.device)
+            out.copy_(data)  # synchronous for the host: the store may change after it
+            return out
+
+    def write_piece(self, key: Any, data: torch.Tensor, written: list[tuple[int, int]]) -> None:
+        """_hosted.HostStore: write the piece's bytes into the host store; the arena forgets
+        what it holds (as `write_host`)."""
+        with self.calls.lock:
+            if self.calls.removed:
+                raise _hosted.HostedError("this streamed tensor's WeightStreamHandle was removed")
+            self.calls.wait_idle("a write to a streamed tensor outside its unit")
+            self.pipeline.sync()  # nothing may still read the host bytes
+            lo, hi, off = self.layout.pieces[key]
+            with torch.no_grad():
+                self.host[off : off + hi - lo].copy_(data)
+            self.pipeline.forget()
+            self._copies.clear()
+
+    def _view(self, leaf: Leaf) -> torch.Tensor:
+        lo, _, off = self.layout.pieces[leaf.key]
+        v = torch.empty(0, dtype=leaf.dtype)
+        return v.set_(self.host.untyped_storage(), (off + leaf.start - lo) // v.element_size(),
+                      leaf.size, leaf.stride)  # fmt: skip
+
+
+def _names(slot: Any) -> list[str]:
+    return [q for _, _, q in slot.where]
+
+
+def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple[Entry, Leaf]]:
+    """For each streamed storage the checkpoint holds: its entry and its leaf, checked (name
+    under any of the tensor's names, dtype, shape, a whole contiguous storage). Raises
+    `CheckpointError` before anything is read or changed; a tensor on the meta device that the
+    checkpoint lacks is an error (it has no values)."""
+    reads: dict[Any, tuple[Entry, Leaf]] = {}
+    missing: list[str] = []
+    by_key: dict[Any, list[tuple[Slot, Leaf]]] = {}  # tensors sharing a storage: tied
+    for slot in layout.streamed:
+        t = slot.tensor
+        if is_composite(t) or len(slot.leaves) != 1:
+            if any(n in checkpoint.entries for n in _names(slot)) or t.is_meta:
+                raise CheckpointError(
+                    f"{slot.name!r} is a {type(t).__qualname__} made of several buffers: "
+                    "loading it from a checkpoint is not supported; materialize it and pass "
+                    "no checkpoint"
+                )
+            continue
+        by_key.setdefault(slot.leaves[0].key, []).append((slot, slot.leaves[0]))
+    for group in by_key.values():
+        names = [n for slot, _ in group for n in _names(slot)]
+        entry = checkpoint.find(names)
+        if entry is None:
+            if any(leaf.source.is_meta for _, leaf in group):
+                missing.append(names[0])
+            continue
+        for slot, leaf in group:
+            _check_entry(entry, names[0], leaf.dtype, leaf.size)
+            if not slot.tensor.is_contiguous() or leaf.start != 0:
+                raise CheckpointError(
+                    f"{slot.name!r} is a view into a larger storage: loading it from a "
+                    "checkpoint is not supported"
+                )
+        reads[group[0][1].key] = (entry, group[0][1])
+    if not reads and not any(
+        n in checkpoint.entries for slot in layout.resident for n in _names(slot)
+    ):
+        raise CheckpointError(
+            f"no tensor of the model is in the checkpoint {checkpoint.source} (model names "
+            f"like {layout.streamed[0].name!r}, checkpoint names like "
+            f"{next(iter(checkpoint.entries), '(none)')!r}): is it this model's checkpoint?"
+        )
+    for slot in (*layout.streamed, *layout.resident):
+        t = slot.tensor
+        if t.is_meta and weakref.getweakrefs(t):
+            raise CheckpointError(
+                f"{slot.name!r} is on the meta device and something holds a weak reference to "
+                "it: its contents cannot be replaced in place; drop the reference (or build "
+                "the model on the host) and retry"
+            )
+    for slot in layout.resident:
+        if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
+            missing.append(_names(slot)[0])
+    if missing:
+        raise CheckpointError(
+            f"{len(missing)} tensors are on the meta device and not in the checkpoint "
+            f"{checkpoint.source} (first: {', '.join(map(repr, missing[:5]))}): they have no "
+            "values. Check that the checkpoint is this model's (names as in state_dict()); "
+            "buffers computed at construction (rotary tables) must be real: build with "
+            "accelerate's init_empty_weights(include_buffers=False)"
+        )
+    return reads
+
+
+def _check_entry(entry: Entry, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if entry.dtype != dtype or entry.shape != tuple(shape):
+        raise CheckpointError(
+            f"{name!r} is {list(shape)} {dtype} in the model but {list(entry.shape)} "
+            f"{entry.dtype} in {entry.path}"
+        )
+
+
+def _resident_from_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[int, torch.Tensor]:
+    """The checkpoint's values of the resident tensors it holds, on the host (id(tensor) ->
+    value), read before any model tensor changes."""
+    out: dict[int, torch.Tensor] = {}
+    for slot in layout.resident:
+        t = slot.tensor
+        names = _names(slot)
+        entry = checkpoint.find(names)
+        if entry is None:
+            continue
+        if is_composite(t):
+            raise CheckpointError(
+                f"resident {names[0]!r} is a {type(t).__qualname__}: loading it from a "
+                "checkpoint is not supported"
+            )
+        _check_entry(entry, names[0], t.dtype, tuple(t.shape))
+        buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+        checkpoint.read_into([(entry, buf)])
+        out[id(t)] = buf.view(t.dtype).reshape(t.shape)
+    return out
+
+
+def rebuild(t: torch.Tensor, leaves, make, dev: torch.device, leaf_ids: set[int]):
+    """``t`` (a composite) rebuilt with ``make(leaf)`` for each of its streamed inner tensors
+    (``leaf_ids``, in flatten order, matching ``leaves``); other empty ones made on ``dev``."""
+    entries, rebuild_fn = flatten(t)
+    moved: list[Any] = []
+    for e in entries:
+        if not isinstance(e, torch.Tensor):
+            moved.append(e)
+        elif is_composite(e):
+            moved.append(rebuild(e, leaves, make, dev, leaf_ids))
+        elif id(e) in leaf_ids:
+            moved.append(make(next(leaves)))
+        else:
+            moved.append(torch.empty(e.shape, dtype=e.dtype, device=dev))
+    return rebuild_fn(moved)
+
+
+def _match(ours: torch.Tensor, value: torch.Tensor, leaves, leaf_ids: set[int], out: list,
+           name: str) -> str | None:  # fmt: skip
+    """Pair each streamed inner tensor of ``ours`` with the tensor of ``value`` in its place
+    (same structure, shape and dtype); an error message when they differ."""
+    if is_composite(ours):
+        if type(value) is not type(ours):
+            return f"{name!r} is a {type(ours).__qualname__}, got a {type(value).__qualname__}"
+        mine, _ = flatten(ours)
+        theirs, _ = flatten(value)
+        if len(mine) != len(theirs):
+            return f"{name!r}: the {type(ours).__qualname__} has another structure"
+        for a, b in zip(mine, theirs, strict=True):
+            if isinstance(a, torch.Tensor) and (is_composite(a) or id(a) in leaf_ids):
+                error = _match(a, b, leaves, leaf_ids, out, name)
+                if error is not None:
+                    return error
+        return None
+    leaf = next(leaves)
+    if not isinstance(value, torch.Tensor):
+        return f"{name!r}: expected a tensor, got {type(value).__name__}"
+    if tuple(value.shape) != leaf.size or value.dtype != leaf.dtype:
+        return (
+            f"{name!r}: expected {leaf.dtype} of shape {list(leaf.size)}, got {value.dtype} of "
+            f"shape {list(value.shape)}"
+        )
+    out.append((leaf, value))
+    return None
