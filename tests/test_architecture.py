@@ -105,3 +105,26 @@ def test_the_check_sees_a_circle(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     arrows = import_arrows()
     assert arrows == {"planner": {"layers"}, "layers": {"planner"}}
+
+
+# A reader holds a class of about 250 lines, or a function of about 120, in their head; past
+# that, split it by role (issue 39).
+MAX_CLASS_LINES = 250
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_class_or_function_outgrows_a_reader():
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = (
+                MAX_CLASS_LINES
+                if isinstance(node, ast.ClassDef)
+                else MAX_FUNCTION_LINES
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                else None
+            )
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                lines = node.end_lineno - node.lineno + 1
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
+    assert too_long == [], "split by role:\n" + "\n".join(too_long)
