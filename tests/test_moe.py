@@ -285,7 +285,7 @@ def test_unknown_layouts_are_named():
         (Wrapper(nn.Module()), r"found no mixture-of-experts layers in Wrapper"),
         (
             Wrapper(Wrapper(OtherExperts())),
-            r"layout stream_experts does not know: mlp\.mlp: OtherExperts whose eager forward is not",
+            r"does not know: mlp\.mlp: OtherExperts whose eager forward is not",
         ),
         (Wrapper(NoRouter()), r"'mlp\.experts' has no router beside it in NoRouter"),
     ]
