@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from fuzz_models import MoESpec, build_moe, tokens  # tests/ is on sys.path
+from fuzz_models import MoEBlock, MoESpec, build_moe, tokens  # tests/ is on sys.path
 from torch import nn
 
 import torchoffload as to
@@ -538,4 +538,58 @@ def test_every_copy_waits_on_its_slots_last_reader_and_every_read_on_its_copy(ki
             reading = None
     st = h.stats()
     assert loads == waits == st.misses and st.hits > 0
+    h.remove()
+
+
+def test_list_block_copies_its_routed_experts_at_the_router():
+    """A list block's router output predicts its routing: the copies of all its routed misses
+    are queued before its first expert computes (the recorded log has several loads before the
+    block's first read)."""
+    ref, model = moe(layers=1, top_k=3), moe(layers=1, top_k=3)
+    h = stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    rt = h._runtime
+    rt.engine = eng = RecordingEngine()
+    read = rt.bind_offsets
+    rt.bind_offsets = lambda li, e, slot: eng.log.append(("read",)) or read(li, e, slot)
+    x = tokens(SPEC, 1, 1, 0)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    kinds = [entry[0] for entry in eng.log]
+    assert kinds[:6] == ["load", "load", "load", "wait", "read", "record"], kinds
+    h.remove()
+
+
+class Contrary(MoEBlock):
+    """A block whose router output does not predict its routing: it routes each token to the
+    experts of *lowest* score."""
+
+    def forward(self, h):
+        x = self.norm(h)
+        flat = x.reshape(-1, x.shape[-1])
+        scores = self.gate(flat)
+        weights, chosen = torch.topk(-scores.float(), self.top_k, dim=-1)
+        weights = torch.softmax(weights, dim=-1).to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, pos = torch.where(chosen == e)
+            if token.numel():
+                out.index_add_(0, token, expert(flat[token]) * weights[token, pos, None])
+        return h + out.view_as(h)
+
+
+@pytest.mark.parametrize("slots", ["least", "all"])
+def test_a_wrong_prediction_costs_copies_not_results(slots):
+    ref, model = moe(), moe()
+    for b in (*ref.blocks, *model.blocks):
+        b.__class__ = Contrary
+    least = to.minimum_cache_bytes(model)
+    h = stream_experts(model, "cpu", cache_bytes=least if slots == "least" else 1 << 20,
+                       pin_memory=False)  # fmt: skip
+    with torch.no_grad():
+        for x in inputs():
+            assert torch.equal(model(x), ref(x))
+    st = h.stats()
+    assert st.unused > 0
+    assert st.h2d_copies == st.misses + st.unused
+    assert st.h2d_bytes == st.h2d_copies * st.layers[0].expert_bytes
     h.remove()

@@ -98,6 +98,28 @@ class _BlockPost(_BlockPre):
             self.rt.end(self.li)
 
 
+class _RouterPost(_BlockPre):
+    """After a list block's router: its top-k experts, read on the host, are routed ahead
+    (their copies queued at once). A prediction: the block's own routing decides which experts
+    run; one predicted and not run costs a copy (``stats().unused``), one run and not predicted
+    is copied when it is called. Only for a router whose output is one tensor of scores with
+    the experts on the last dimension."""
+
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
+        rt, li = self.rt, self.li
+        layer = rt.layout.layers[li]
+        n, k = layer.experts, layer.top_k
+        if k is None or not isinstance(output, torch.Tensor) or output.dim() == 0:
+            return
+        if output.shape[-1] != n or output.numel() == 0 or output.is_complex():
+            return
+        with torch.no_grad():
+            chosen = torch.topk(output.detach().reshape(-1, n), min(k, n), dim=-1).indices
+            routed = torch.unique(chosen).tolist()  # sorted; one host sync
+        with rt._lock:
+            rt.predict(li, routed)
+
+
 class _ExpertPre(_Entry):
     """Binds expert ``e``'s tensors in place to its slot (a plain tensor while bound: Note:
     [Placeholders never answer])."""
@@ -171,6 +193,8 @@ def _list_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[Any]:
         layer.block.register_forward_pre_hook(_BlockPre(rt, li)),
         layer.block.register_forward_hook(_BlockPost(rt, li), always_call=True),
     ]
+    if layer.router is not None:
+        hooks.append(layer.router.register_forward_hook(_RouterPost(rt, li)))
     per = len(layer.members)
     for e, module in enumerate(layer.container):
         tensors = [p.tensor for p in layer.pieces[e * per : (e + 1) * per]]

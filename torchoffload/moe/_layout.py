@@ -99,6 +99,7 @@ class ExpertLayer:
     pieces: tuple[Piece, ...]  # fused: one per member; list: expert-major, members inside
     host_bytes: int
     slot_bytes: int
+    router: nn.Module | None = None  # list: the router whose output predicts the routing
 
     @property
     def expert_bytes(self) -> int:
@@ -319,7 +320,7 @@ def _list_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
             pieces.append(Piece.of(t, f"{name}.{i}.{q}", m, tn, off))
             off = round_up(off + pieces[-1].nbytes, HOST_ALIGN)
     return ExpertLayer(name, LayoutKind.LIST, module, block, len(experts), _top_k(block, router),
-                       tuple(members), tuple(pieces), off, region)  # fmt: skip
+                       tuple(members), tuple(pieces), off, region, router)  # fmt: skip
 
 
 def _tensors_of(expert: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:

@@ -71,7 +71,7 @@ class Counters:
 class _Block:
     """One layer's use of its experts in progress."""
 
-    __slots__ = ("active", "order", "index", "q", "acquired", "implicit")
+    __slots__ = ("active", "order", "index", "q", "acquired", "entered", "implicit")
 
     def __init__(self) -> None:
         self.active = False
@@ -81,6 +81,7 @@ class _Block:
         self.q = 0  # routed experts acquired so far (``order[:q]``)
         # expert -> (slot, copied for it and not entered yet)
         self.acquired: dict[int, tuple[Slot, bool]] = {}
+        self.entered: set[int] = set()  # experts entered and not exited
 
 
 class ExpertRuntime:
@@ -136,16 +137,25 @@ class ExpertRuntime:
         b.q = 0
         self._fill(li)
 
+    def predict(self, li: int, experts: list[int]) -> None:
+        """`route`, for a block whose routing is predicted (a list block's router output):
+        only inside a block call, once per call."""
+        b = self.blocks[li]
+        if b.active and not b.implicit and not b.order and not b.acquired:
+            self.route(li, experts)
+
     def enter(self, li: int, e: int) -> Slot:
         """Expert ``e`` of layer ``li`` is about to compute: its slot, its copy waited for on
         the compute stream."""
         b = self.blocks[li]
-        if not b.active:
+        if not b.active:  # an expert called outside its block's forward
             self.begin(li, 0)
             b.implicit = True
+            self.counters[li].calls -= 1
         if e not in b.acquired and not self._acquire(li, e, now=True):
             raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
         slot, copied = b.acquired[e]
+        b.entered.add(e)
         c = self.counters[li]
         if copied:
             c.misses += 1
@@ -163,6 +173,7 @@ class ExpertRuntime:
         """Expert ``e`` has computed (its kernels are queued): record "done", unpin."""
         b = self.blocks[li]
         slot, _ = b.acquired.pop(e)
+        b.entered.discard(e)
         event = self.engine.record()
         if event is not None:
             slot.done[self.engine.current_stream()] = event
@@ -228,6 +239,8 @@ class ExpertRuntime:
             slot = self.cache.take(spare.__contains__)
             if slot is None and now:
                 slot = self.cache.take_routed(later)
+            if slot is None and now:
+                slot = self._unroute(li)
             if slot is None:
                 if now:
                     raise RuntimeError(
@@ -239,6 +252,22 @@ class ExpertRuntime:
         slot.pins += 1
         b.acquired[e] = (slot, copied)
         return True
+
+    def _unroute(self, li: int) -> Slot | None:
+        """A slot from an expert routed ahead and not entered yet (a prediction the block did
+        not follow): the one routed last gives its slot up."""
+        b = self.blocks[li]
+        for e in reversed(b.order):
+            if e not in b.acquired or e in b.entered:
+                continue
+            slot, copied = b.acquired.pop(e)
+            slot.pins -= 1
+            if copied:
+                self.counters[li].unused += 1
+            if slot.pins == 0:
+                b.q = min(b.q, b.index[e])
+                return self.cache.take_routed([(li, e)])
+        return None
 
     def _load(self, slot: Slot, key: Key) -> None:
         li, e = key
@@ -291,8 +320,8 @@ class ExpertRuntime:
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
             self.removed = True
+            self.cache.release()  # first: the experts may come back to the same device
             self.store.restore()
-            self.cache.release()
 
     def reset(self) -> None:
         for i in range(len(self.counters)):
