@@ -392,6 +392,37 @@ def test_a_failing_expert_leaves_a_usable_model():
     h.remove()
 
 
+@pytest.mark.parametrize("then", ["call", "remove", "state_dict"])
+def test_an_interrupted_forward_is_undone(then):
+    """A KeyboardInterrupt inside an expert skips the always_call hooks (Note: [Interrupted
+    expert blocks]): the next call, remove() or state_dict finds the block's call gone and
+    unbinds and unpins what it left."""
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    ref, model = moe(), moe()
+    x = tokens(SPEC, 3, 4, 0)
+    h = stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model), pin_memory=False)
+    hooks = [e.w2.register_forward_pre_hook(interrupt) for e in model.blocks[1].experts]
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        model(x)
+    for hk in hooks:
+        hk.remove()
+    left = [p for p in model.blocks[1].experts.parameters() if type(p) is nn.Parameter]
+    assert left  # bound, as the interrupt left it
+    if then == "call":
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+    elif then == "state_dict":
+        assert same(snapshot(model), snapshot(ref))
+    if then != "remove":
+        assert all(type(p) is not nn.Parameter for p in model.blocks[1].experts.parameters())
+        assert all(s.pins == 0 for s in h._runtime.cache.slots)
+    h.remove()
+    assert same(snapshot(model), snapshot(ref))
+
+
 def test_handle_context_manager_reset_and_cached():
     model = moe()
     with stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False) as h:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchoffload import _hosted
-from torchoffload._calls import eager_call
+from torchoffload._calls import eager_call, hook_caller
 from torchoffload.moe._layout import ExpertLayer, LayoutKind
 from torchoffload.moe._runtime import ExpertRuntime
 
@@ -89,7 +89,7 @@ class _BlockPre(_Entry):
         x = args[0] if args and isinstance(args[0], torch.Tensor) else None
         rows = x.numel() // x.shape[-1] if x is not None and x.dim() and x.shape[-1] else 0
         with self.rt._lock:
-            self.rt.begin(self.li, rows)
+            self.rt.begin(self.li, rows, hook_caller(__name__))
 
 
 class _BlockPost(_BlockPre):
@@ -120,50 +120,67 @@ class _RouterPost(_BlockPre):
             rt.predict(li, routed)
 
 
-class _ExpertPre(_Entry):
-    """Binds expert ``e``'s tensors in place to its slot (a plain tensor while bound: Note:
-    [Placeholders never answer])."""
+class Binding:
+    """Expert ``e``'s tensors bound in place to its slot while it runs (plain tensors then),
+    placeholders again after (See Note: [Placeholders never answer]). The runtime unbinds
+    what an interrupted forward left bound (`ExpertRuntime.end`)."""
 
-    def __init__(self, rt: ExpertRuntime, li: int, e: int, tensors: list[torch.Tensor],
-                 versions: list[int]):  # fmt: skip
-        super().__init__(rt, li)
+    def __init__(self, rt: ExpertRuntime, li: int, e: int, tensors: list[torch.Tensor]):
+        self.rt = rt
+        self.li = li
         self.e = e
         self.tensors = tensors
-        self.versions = versions  # shared with the post hook
+        self.versions: list[int] = []
+
+    def bind(self) -> None:
+        rt, li, e = self.rt, self.li, self.e
+        layer = rt.layout.layers[li]
+        slot = rt.enter(li, e)
+        storage = rt.cache.storage
+        offsets = rt.bind_offsets(li, e, slot)
+        for t, m, off in zip(self.tensors, layer.members, offsets, strict=True):
+            _hosted.bound(t)
+            t.set_(storage, off // t.element_size(), m.size, m.stride)
+        self.versions[:] = [t._version for t in self.tensors]
+        rt.blocks[li].bound[e] = self
+
+    def unbind(self) -> str | None:
+        """Placeholders again; the name of a member written in place while bound, if any."""
+        rt = self.rt
+        rt.blocks[self.li].bound.pop(self.e, None)
+        changed = None
+        grad = torch.is_grad_enabled()
+        with torch.no_grad() if grad else contextlib.nullcontext():
+            for t, m, v in zip(self.tensors, rt.layout.layers[self.li].members, self.versions,
+                               strict=True):  # fmt: skip
+                if t._version != v and changed is None:
+                    changed = m.name
+                t.set_(rt.empty, 0, (0,), (1,))
+                _hosted.unbound(t)
+        return changed
+
+
+class _ExpertPre(_Entry):
+    def __init__(self, binding: Binding):
+        super().__init__(binding.rt, binding.li)
+        self.binding = binding
         eager_call(type(self))
 
     def body(self, module: nn.Module, args: Any) -> None:
-        rt, li, e = self.rt, self.li, self.e
-        layer = rt.layout.layers[li]
-        with rt._lock:
-            slot = rt.enter(li, e)
-            storage = rt.cache.storage
-            offsets = rt.bind_offsets(li, e, slot)
-            for t, m, off in zip(self.tensors, layer.members, offsets, strict=True):
-                _hosted.bound(t)
-                t.set_(storage, off // t.element_size(), m.size, m.stride)
-            self.versions[:] = [t._version for t in self.tensors]
+        with self.rt._lock:
+            self.binding.bind()
 
 
 class _ExpertPost(_ExpertPre):
     def body(self, module: nn.Module, args: Any, output: Any) -> None:
-        rt, li = self.rt, self.li
+        rt, li, e = self.rt, self.li, self.binding.e
         with rt._lock:
-            empty = rt.empty
-            changed = None
-            grad = torch.is_grad_enabled()
-            with torch.no_grad() if grad else contextlib.nullcontext():
-                for t, m, v in zip(self.tensors, rt.layout.layers[li].members, self.versions,
-                                   strict=True):  # fmt: skip
-                    if t._version != v and changed is None:
-                        changed = m.name
-                    t.set_(empty, 0, (0,), (1,))
-                    _hosted.unbound(t)
-            rt.exit(li, self.e)
+            changed = self.binding.unbind()
+            rt.exit(li, e)
         if changed is not None:
             name = rt.layout.layers[li].name
             raise RuntimeError(
-                f"expert tensor {name}.{self.e}.{changed} was modified in place during its "
+                f"expert tensor {name}.{e}.{changed} was modified in place during its "
                 "forward; the change would be lost when the expert leaves the cache. Write "
                 "expert weights outside the forward (they are written to the host store)"
             )
@@ -197,11 +214,9 @@ def _list_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[Any]:
         hooks.append(layer.router.register_forward_hook(_RouterPost(rt, li)))
     per = len(layer.members)
     for e, module in enumerate(layer.container):
-        tensors = [p.tensor for p in layer.pieces[e * per : (e + 1) * per]]
-        versions: list[int] = []
-        hooks.append(module.register_forward_pre_hook(_ExpertPre(rt, li, e, tensors, versions)))
-        post = _ExpertPost(rt, li, e, tensors, versions)
-        hooks.append(module.register_forward_hook(post, always_call=True))
+        binding = Binding(rt, li, e, [p.tensor for p in layer.pieces[e * per : (e + 1) * per]])
+        hooks.append(module.register_forward_pre_hook(_ExpertPre(binding)))
+        hooks.append(module.register_forward_hook(_ExpertPost(binding), always_call=True))
     return hooks
 
 
@@ -226,6 +241,7 @@ class _StateDict(_Entry):
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any) -> None:
         with self.rt._lock:
             self.rt._check_live()
+            self.rt._reap()
             for attr, pi in self.names:
                 key = prefix + attr
                 if key in state_dict:

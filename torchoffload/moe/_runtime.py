@@ -22,16 +22,28 @@ The protocol of Note: [H2D into an arena] (in _transfer.py), per expert slot:
   no block runs (`_on_write`): a copy never reads bytes being changed, and every cached copy
   of the changed experts is forgotten.
 On the CPU the copies are synchronous and every event is None.
+
+Note: [Interrupted expert blocks]
+PyTorch skips ``always_call`` forward hooks when a `BaseException` (KeyboardInterrupt) leaves
+a forward, so a list block interrupted inside an expert leaves that expert bound to its slot
+and its slots pinned. The block's pre-hook gives ``begin`` the frame of the block's call
+(`_calls.hook_caller`); the next ``begin``, write of the host store or ``remove()`` ends every
+block whose frame is no longer running: it unbinds what it left bound (placeholders again),
+records "done" for its slots and unpins them. A fused block needs none of it: its forward
+ends the block in a ``finally``.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 import torch
 
 from torchoffload import _hosted
+from torchoffload._calls import running
 from torchoffload._transfer import copy_engine
 from torchoffload.moe._cache import CachePolicy, ExpertCache, Key, Slot
 from torchoffload.moe._layout import ExpertLayout
@@ -71,7 +83,8 @@ class Counters:
 class _Block:
     """One layer's use of its experts in progress."""
 
-    __slots__ = ("active", "order", "index", "q", "acquired", "entered", "implicit")
+    __slots__ = ("active", "order", "index", "q", "acquired", "entered", "implicit", "frame",
+                 "thread", "bound")  # fmt: skip
 
     def __init__(self) -> None:
         self.active = False
@@ -82,6 +95,9 @@ class _Block:
         # expert -> (slot, copied for it and not entered yet)
         self.acquired: dict[int, tuple[Slot, bool]] = {}
         self.entered: set[int] = set()  # experts entered and not exited
+        self.frame: FrameType | None = None  # the call's frame (None: ends in a finally)
+        self.thread = 0
+        self.bound: dict[int, Any] = {}  # expert -> its Binding, while bound
 
 
 class ExpertRuntime:
@@ -110,8 +126,9 @@ class ExpertRuntime:
 
     # -- one block's use of its experts ----------------------------------------------------
 
-    def begin(self, li: int, rows: int) -> None:
-        """Layer ``li``'s block starts, on ``rows`` tokens."""
+    def begin(self, li: int, rows: int, frame: FrameType | None = None) -> None:
+        """Layer ``li``'s block starts, on ``rows`` tokens; ``frame``: the Python frame of
+        the block's call, when a hook begins it (Note: [Interrupted expert blocks])."""
         layer = self.layout.layers[li]
         if torch.is_grad_enabled():
             raise RuntimeError(
@@ -121,10 +138,13 @@ class ExpertRuntime:
                 "them for backward)"
             )
         self._check_live()
+        self._reap()
         b = self.blocks[li]
-        if b.active:  # a call that ended without its block's end (an interrupted forward)
-            self.end(li)
+        if b.active:
+            raise RuntimeError(f"the block of {layer.name!r} was called inside itself")
         b.active = True
+        b.frame = frame
+        b.thread = threading.get_ident()
         c = self.counters[li]
         c.calls += 1
         c.tokens += rows
@@ -188,6 +208,8 @@ class ExpertRuntime:
         """The block is over: unpin what it routed and did not use (or, after an exception,
         entered and did not exit: "done" is recorded for those, whose kernels may run)."""
         b = self.blocks[li]
+        for binding in list(b.bound.values()):  # left bound by an interrupted forward
+            binding.unbind()
         if b.acquired:
             event = self.engine.record()
             stream = self.engine.current_stream()
@@ -198,6 +220,13 @@ class ExpertRuntime:
                 if copied:
                     self.counters[li].unused += 1
         b.__init__()
+
+    def _reap(self) -> None:
+        """End the blocks whose call is no longer running (Note: [Interrupted expert
+        blocks])."""
+        for i, b in enumerate(self.blocks):
+            if b.active and not running(b.thread, b.frame):
+                self.end(i)
 
     def views(self, li: int, e: int, slot: Slot) -> list[torch.Tensor]:
         """Expert ``e``'s members in ``slot``, as tensors of their geometry."""
@@ -290,6 +319,7 @@ class ExpertRuntime:
     def _on_write(self, li: int, experts: range) -> None:
         """Before the store's bytes of these experts change (Note: [Routed experts and the
         copy stream]): refuse inside a block; wait for every copy; forget cached copies."""
+        self._reap()
         if any(b.active for b in self.blocks):
             name = self.layout.layers[li].name
             raise _hosted.HostedError(
@@ -316,7 +346,8 @@ class ExpertRuntime:
         with self._lock:
             if self.removed:
                 return
-            if any(b.active and b.acquired for b in self.blocks):
+            self._reap()
+            if any(b.active for b in self.blocks):
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
             self.removed = True
