@@ -148,3 +148,107 @@ def tokens(s: Spec, batch: int, seq: int, seed: int) -> torch.Tensor:
 
 def loss_of(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
+
+
+# - Mixture-of-experts models (stream_experts): a router and a ModuleList of experts per block.
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    vocab: int
+    dim: int
+    hidden: int
+    layers: int
+    experts: int
+    top_k: int
+    bias: bool  # the experts' linears have biases
+    norm_topk: bool  # routing weights renormalized over the top k
+    dense_first: bool  # the first block is a plain MLP (no experts), as DeepSeek's
+    dtype: str
+    seed: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def moe_specs(*, dtypes=tuple(DTYPES)):
+    return st.builds(
+        MoESpec,
+        vocab=st.integers(5, 40),
+        dim=st.sampled_from([4, 8, 16]),
+        hidden=st.sampled_from([8, 12, 32]),
+        layers=st.integers(1, 3),
+        experts=st.integers(2, 8),
+        top_k=st.integers(1, 3),
+        bias=st.booleans(),
+        norm_topk=st.booleans(),
+        dense_first=st.booleans(),
+        dtype=st.sampled_from(dtypes),
+        seed=st.integers(0, 2**16),
+    )
+
+
+class Expert(nn.Module):
+    """A SwiGLU MLP: ``w2(silu(w1(x)) * w3(x))``."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm residual block whose MLP routes each token to ``top_k`` of its experts."""
+
+    def __init__(self, s: MoESpec):
+        super().__init__()
+        self.top_k = min(s.top_k, s.experts)
+        self.norm_topk = s.norm_topk
+        self.norm = nn.RMSNorm(s.dim)
+        self.gate = nn.Linear(s.dim, s.experts, bias=False)
+        self.experts = nn.ModuleList(Expert(s.dim, s.hidden, s.bias) for _ in range(s.experts))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, pos = torch.where(chosen == e)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(flat[token]) * weights[token, pos, None])
+        return h + out.view_as(h)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, s: MoESpec):
+        super().__init__()
+        torch.manual_seed(s.seed)
+        self.s = s
+        self.emb = nn.Embedding(s.vocab, s.dim)
+        blocks: list[nn.Module] = [MoEBlock(s) for _ in range(s.layers)]
+        if s.dense_first:
+            blocks[0] = nn.Sequential(nn.RMSNorm(s.dim), Expert(s.dim, s.hidden, s.bias))
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(s.dim, s.vocab)
+        self.to(s.torch_dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens)
+        for b in self.blocks:
+            h = b(h) if isinstance(b, MoEBlock) else h + b(h)
+        return self.head(h)
+
+
+def build_moe(s: MoESpec) -> MoEModel:
+    return MoEModel(s)

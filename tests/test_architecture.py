@@ -32,8 +32,9 @@ LAYERS: dict[str, int] = {
     "layers": 3,
     "weights": 3,
     "optim": 3,
-    # compiled programs are built on the weight engine
+    # compiled programs and expert streaming are built on the weight engine's layers
     "compile": 4,
+    "moe": 4,
     # above the engines: the planner, the user check, test helpers, example models
     "planner": 5,
     "verify": 5,

@@ -33,6 +33,11 @@ BACKGROUND = {
         "benchmarks/aoti_decode.py", "--shape", "tiny", "--prompt", "16", "--tokens", "4",
         "--budgets", "0.008", "--graph", "--compiled",
     )),
+    # The MoE benchmark at a small shape: every row's greedy tokens equal the resident's.
+    "test_moe_benchmark_smoke": Job((
+        "benchmarks/moe.py", "--shape", "small", "--layers", "2", "--prompt", "8",
+        "--warmup", "1", "--tokens", "2", "--prefill", "16", "--caches", "0.01",
+    ), needs=("transformers",)),
     # Two decoder layers (the default is four): the AOTInductor compile is most of the time,
     # and it grows with the layers; two still stream through a budget below the weights.
     # Last here, so first in the background (the longest).
@@ -133,3 +138,11 @@ def test_copy_timeline_places_the_gaps_in_their_calls(monkeypatch):
     assert lines[2].startswith("gaps over 20 us: 2, total 0.60 ms, median 300 us"), lines
     assert lines[3].endswith("0: 2 gaps, 0.60 ms"), lines
     assert len(copy_timeline(events, 12 << 20, per_call=5)) == 3  # 12 copies: not 5 a call
+
+
+def test_moe_benchmark_smoke():
+    out = script_output("test_moe_benchmark_smoke")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "decode" in line]
+    names = {line.split(" | ")[2] for line in rows}
+    assert {"resident", "stream_experts least lru", "stream_experts 0.01 GiB lru"} <= names
+    assert len(rows) == 2 * len(names) and all(line.endswith("| True |") for line in rows), out

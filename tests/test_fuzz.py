@@ -32,7 +32,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import EmbedResidual  # tests/ is on sys.path
-from fuzz_models import Spec, build, loss_of, specs, tokens
+from fuzz_models import Spec, build, build_moe, loss_of, moe_specs, specs, tokens
 from hypothesis import HealthCheck, Phase, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -1036,6 +1036,46 @@ class CudaGraph(InferenceMachine):
         self.call = self.handle.cuda_graph(self.off)
 
 
+class Experts(InferenceMachine):
+    """stream_experts on a random ModuleList mixture of experts (top-k routing, biases or
+    not, a dense first block or not), at a random cache between the least and every expert,
+    LRU or LFU: calls of batch 1, one token and new shapes, and every user operation of the
+    inference machine, compared bitwise."""
+
+    ENGINE = "stream_experts"
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
+        self.stopped = False
+        self.pending = False
+        self.spec = spec = data.draw(moe_specs(), label="spec")
+        self.handle = None
+        self.ref, self.off = build_moe(spec).eval(), build_moe(spec).eval()
+        try:
+            with refusal_allowed(lambda: values(self.off)):
+                least = to.minimum_cache_bytes(self.off)
+        except Refused:
+            self.stopped = True
+            return
+        experts = sum(len(b.experts) for b in self.off.blocks if hasattr(b, "experts"))
+        frac = data.draw(st.sampled_from([0.0, 0.3, 1.0, 2.0]), label="cache")
+        slot = least // min(spec.top_k, experts)
+        cache = least + int(frac * max(experts * slot - least, 0))
+        self.kw = dict(cache_bytes=cache - data.draw(st.sampled_from([0, 0, 0, 1]), label="less"),
+                       policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
+                       use_streams=data.draw(st.booleans(), label="use_streams"))  # fmt: skip
+        try:
+            with refusal_allowed(lambda: values(self.off)):
+                self.apply()
+        except Refused:
+            self.stopped = True
+
+    def apply(self):
+        self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        self.call = self.off
+
+
 # - Compiled engines: the program at a random budget against the same program with every unit
 # kept (compiled code is not bitwise eager code).
 
@@ -1109,6 +1149,7 @@ ENGINES = {
     "stream_parameters": (StreamParameters, 10),
     "stream_weights": (InferenceMachine, 15),
     "cuda_graph": (CudaGraph, 10),
+    "stream_experts": (Experts, 15),
     "compile_streamed": (CompiledMachine, 0),
     "package": (Package, 0),
 }

@@ -40,6 +40,17 @@ def model():
     return GPT(CFG)
 
 
+def experts(model=None, device="cpu", **kw):
+    from fuzz_models import MoESpec, build_moe  # tests/ is on sys.path
+
+    if model is None:
+        spec = MoESpec(vocab=20, dim=8, hidden=8, layers=1, experts=4, top_k=2, bias=False,
+                       norm_topk=True, dense_first=False, dtype="float32", seed=0)  # fmt: skip
+        model = build_moe(spec)
+    kw = {"cache_bytes": 1 << 20, "pin_memory": False, **kw}
+    return torchoffload.stream_experts(model, device, **kw)
+
+
 def tokens():
     return torch.randint(0, CFG.vocab, (1, 16))
 
@@ -244,6 +255,17 @@ CASES = [
         ValueError,
         "meta",
     ),
+    # -- stream_experts and minimum_cache_bytes
+    ("se-model", lambda: torchoffload.stream_experts("m", cache_bytes=1), TypeError, "model"),
+    ("se-cache-type", lambda: experts(cache_bytes="1GiB"), TypeError, "cache_bytes"),
+    ("se-cache-neg", lambda: experts(cache_bytes=-1), ValueError, "cache_bytes"),
+    ("se-cache-small", lambda: experts(cache_bytes=1), ValueError, "cache_bytes"),
+    ("se-policy", lambda: experts(policy="mru"), ValueError, "policy"),
+    ("se-pin", lambda: experts(pin_memory="no"), TypeError, "pin_memory"),
+    ("se-streams", lambda: experts(use_streams=None), TypeError, "use_streams"),
+    ("se-device", lambda: experts(device="meta"), ValueError, "meta"),
+    ("se-no-experts", lambda: experts(model=model()), ValueError, "mixture-of-experts"),
+    ("mc-model", lambda: torchoffload.minimum_cache_bytes(nn.Linear), TypeError, "model"),
     # -- stream_parameters
     (
         "sp-model",
@@ -482,6 +504,8 @@ def test_every_public_callable_has_a_row():
         "offload_activations",
         "register_flattener",
         "stream_weights",
+        "stream_experts",
+        "minimum_cache_bytes",
         "stream_parameters",
         "unregister_flattener",
         "verify",
@@ -501,6 +525,9 @@ def test_every_public_callable_has_a_row():
         "PoolStats",
         "WeightStats",
         "WeightStreamHandle",
+        "ExpertLayerStats",
+        "ExpertStats",
+        "ExpertStreamHandle",
         "no_offload",
         "MovedGradError",
         "OptimizerStats",

@@ -13,6 +13,13 @@ from torchoffload.layers import (
     apply_activation_offloading,
     find_layers,
 )
+from torchoffload.moe import (
+    ExpertLayerStats,
+    ExpertStats,
+    ExpertStreamHandle,
+    minimum_cache_bytes,
+    stream_experts,
+)
 from torchoffload.optim import (
     MovedGradError,
     OffloadedOptimizer,
@@ -38,6 +45,9 @@ __all__ = [
     "ActivationStats",
     "CheckpointError",
     "Difference",
+    "ExpertLayerStats",
+    "ExpertStats",
+    "ExpertStreamHandle",
     "apply_activation_offloading",
     "find_layers",
     "Hardware",
@@ -47,6 +57,7 @@ __all__ = [
     "Profile",
     "trace",
     "minimum_budget",
+    "minimum_cache_bytes",
     "MovedGradError",
     "OffloadedOptimizer",
     "OptimizerOffloadConfig",
@@ -60,6 +71,7 @@ __all__ = [
     "no_offload",
     "offload_activations",
     "register_flattener",
+    "stream_experts",
     "stream_parameters",
     "stream_weights",
     "unregister_flattener",

@@ -1,0 +1,272 @@
+"""The entry points that drive the expert runtime from a model's forward: the fused experts'
+forward (installed on the experts module itself) and the hooks of a list of expert modules
+(the block brackets a use, each expert module binds its tensors to its cache slot)."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchoffload import _hosted
+from torchoffload._calls import eager_call, hook_caller
+from torchoffload.moe._layout import ExpertLayer, LayoutKind
+from torchoffload.moe._runtime import ExpertRuntime
+
+__all__ = ["NO_COPY", "install"]
+
+NO_COPY = _hosted.no_copy_message("stream_experts")
+
+
+class _Entry:
+    """An object the streamed model holds (a forward, a hook): copying or pickling the model
+    raises with the cause and the fix. No __slots__: torch marks hooks with attributes."""
+
+    def __init__(self, rt: ExpertRuntime, li: int):
+        self.rt = rt
+        self.li = li
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(NO_COPY)
+
+
+class FusedForward(_Entry):
+    """The forward of a fused experts module while it streams: the operations of its eager
+    forward, in its order, on each routed expert's bytes in the cache (Note: [Experts as
+    units]), so the output is bitwise the resident module's. Runs eagerly under
+    torch.compile (the routing is read on the host)."""
+
+    def __init__(self, rt: ExpertRuntime, li: int, module: nn.Module):
+        super().__init__(rt, li)
+        self.module = weakref.ref(module)
+        eager_call(type(self))
+
+    def body(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        rt, li = self.rt, self.li
+        module = self.module()
+        n = rt.layout.layers[li].experts
+        with rt._lock:
+            rt.begin(li, hidden_states.shape[0])
+            try:
+                final_hidden_states = torch.zeros_like(hidden_states)
+                with torch.no_grad():
+                    expert_mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+                    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+                routed = [e for e in expert_hit[:, 0].tolist() if e != n]  # one host sync
+                rt.route(li, routed)
+                for e in routed:
+                    slot = rt.enter(li, e)
+                    gate_up_proj, down_proj = rt.views(li, e, slot)
+                    top_k_pos, token_idx = torch.where(expert_mask[e])
+                    current_state = hidden_states[token_idx]
+                    gate, up = F.linear(current_state, gate_up_proj).chunk(2, dim=-1)
+                    current = module.act_fn(gate) * up
+                    current = F.linear(current, down_proj)
+                    current = current * top_k_weights[token_idx, top_k_pos, None]
+                    final_hidden_states.index_add_(
+                        0, token_idx, current.to(final_hidden_states.dtype)
+                    )
+                    rt.exit(li, e)
+            finally:
+                rt.end(li)
+        return final_hidden_states
+
+
+class _BlockPre(_Entry):
+    def __init__(self, rt: ExpertRuntime, li: int):
+        super().__init__(rt, li)
+        eager_call(type(self))
+
+    def body(self, module: nn.Module, args: Any) -> None:
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        rows = x.numel() // x.shape[-1] if x is not None and x.dim() and x.shape[-1] else 0
+        with self.rt._lock:
+            self.rt.begin(self.li, rows, hook_caller(__name__))
+
+
+class _BlockPost(_BlockPre):
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self.rt._lock:
+            self.rt.end(self.li)
+
+
+class _RouterPost(_BlockPre):
+    """After a list block's router: its top-k experts, read on the host, are routed ahead
+    (their copies queued at once). A prediction: the block's own routing decides which experts
+    run; one predicted and not run costs a copy (``stats().unused``), one run and not predicted
+    is copied when it is called. Only for a router whose output is one tensor of scores with
+    the experts on the last dimension."""
+
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
+        rt, li = self.rt, self.li
+        layer = rt.layout.layers[li]
+        n, k = layer.experts, layer.top_k
+        if k is None or not isinstance(output, torch.Tensor) or output.dim() == 0:
+            return
+        if output.shape[-1] != n or output.numel() == 0 or output.is_complex():
+            return
+        with torch.no_grad():
+            chosen = torch.topk(output.detach().reshape(-1, n), min(k, n), dim=-1).indices
+            routed = torch.unique(chosen).tolist()  # sorted; one host sync
+        with rt._lock:
+            rt.predict(li, routed)
+
+
+class Binding:
+    """Expert ``e``'s tensors bound in place to its slot while it runs (plain tensors then),
+    placeholders again after (See Note: [Placeholders never answer]). The runtime unbinds
+    what an interrupted forward left bound (`ExpertRuntime.end`)."""
+
+    def __init__(self, rt: ExpertRuntime, li: int, e: int, tensors: list[torch.Tensor]):
+        self.rt = rt
+        self.li = li
+        self.e = e
+        self.tensors = tensors
+        self.versions: list[int] = []
+
+    def bind(self) -> None:
+        rt, li, e = self.rt, self.li, self.e
+        layer = rt.layout.layers[li]
+        slot = rt.enter(li, e)
+        storage = rt.cache.storage
+        offsets = rt.bind_offsets(li, e, slot)
+        for t, m, off in zip(self.tensors, layer.members, offsets, strict=True):
+            _hosted.bound(t)
+            t.set_(storage, off // t.element_size(), m.size, m.stride)
+        self.versions[:] = [t._version for t in self.tensors]
+        rt.blocks[li].bound[e] = self
+
+    def unbind(self) -> str | None:
+        """Placeholders again; the name of a member written in place while bound, if any."""
+        rt = self.rt
+        rt.blocks[self.li].bound.pop(self.e, None)
+        changed = None
+        grad = torch.is_grad_enabled()
+        with torch.no_grad() if grad else contextlib.nullcontext():
+            for t, m, v in zip(self.tensors, rt.layout.layers[self.li].members, self.versions,
+                               strict=True):  # fmt: skip
+                if t._version != v and changed is None:
+                    changed = m.name
+                t.set_(rt.empty, 0, (0,), (1,))
+                _hosted.unbound(t)
+        return changed
+
+
+class _ExpertPre(_Entry):
+    def __init__(self, binding: Binding):
+        super().__init__(binding.rt, binding.li)
+        self.binding = binding
+        eager_call(type(self))
+
+    def body(self, module: nn.Module, args: Any) -> None:
+        with self.rt._lock:
+            self.binding.bind()
+
+
+class _ExpertPost(_ExpertPre):
+    def body(self, module: nn.Module, args: Any, output: Any) -> None:
+        rt, li, e = self.rt, self.li, self.binding.e
+        with rt._lock:
+            changed = self.binding.unbind()
+            rt.exit(li, e)
+        if changed is not None:
+            name = rt.layout.layers[li].name
+            raise RuntimeError(
+                f"expert tensor {name}.{e}.{changed} was modified in place during its "
+                "forward; the change would be lost when the expert leaves the cache. Write "
+                "expert weights outside the forward (they are written to the host store)"
+            )
+
+
+def install(rt: ExpertRuntime) -> list[Any]:
+    """Drive ``rt`` from the model's forward and serve ``state_dict`` from the host store.
+    Returns objects whose ``remove()`` undoes each part."""
+    undo: list[Any] = []
+    try:
+        for li, layer in enumerate(rt.layout.layers):
+            if layer.kind is LayoutKind.FUSED:
+                layer.container.forward = FusedForward(rt, li, layer.container)
+                undo.append(_Unset(layer.container, "forward"))
+            else:
+                undo += _list_hooks(rt, li, layer)
+            undo += _state_dict_hooks(rt, li, layer)
+    except BaseException:
+        for u in undo:
+            u.remove()
+        raise
+    return undo
+
+
+def _list_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[Any]:
+    hooks = [
+        layer.block.register_forward_pre_hook(_BlockPre(rt, li)),
+        layer.block.register_forward_hook(_BlockPost(rt, li), always_call=True),
+    ]
+    if layer.router is not None:
+        hooks.append(layer.router.register_forward_hook(_RouterPost(rt, li)))
+    per = len(layer.members)
+    for e, module in enumerate(layer.container):
+        binding = Binding(rt, li, e, [p.tensor for p in layer.pieces[e * per : (e + 1) * per]])
+        hooks.append(module.register_forward_pre_hook(_ExpertPre(binding)))
+        hooks.append(module.register_forward_hook(_ExpertPost(binding), always_call=True))
+    return hooks
+
+
+def _state_dict_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[Any]:
+    owned: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
+    for pi, p in enumerate(layer.pieces):
+        owned.setdefault(id(p.module), (p.module, []))[1].append((p.attr, pi))
+    hooks = []
+    for module, names in owned.values():
+        hooks.append(module.register_state_dict_post_hook(_StateDict(rt, li, names)))
+        hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(rt, li)))
+    return hooks
+
+
+class _StateDict(_Entry):
+    """``state_dict()`` holds host copies of the expert tensors (their real values)."""
+
+    def __init__(self, rt: ExpertRuntime, li: int, names: list[tuple[str, int]]):
+        super().__init__(rt, li)
+        self.names = names
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any) -> None:
+        with self.rt._lock:
+            self.rt._check_live()
+            self.rt._reap()
+            for attr, pi in self.names:
+                key = prefix + attr
+                if key in state_dict:
+                    state_dict[key] = self.rt.store.host_value(self.li, pi)
+
+
+class _RefuseAssign(_Entry):
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any,
+                 strict: bool, missing: list, unexpected: list, errors: list) -> None:  # fmt: skip
+        if meta.get("assign_to_params_buffers", False):
+            errors.append(
+                "load_state_dict(assign=True) would replace streamed expert tensors; load "
+                "without assign while stream_experts is active, or call the handle's remove() "
+                "first"
+            )
+
+
+class _Unset:
+    """Removes an instance attribute set on a module (the fused experts' forward)."""
+
+    def __init__(self, module: nn.Module, attr: str):
+        self.module = weakref.ref(module)
+        self.attr = attr
+
+    def remove(self) -> None:
+        m = self.module()
+        if m is not None and isinstance(m.__dict__.get(self.attr), FusedForward):
+            del m.__dict__[self.attr]

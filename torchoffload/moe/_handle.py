@@ -1,0 +1,322 @@
+"""The public face of expert streaming: `stream_experts`, `minimum_cache_bytes`, the handle and
+its stats."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchoffload import _hosted
+from torchoffload._transfer import compute_device
+from torchoffload._validate import check_bool, check_int
+from torchoffload.moe._cache import CachePolicy
+from torchoffload.moe._forward import NO_COPY, install
+from torchoffload.moe._layout import ExpertLayout, find_experts
+from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
+
+__all__ = [
+    "ExpertLayerStats",
+    "ExpertStats",
+    "ExpertStreamHandle",
+    "minimum_cache_bytes",
+    "stream_experts",
+]
+
+_log = logging.getLogger(__name__)
+_MiB = 1 << 20
+_ATTR = "_torchoffload_experts"
+
+
+@dataclass(frozen=True)
+class ExpertLayerStats:
+    """One expert layer's counters."""
+
+    name: str  # the experts' qualified name
+    experts: int
+    expert_bytes: int  # bytes copied per missed expert
+    calls: int  # calls of its block
+    tokens: int  # tokens through its block
+    hits: int  # routed experts found in the device cache
+    misses: int  # routed experts copied for their use
+    h2d_bytes: int
+
+    @property
+    def uses(self) -> int:
+        """Routed experts used: in each call, each expert that at least one token routed to."""
+        return self.hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.uses if self.uses else 1.0
+
+
+@dataclass(frozen=True)
+class ExpertStats:
+    """Counters of an `ExpertStreamHandle` since setup (or `reset_stats`). Bytes are exact."""
+
+    layers: tuple[ExpertLayerStats, ...]
+    slots: int  # experts the device cache holds
+    slot_bytes: int
+    cache_bytes: int  # the device cache: slots x slot_bytes (at most cache_bytes asked)
+    cached: int  # experts in the cache now
+    host_bytes: int  # the host store of every expert
+    dense_bytes: int  # the other tensors, on the device outside the cache
+    calls: int  # calls of the first expert layer's block
+    tokens: int  # tokens through the first expert layer's block
+    hits: int
+    misses: int
+    evictions: int
+    h2d_bytes: int  # expert bytes copied to the device
+    h2d_copies: int  # experts copied (with `unused` ones)
+    unused: int  # experts copied ahead for a use that did not come (a failed block)
+    setup_s: float
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 1.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.h2d_bytes / self.tokens if self.tokens else 0.0
+
+
+class ExpertStreamHandle:
+    """What `stream_experts` returns: ``stats()``, ``reset_stats()``, ``remove()``. Also a
+    context manager: leaving the ``with`` block calls ``remove()``."""
+
+    def __init__(self, runtime: ExpertRuntime | None = None, undo: list[Any] | None = None,
+                 model: nn.Module | None = None, moved: list | None = None,
+                 setup_s: float = 0.0):  # fmt: skip
+        if not isinstance(runtime, ExpertRuntime):
+            raise TypeError("use torchoffload.stream_experts(model, ...) to create a handle")
+        self._runtime = runtime
+        self._undo = list(undo or [])
+        self._model = model
+        self._moved = list(moved or [])  # (dense tensor, the device it came from)
+        self._setup_s = setup_s
+
+    @property
+    def device(self) -> torch.device:
+        return self._runtime.device
+
+    @property
+    def layers(self) -> list[str]:
+        """The expert layers' qualified names, in model order."""
+        return [layer.name for layer in self._runtime.layout.layers]
+
+    @property
+    def removed(self) -> bool:
+        return self._runtime.removed
+
+    def cached(self) -> list[tuple[str, int]]:
+        """(layer name, expert index) of every expert in the device cache now."""
+        rt = self._runtime
+        with rt._lock:
+            rt._check_live()
+            return sorted((rt.layout.layers[li].name, e) for li, e in rt.cache.where)
+
+    def stats(self) -> ExpertStats:
+        rt = self._runtime
+        with rt._lock:
+            layout = rt.layout
+            layers = tuple(
+                ExpertLayerStats(
+                    layer.name,
+                    layer.experts,
+                    layer.expert_bytes,
+                    c.calls,
+                    c.tokens,
+                    c.hits,
+                    c.misses,
+                    c.h2d_bytes,
+                )  # fmt: skip
+                for layer, c in zip(layout.layers, rt.counters, strict=True)
+            )
+            cs = rt.counters
+            slots = 0 if rt.removed else len(rt.cache.slots)
+            return ExpertStats(
+                layers=layers,
+                slots=slots,
+                slot_bytes=layout.slot_bytes,
+                cache_bytes=slots * layout.slot_bytes,
+                cached=0 if rt.removed else len(rt.cache.where),
+                host_bytes=layout.host_bytes,
+                dense_bytes=sum(t.numel() * t.element_size() for _, t in layout.dense),
+                calls=cs[0].calls,
+                tokens=cs[0].tokens,
+                hits=sum(c.hits for c in cs),
+                misses=sum(c.misses for c in cs),
+                evictions=rt.cache.evictions,
+                h2d_bytes=sum(c.h2d_bytes for c in cs),
+                h2d_copies=sum(c.loads for c in cs),
+                unused=sum(c.unused for c in cs),
+                setup_s=self._setup_s,
+            )
+
+    def reset_stats(self) -> None:
+        with self._runtime._lock:
+            self._runtime.reset()
+
+    def remove(self) -> None:
+        """Put every expert tensor back where it was (its device, dtype and values; parameters
+        keep their identity), the dense tensors on their devices, and free the cache and the
+        host store. Idempotent."""
+        rt = self._runtime
+        with rt._lock:
+            if rt.removed:
+                return
+            rt.restore()  # raises, changing nothing, inside a forward
+            for u in self._undo:
+                u.remove()
+            self._undo.clear()
+            _move_back(self._moved)
+            if self._model is not None and getattr(self._model, _ATTR, None) is self:
+                delattr(self._model, _ATTR)
+
+    def __enter__(self) -> ExpertStreamHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(NO_COPY)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(NO_COPY)
+
+    def __repr__(self) -> str:
+        rt = self._runtime
+        if rt.removed:
+            return "ExpertStreamHandle(removed)"
+        return (
+            f"ExpertStreamHandle({len(rt.layout.layers)} layers, {len(rt.cache.slots)} slots "
+            f"of {rt.layout.slot_bytes / _MiB:.2f} MiB, policy={rt.config.policy.value}, "
+            f"device={rt.device})"
+        )
+
+
+# -- setup ------------------------------------------------------------------------------------
+
+
+def stream_experts(
+    model: nn.Module,
+    device: torch.device | str | int | None = None,
+    *,
+    cache_bytes: int,
+    policy: str = "lru",
+    use_streams: bool = True,
+    pin_memory: bool = True,
+) -> ExpertStreamHandle:
+    """Keep ``model``'s experts in pinned host memory and copy to ``device`` only the experts
+    each block's router picks that are not in a device cache of ``cache_bytes``.
+
+    For inference (call the model under `torch.no_grad()` or `torch.inference_mode()`).
+    Outputs are bitwise identical to the model with every tensor on the device.
+
+    Args:
+        model: a mixture-of-experts model: fused experts as Hugging Face transformers 5 keeps
+            them (``gate_up_proj`` and ``down_proj`` with the experts on the leading dimension,
+            with the eager experts implementation), or a ``ModuleList`` named ``experts`` of
+            identical modules beside a router. Its other tensors (the dense parts) are moved to
+            ``device`` and stay there.
+        device: where the model computes. ``None``: the current accelerator, else the CPU
+            (the same logic runs there synchronously, for testing).
+        cache_bytes: device bytes for the expert cache. At least `minimum_cache_bytes` (one
+            token's routed experts of one block); more than every expert needs is capped.
+        policy: which expert the full cache evicts: ``"lru"`` (used longest ago) or ``"lfu"``
+            (used least often since setup). See Note: [The expert cache].
+        use_streams: copy on a dedicated stream (overlapping compute); ``False`` queues the
+            copies on the compute stream.
+        pin_memory: page-lock the host store (only where an accelerator exists).
+
+    Returns an `ExpertStreamHandle`: ``stats()``, ``cached()``, ``remove()``.
+
+    Outside its forward an expert tensor is a placeholder whose reads and writes are served
+    from the host store (``model.state_dict()``, ``p.norm()``, ``p.mul_(2)`` under no_grad),
+    or refused with a clear error (Note: [Placeholders never answer] in _hosted.py).
+    """
+    start = time.perf_counter()
+    _check_model(model)
+    check_int("cache_bytes", cache_bytes, minimum=1)
+    check_bool("use_streams", use_streams)
+    check_bool("pin_memory", pin_memory)
+    config = ExpertConfig(compute_device(device), cache_bytes, CachePolicy.parse(policy),
+                          use_streams, pin_memory)  # fmt: skip
+    layout = find_experts(model)
+    least = layout.least_cache_bytes()
+    if cache_bytes < least:
+        raise ValueError(
+            f"cache_bytes={cache_bytes} holds {cache_bytes // layout.slot_bytes} experts of "
+            f"{layout.slot_bytes} bytes; the least is {least} bytes: {least // layout.slot_bytes}"
+            " experts, one token's routed experts of one block (minimum_cache_bytes(model))"
+        )
+    meta = [name for name, t in layout.dense if t.is_meta]
+    if meta:
+        raise ValueError(f"{len(meta)} tensors of the model are on the meta device (first: "
+                         f"{meta[0]!r}) and have no values")  # fmt: skip
+    with torch.inference_mode(False), torch.no_grad():
+        runtime = ExpertRuntime(layout, config)
+    moved: list[tuple[torch.Tensor, torch.device]] = []
+    try:
+        _move_dense(layout, config.device, moved)
+        undo = install(runtime)
+    except BaseException:  # out of memory: the model as it was
+        runtime.restore()
+        _move_back(moved)
+        raise
+    undo += _hosted.guard_conversions(model, "stream_experts", NO_COPY)
+    handle = ExpertStreamHandle(runtime, undo, model, moved, time.perf_counter() - start)
+    setattr(model, _ATTR, handle)
+    _log.info(
+        "streaming %d expert layers (%.1f MiB on the host) through a cache of %d experts "
+        "(%.1f MiB)", len(layout.layers), layout.host_bytes / _MiB, len(runtime.cache.slots),
+        len(runtime.cache.slots) * layout.slot_bytes / _MiB,
+    )  # fmt: skip
+    return handle
+
+
+def minimum_cache_bytes(model: nn.Module) -> int:
+    """The smallest ``cache_bytes`` that `stream_experts` accepts for ``model``: one token's
+    routed experts of one block (``top_k`` slots of the largest expert). The model is not
+    changed."""
+    _check_model(model)
+    return find_experts(model).least_cache_bytes()
+
+
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        raise RuntimeError(
+            "this model already streams its experts; call that handle's remove() first"
+        )
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t in _hosted.REFS:
+            raise RuntimeError(
+                f"{name!r} already streams with another engine (its values live in that "
+                "handle's host store); call that handle's remove() first"
+            )
+
+
+def _move_dense(layout: ExpertLayout, device: torch.device, moved: list) -> None:
+    """The dense tensors to ``device`` (identity kept); ``moved`` records each as it goes."""
+    with torch.inference_mode(False), torch.no_grad():
+        for _, t in layout.dense:
+            if t.device != device:
+                value = t.data.to(device)
+                moved.append((t, t.device))
+                t.data = value
+
+
+def _move_back(moved: list) -> None:
+    with torch.inference_mode(False), torch.no_grad():
+        for t, device in moved:
+            t.data = t.data.to(device)
+    moved.clear()

@@ -1,0 +1,360 @@
+"""The expert runtime: a block's routed experts through the device cache. Entry points (the
+fused experts' forward, the hooks of a list of expert modules) drive it through ``begin`` /
+``route`` / ``enter`` / ``exit`` / ``end`` around one block's use of its experts.
+
+Note: [Routed experts and the copy stream]
+The protocol of Note: [H2D into an arena] (in _transfer.py), per expert slot:
+- The cache's storage is allocated once, at setup, on the compute stream, and the device is
+  synchronized before the first use; afterwards only copies and the experts' compute touch
+  it, so a copy waits on no compute-stream work but the reads of the bytes it overwrites.
+- ``route`` (the block's router has run and its choice was read on the host) queues, on the
+  copy stream, one copy per member of each routed expert not in the cache, in expert order,
+  as far as slots can be taken without evicting what the block still needs. Each copy into a
+  slot first waits on the slot's "done" events (recorded on the compute stream after the last
+  compute that read it, one per compute stream that read it), then records "ready".
+- ``enter`` makes the compute stream wait on "ready" of that expert only, and only once per
+  compute stream: a hit, or an expert whose copy that stream already waited for, waits on
+  nothing. So expert i computes while experts i+1... are still copied.
+- ``exit`` records "done" on the compute stream and unpins the slot; a slot is never
+  overwritten before the compute that read it is done, because every copy into it waits on
+  those events (stream order, no host sync).
+- The host store is written only under the runtime's lock, after a device synchronize, while
+  no block runs (`_on_write`): a copy never reads bytes being changed, and every cached copy
+  of the changed experts is forgotten.
+On the CPU the copies are synchronous and every event is None.
+
+Note: [Interrupted expert blocks]
+PyTorch skips ``always_call`` forward hooks when a `BaseException` (KeyboardInterrupt) leaves
+a forward, so a list block interrupted inside an expert leaves that expert bound to its slot
+and its slots pinned. The block's pre-hook gives ``begin`` the frame of the block's call
+(`_calls.hook_caller`); the next ``begin``, write of the host store or ``remove()`` ends every
+block whose frame is no longer running: it unbinds what it left bound (placeholders again),
+records "done" for its slots and unpins them. A fused block needs none of it: its forward
+ends the block in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import torch
+
+from torchoffload import _hosted
+from torchoffload._calls import running
+from torchoffload._transfer import copy_engine
+from torchoffload.moe._cache import CachePolicy, ExpertCache, Key, Slot
+from torchoffload.moe._layout import ExpertLayout
+from torchoffload.moe._store import ExpertStore
+
+__all__ = ["Counters", "ExpertConfig", "ExpertRuntime"]
+
+
+@dataclass(frozen=True)
+class ExpertConfig:
+    """What `stream_experts` was asked for, checked (strings parsed at the entry)."""
+
+    device: torch.device
+    cache_bytes: int
+    policy: CachePolicy
+    use_streams: bool
+    pin_memory: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.policy, CachePolicy):
+            raise TypeError(f"policy must be a CachePolicy, got {type(self.policy).__name__}")
+
+
+@dataclass
+class Counters:
+    """One layer's counts since setup (or reset)."""
+
+    calls: int = 0  # block calls
+    tokens: int = 0  # rows of hidden states through the block
+    hits: int = 0  # routed expert found in the cache when the block used it
+    misses: int = 0  # routed expert copied for this use
+    h2d_bytes: int = 0
+    loads: int = 0  # experts copied
+    unused: int = 0  # experts copied for a use that did not come
+
+
+class _Block:
+    """One layer's use of its experts in progress."""
+
+    __slots__ = ("active", "order", "index", "q", "acquired", "entered", "implicit", "frame",
+                 "thread", "bound")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.active = False
+        self.implicit = False  # begun by ``enter`` outside a block call
+        self.order: list[int] = []  # routed experts, in compute order
+        self.index: dict[int, int] = {}  # expert -> its place in ``order``
+        self.q = 0  # routed experts acquired so far (``order[:q]``)
+        # expert -> (slot, copied for it and not entered yet)
+        self.acquired: dict[int, tuple[Slot, bool]] = {}
+        self.entered: set[int] = set()  # experts entered and not exited
+        self.frame: FrameType | None = None  # the call's frame (None: ends in a finally)
+        self.thread = 0
+        self.bound: dict[int, Any] = {}  # expert -> its Binding, while bound
+
+
+class ExpertRuntime:
+    """The device cache, the host store and the counters of one streamed model."""
+
+    def __init__(self, layout: ExpertLayout, config: ExpertConfig):
+        dev = config.device
+        self.layout = layout
+        self.config = config
+        self.device = dev
+        # - Copies
+        self.engine = copy_engine(dev, use_streams=config.use_streams)
+        self._lock = threading.RLock()
+        # - The device cache, then the host store (the model's expert tensors become
+        #   placeholders: the last step, after every allocation that may fail)
+        slots = layout.slots_for(config.cache_bytes)
+        self.cache = ExpertCache(slots, layout.slot_bytes, dev, config.policy)
+        pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
+        self.store = ExpertStore(layout, dev, pin, self._lock, self._on_write)
+        self.empty = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
+        self.blocks = [_Block() for _ in layout.layers]
+        self.counters = [Counters() for _ in layout.layers]
+        self.removed = False
+        if dev.type != "cpu":
+            torch.get_device_module(dev.type).synchronize(dev)
+
+    # -- one block's use of its experts ----------------------------------------------------
+
+    def begin(self, li: int, rows: int, frame: FrameType | None = None) -> None:
+        """Layer ``li``'s block starts, on ``rows`` tokens; ``frame``: the Python frame of
+        the block's call, when a hook begins it (Note: [Interrupted expert blocks])."""
+        layer = self.layout.layers[li]
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"stream_experts serves inference, but {layer.name!r} ran with gradients "
+                "enabled: call the model under torch.no_grad() or torch.inference_mode() (an "
+                "expert's device bytes are reused by other experts, so autograd cannot keep "
+                "them for backward)"
+            )
+        self._check_live()
+        self._reap()
+        b = self.blocks[li]
+        if b.active:
+            raise RuntimeError(f"the block of {layer.name!r} was called inside itself")
+        b.active = True
+        b.frame = frame
+        b.thread = threading.get_ident()
+        c = self.counters[li]
+        c.calls += 1
+        c.tokens += rows
+
+    def route(self, li: int, experts: list[int]) -> None:
+        """The block will use ``experts`` (ascending), in that order: queue their copies."""
+        b = self.blocks[li]
+        b.order = experts
+        b.index = {e: i for i, e in enumerate(experts)}
+        b.q = 0
+        self._fill(li)
+
+    def predict(self, li: int, experts: list[int]) -> None:
+        """`route`, for a block whose routing is predicted (a list block's router output):
+        only inside a block call, once per call."""
+        b = self.blocks[li]
+        if b.active and not b.implicit and not b.order and not b.acquired:
+            self.route(li, experts)
+
+    def enter(self, li: int, e: int) -> Slot:
+        """Expert ``e`` of layer ``li`` is about to compute: its slot, its copy waited for on
+        the compute stream."""
+        b = self.blocks[li]
+        if not b.active:  # an expert called outside its block's forward
+            self.begin(li, 0)
+            b.implicit = True
+            self.counters[li].calls -= 1
+        if e not in b.acquired and not self._acquire(li, e, now=True):
+            raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
+        slot, copied = b.acquired[e]
+        b.entered.add(e)
+        c = self.counters[li]
+        if copied:
+            c.misses += 1
+            b.acquired[e] = (slot, False)  # counted: `end` tells unused copies by this flag
+        else:
+            c.hits += 1
+        if slot.ready is not None:
+            stream = self.engine.current_stream()
+            if stream not in slot.waited:
+                self.engine.wait(slot.ready)
+                slot.waited.add(stream)
+        return slot
+
+    def exit(self, li: int, e: int) -> None:
+        """Expert ``e`` has computed (its kernels are queued): record "done", unpin."""
+        b = self.blocks[li]
+        slot, _ = b.acquired.pop(e)
+        b.entered.discard(e)
+        event = self.engine.record()
+        if event is not None:
+            slot.done[self.engine.current_stream()] = event
+        slot.pins -= 1
+        self.cache.use((li, e))
+        if b.q < len(b.order):
+            self._fill(li)
+        if b.implicit and not b.acquired:
+            self.end(li)
+
+    def end(self, li: int) -> None:
+        """The block is over: unpin what it routed and did not use (or, after an exception,
+        entered and did not exit: "done" is recorded for those, whose kernels may run)."""
+        b = self.blocks[li]
+        for binding in list(b.bound.values()):  # left bound by an interrupted forward
+            binding.unbind()
+        if b.acquired:
+            event = self.engine.record()
+            stream = self.engine.current_stream()
+            for slot, copied in b.acquired.values():
+                if event is not None:
+                    slot.done[stream] = event
+                slot.pins -= 1
+                if copied:
+                    self.counters[li].unused += 1
+        b.__init__()
+
+    def _reap(self) -> None:
+        """End the blocks whose call is no longer running (Note: [Interrupted expert
+        blocks])."""
+        for i, b in enumerate(self.blocks):
+            if b.active and not running(b.thread, b.frame):
+                self.end(i)
+
+    def views(self, li: int, e: int, slot: Slot) -> list[torch.Tensor]:
+        """Expert ``e``'s members in ``slot``, as tensors of their geometry."""
+        layer = self.layout.layers[li]
+        out = []
+        for m, member in enumerate(layer.members):
+            start = slot.offset + member.region + layer.shift(e, m)
+            t = torch.empty(0, dtype=member.dtype, device=self.device)
+            item = t.element_size()
+            out.append(t.set_(self.cache.storage, start // item, member.size, member.stride))
+        return out
+
+    def bind_offsets(self, li: int, e: int, slot: Slot) -> list[int]:
+        """Byte offsets of expert ``e``'s members in the cache's storage."""
+        layer = self.layout.layers[li]
+        return [slot.offset + m.region + layer.shift(e, i) for i, m in enumerate(layer.members)]
+
+    # -- slots -----------------------------------------------------------------------------
+
+    def _fill(self, li: int) -> None:
+        b = self.blocks[li]
+        while b.q < len(b.order):
+            e = b.order[b.q]
+            if e not in b.acquired and not self._acquire(li, e, now=not b.acquired):
+                return
+            b.q += 1
+
+    def _acquire(self, li: int, e: int, now: bool) -> bool:
+        """Pin expert ``e`` in a slot, copying it there if it is not cached. ``now``: the
+        block needs it next (evict an expert it routes later if nothing else can go)."""
+        b = self.blocks[li]
+        key = (li, e)
+        slot = self.cache.lookup(key)
+        copied = slot is None
+        if slot is None:
+            start = b.index.get(e, b.q - 1) + 1
+            later = [(li, x) for x in b.order[start:]]
+            spare = set(later)
+            slot = self.cache.take(spare.__contains__)
+            if slot is None and now:
+                slot = self.cache.take_routed(later)
+            if slot is None and now:
+                slot = self._unroute(li)
+            if slot is None:
+                if now:
+                    raise RuntimeError(
+                        f"every cache slot is in use: {len(self.cache.slots)} slots for "
+                        f"{self.layout.layers[li].name!r}"
+                    )
+                return False
+            self._load(slot, key)
+        slot.pins += 1
+        b.acquired[e] = (slot, copied)
+        return True
+
+    def _unroute(self, li: int) -> Slot | None:
+        """A slot from an expert routed ahead and not entered yet (a prediction the block did
+        not follow): the one routed last gives its slot up."""
+        b = self.blocks[li]
+        for e in reversed(b.order):
+            if e not in b.acquired or e in b.entered:
+                continue
+            slot, copied = b.acquired.pop(e)
+            slot.pins -= 1
+            if copied:
+                self.counters[li].unused += 1
+            if slot.pins == 0:
+                b.q = min(b.q, b.index[e])
+                return self.cache.take_routed([(li, e)])
+        return None
+
+    def _load(self, slot: Slot, key: Key) -> None:
+        li, e = key
+        layer = self.layout.layers[li]
+        data = self.cache.data
+        pairs = []
+        for m, member in enumerate(layer.members):
+            start = slot.offset + member.region + layer.shift(e, m)
+            piece, offset = layer.source(e, m)
+            src = self.store.source(li, piece, offset, member.nbytes)
+            pairs.append((data[start : start + member.nbytes], src))
+        ready = self.engine.load(pairs, list(slot.done.values()))
+        self.cache.assign(slot, key, ready)
+        c = self.counters[li]
+        c.loads += 1
+        c.h2d_bytes += layer.expert_bytes
+
+    # -- writes of the host store ---------------------------------------------------------
+
+    def _on_write(self, li: int, experts: range) -> None:
+        """Before the store's bytes of these experts change (Note: [Routed experts and the
+        copy stream]): refuse inside a block; wait for every copy; forget cached copies."""
+        self._reap()
+        if any(b.active for b in self.blocks):
+            name = self.layout.layers[li].name
+            raise _hosted.HostedError(
+                f"a write to the experts of {name!r} while a block of the model runs: the "
+                "write would change experts the block may be using. Write them between calls"
+            )
+        self._sync()
+        for e in experts:
+            self.cache.forget((li, e))
+
+    def _sync(self) -> None:
+        if self.device.type != "cpu":
+            torch.get_device_module(self.device.type).synchronize(self.device)
+
+    # -- remove -------------------------------------------------------------------------------
+
+    def _check_live(self) -> None:
+        if self.removed:
+            raise RuntimeError("this ExpertStreamHandle was removed")
+
+    def restore(self) -> None:
+        """Every expert tensor back where it was, with its values; free the cache and the host
+        store. Idempotent."""
+        with self._lock:
+            if self.removed:
+                return
+            self._reap()
+            if any(b.active for b in self.blocks):
+                raise RuntimeError("remove() inside a forward of the streamed model")
+            self._sync()
+            self.removed = True
+            self.cache.release()  # first: the experts may come back to the same device
+            self.store.restore()
+
+    def reset(self) -> None:
+        for i in range(len(self.counters)):
+            self.counters[i] = Counters()
+        self.cache.evictions = 0
