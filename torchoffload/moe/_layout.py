@@ -224,7 +224,8 @@ def _kind(name: str, module: nn.Module) -> LayoutKind | None:
         raise _Unknown(f"{type(module).__name__} whose forward was replaced on the instance")
     fn = type(module).forward
     original = getattr(fn, "__wrapped__", fn)
-    if not _same_code(getattr(original, "__code__", None), _reference_code()):
+    code = getattr(original, "__code__", None)
+    if not any(_same_code(code, ref) for ref in _reference_codes()):
         raise _Unknown(
             f"{type(module).__name__} whose eager forward is not the per-expert loop of "
             "Qwen3MoeExperts (biases, another activation or another order of operations)"
@@ -437,14 +438,22 @@ def forward(
     return final_hidden_states
 """  # noqa: E501
 
+# transformers 5.17 builds the mask without the padding class (``num_classes=num_experts``):
+# the same operations on every expert a router can pick (an index of num_experts, which
+# 5.24's mask skips, makes 5.17's one_hot raise).
+_REFERENCES = (
+    _REFERENCE,
+    _REFERENCE.replace("num_classes=self.num_experts + 1)", "num_classes=self.num_experts)"),
+)
 _reference: list[Any] = []
 
 
-def _reference_code() -> Any:
+def _reference_codes() -> list[Any]:
     if not _reference:
-        module = compile(textwrap.dedent(_REFERENCE), "<reference>", "exec", dont_inherit=True)
-        _reference.append(next(c for c in module.co_consts if hasattr(c, "co_code")))
-    return _reference[0]
+        for source in _REFERENCES:
+            module = compile(textwrap.dedent(source), "<reference>", "exec", dont_inherit=True)
+            _reference.append(next(c for c in module.co_consts if hasattr(c, "co_code")))
+    return _reference
 
 
 def _same_code(a: Any, b: Any) -> bool:
