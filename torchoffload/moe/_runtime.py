@@ -230,19 +230,10 @@ class ExpertRuntime:
 
     def views(self, li: int, e: int, slot: Slot) -> list[torch.Tensor]:
         """Expert ``e``'s members in ``slot``, as tensors of their geometry."""
-        layer = self.layout.layers[li]
-        out = []
-        for m, member in enumerate(layer.members):
-            start = slot.offset + member.region + layer.shift(e, m)
-            t = torch.empty(0, dtype=member.dtype, device=self.device)
-            item = t.element_size()
-            out.append(t.set_(self.cache.storage, start // item, member.size, member.stride))
-        return out
+        return member_views(self, li, e, slot)
 
     def bind_offsets(self, li: int, e: int, slot: Slot) -> list[int]:
-        """Byte offsets of expert ``e``'s members in the cache's storage."""
-        layer = self.layout.layers[li]
-        return [slot.offset + m.region + layer.shift(e, i) for i, m in enumerate(layer.members)]
+        return bind_offsets(self, li, e, slot)  # Byte offsets of expert e's members
 
     # -- slots -----------------------------------------------------------------------------
 
@@ -358,3 +349,21 @@ class ExpertRuntime:
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
+
+
+def member_views(rt: ExpertRuntime, li: int, e: int, slot: Slot) -> list[torch.Tensor]:
+    """Expert ``e``'s members in ``slot`` of ``rt``'s cache, as tensors of their geometry."""
+    layer = rt.layout.layers[li]
+    out = []
+    for m, member in enumerate(layer.members):
+        start = slot.offset + member.region + layer.shift(e, m)
+        t = torch.empty(0, dtype=member.dtype, device=rt.device)
+        item = t.element_size()
+        out.append(t.set_(rt.cache.storage, start // item, member.size, member.stride))
+    return out
+
+
+def bind_offsets(rt: ExpertRuntime, li: int, e: int, slot: Slot) -> list[int]:
+    """Byte offsets of expert ``e``'s members in ``rt``'s cache storage."""
+    layer = rt.layout.layers[li]
+    return [slot.offset + m.region + layer.shift(e, i) for i, m in enumerate(layer.members)]
