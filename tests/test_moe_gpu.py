@@ -166,29 +166,34 @@ class _Dropping:
 
 def _race(kind: str, drop: str | None) -> bool:
     """Stream at the least cache with the copy stream slowed ("ready") or the compute stream
-    slowed before each block's experts ("done"); whether every output equals the resident
+    slowed before each expert's read ("done"); whether every output equals the resident
     model's."""
     if kind == "list":
         ref, model = moe("float32"), moe("float32")
         xs = [tokens(SPEC, 4, 64, i).cuda() for i in range(3)]
         run = lambda m, x: m(x)  # noqa: E731
-        blocks = list(model.blocks)
     else:
         ref, model = qwen3(torch.float32), qwen3(torch.float32)
         xs = [torch.randint(1, 512, (4, 64), generator=torch.Generator().manual_seed(i)).cuda()
               for i in range(3)]  # fmt: skip
         run = lambda m, x: m(x).logits  # noqa: E731
-        blocks = [layer.mlp.experts for layer in model.model.layers]
     with torch.no_grad():
         expected = [run(ref, x) for x in xs]
     h = stream_experts(model, "cuda", cache_bytes=to.minimum_cache_bytes(model))
     rt = h._runtime
     if drop is not None:
         rt.engine = _Dropping(rt.engine, drop)
-    sleeps = []
-    if drop == "done":
-        sleeps = [b.register_forward_pre_hook(lambda *a: torch.cuda._sleep(20_000_000))
-                  for b in blocks]  # fmt: skip
+    if drop == "done":  # each expert's read waits behind a sleep on the compute stream, so
+        # a copy into its slot that does not wait for the read lands first (a sleep before the
+        # block would not do: the routing's host sync would wait it out before any copy)
+        name = "bind_offsets" if kind == "list" else "views"
+        read = getattr(rt, name)
+
+        def late(li, e, slot):
+            torch.cuda._sleep(20_000_000)
+            return read(li, e, slot)
+
+        setattr(rt, name, late)
     slow = 20_000_000 if drop == "ready" else 0
     try:
         with testing.slow_copies(cycles=slow), torch.inference_mode():
@@ -196,8 +201,6 @@ def _race(kind: str, drop: str | None) -> bool:
         torch.cuda.synchronize()
         return all(torch.equal(o, e) for o, e in zip(outs, expected, strict=True))
     finally:
-        for s in sleeps:
-            s.remove()
         h.remove()
 
 
@@ -207,4 +210,7 @@ def test_races_are_caught_without_the_waits(kind):
     as a wrong output; with both waits, the same run is bitwise."""
     assert _race(kind, None)
     assert not _race(kind, "ready")
-    assert not _race(kind, "done")
+    if kind == "list":  # the fused loop's torch.where syncs the host before each expert, so
+        # the read of one expert has run before the next expert's copy is issued: the "done"
+        # wait cannot be shown missing there (seen on an H200), though it stays for safety
+        assert not _race(kind, "done")
