@@ -69,6 +69,7 @@ streamed package's by 0.25 at most (one ulp at their largest, 56.75; CPU).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -86,6 +87,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from torchoffload._modules import matches
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
@@ -725,8 +727,24 @@ def read_catalog(package_path: str | os.PathLike[str]) -> Catalog:
 # [One call at a time]), so the instance is never run from two threads at once.
 
 
+# Note: [A tied weight held once]
+# The weight engine binds a tensor held by modules of several units in each of those units (the
+# eager forward runs one unit at a time). A `ProbeServer` holds several units at once (Note:
+# [Serving a probe]), and a probe reads a weight by one name, so the module tree that holds a
+# program's weights holds each streamed weight under one name only: its catalog name, or the
+# name the checkpoint holds it by. Held under every name, a tied head's weight was bound again
+# by the head's unit (kept for its bias) while the embedding's unit held it, which moved the
+# tensor to the head's bytes and bumped its version counter: the embedding's unit then
+# reported "modified in place" on every first call, and the head's unit copied the embedding
+# a second time. A resident weight is bound in no unit and keeps all its names, which the
+# ``resident`` patterns match.
+
+
 class _Holder(nn.Module):
-    pass
+    """The module tree that names a streamed program's weights (Note: [A tied weight held
+    once])."""
+
+    held: dict[str, str]  # at the root: catalog name -> the name held
 
 
 class StreamedPackage:
@@ -743,7 +761,7 @@ class StreamedPackage:
         self._program = program
         self._holder = holder
         self._server = ProbeServer(
-            runtime, _sources(runtime, holder, catalog.probes),
+            runtime, _sources(runtime, holder, [holder.held[n] for n in catalog.probes]),
             catalog.positions, catalog.last_use,
         )  # fmt: skip
         # Dropped without remove(): release the store and the arena (the engine's registry of
@@ -859,8 +877,11 @@ def _runtime_for(
     values: dict[str, torch.Tensor] | None = None,
 ) -> tuple[WeightRuntime, nn.Module]:
     """The weight engine serving a catalog's weights, read from ``checkpoint`` or copied from
-    ``values`` (name -> tensor) into the pinned store, and the module tree that names them."""
+    ``values`` (name -> tensor) into the pinned store, and the module tree that holds them
+    (Note: [A tied weight held once]); ``holder.held`` maps a catalog name to the name the
+    tree holds it by."""
     holder = _Holder()
+    holder.held = {}
     for name, entry in catalog.weights.items():
         if values is not None:
             t = nn.Parameter(values[name].detach(), requires_grad=False)
@@ -869,7 +890,14 @@ def _runtime_for(
                 torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="meta"),
                 requires_grad=False,
             )
-        for alias in entry.names:
+        if resident and any(matches(n, resident) for n in entry.names):
+            names = entry.names  # resident: bound in no unit, so held under every name
+        elif checkpoint is not None:  # the name the checkpoint holds it by (_check_catalog)
+            names = (next(n for n in entry.names if n in checkpoint.entries),)
+        else:
+            names = (name,)
+        holder.held[name] = name if name in names else names[0]
+        for alias in names:
             owner, _, leaf = alias.rpartition(".")
             module = holder
             for part in owner.split(".") if owner else ():
@@ -880,14 +908,6 @@ def _runtime_for(
     config = StreamConfig(dev, budget_bytes, prefetch_depth, pin_memory=pin_memory)
     layout = _layout.plan(holder, budget=budget_bytes, depth=prefetch_depth, resident=resident,
                           unit="leaves")  # fmt: skip
-    # A tied weight's other names (the head of a tied embedding) are held by modules of their
-    # own, which the layout makes units of their own; a probe reads a weight by its first name
-    # only, so those units never run. Dropped: they took an arena place (a kept one, at a budget
-    # that keeps every unit) and were counted by the stats as units never kept.
-    read = {id(holder.get_submodule(e.name.rpartition(".")[0])) for e in catalog.weights.values()}
-    layout = replace(layout, units=tuple(
-        u for u in layout.units if any(id(m) in read for m in u.module.modules())
-    ))  # fmt: skip
     with torch.inference_mode(False), torch.no_grad():
         runtime = WeightRuntime(layout, config, checkpoint)
     return runtime, holder
@@ -953,7 +973,7 @@ def compile_streamed(
             )
     runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
                                    pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
-    program = _without_alias_check(torch.compile(ep.module(), fullgraph=True, mode=mode))
+    program = _compiled_call(torch.compile(ep.module(), fullgraph=True, mode=mode))
     package = StreamedPackage(program, catalog, runtime, holder)
     package.dynamo_compiled = True
     return package
@@ -962,7 +982,7 @@ def compile_streamed(
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
-def _without_alias_check(compiled: Any) -> Any:
+def _compiled_call(compiled: Any) -> Any:
     """Note: [Probes alias the arena]
     Every ``torchoffload.weight`` output is a view of the one device arena, and so are the
     earlier probes' outputs it takes as ``after``: the op's outputs alias its inputs by design,
@@ -970,14 +990,27 @@ def _without_alias_check(compiled: Any) -> Any:
     checks the first call of a compiled function for custom ops whose outputs alias their
     inputs: a deprecation warning, or an error where the ``CI`` environment variable is set
     (torch 2.13, `torch._functorch.config.error_on_custom_op_aliasing`). The check is turned
-    off around the calls of our compiled program only."""
+    off around the calls of our compiled program only.
+
+    Note: [An error raised inside a compiled program]
+    A probe raises inside the compiled code (a unit finished at a later probe that finds its
+    weight written in place, Note: [Serving a probe]). The exception leaves through the
+    ``GraphModule``'s call wrapper, whose handler walks the traceback with a generator while
+    Dynamo's frame callback is still set; under ``fullgraph=True`` Dynamo raises "Attempt to
+    trace generator" for that frame, with the probe's error only as its ``__context__``
+    (torch 2.13). That error is raised again as it was."""
     cfg = torch._functorch.config
-    if not hasattr(cfg, "check_custom_op_aliasing"):
-        return compiled
+    patch = hasattr(cfg, "check_custom_op_aliasing")
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        with cfg.patch(check_custom_op_aliasing=False):
-            return compiled(*args, **kwargs)
+        try:
+            with cfg.patch(check_custom_op_aliasing=False) if patch else contextlib.nullcontext():
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            cause = e.__context__
+            if isinstance(cause, Exception) and str(e).startswith("Attempt to trace generator"):
+                raise cause from None
+            raise
 
     return call
 
