@@ -6,7 +6,7 @@
         --seq 4096 --batch 2 --offload on                           # a bigger run on two H200s
 
 The recipe is three lines: shard each decoder layer and the root with `fully_shard`, then
-`apply_activation_offloading` (after sharding, see the README). Each rank trains on its own
+`apply_activation_offloading` (after sharding, see docs/multi-gpu.md). Each rank trains on its own
 batches; the script prints, per mode, the step time, tokens/s, peak device memory per rank and
 how much each step offloaded, and whether the losses of both modes are identical.
 

@@ -1,6 +1,6 @@
-"""What each module-level operation does while activation offloading is applied (the README's
-contract table for the activation modes), on CPU. The data-carrying rows run on the GPU in
-test_activations_contract_gpu.py."""
+"""What each module-level operation does while activation offloading is applied (the contract
+table for the activation modes in docs/contract.md), on CPU. The data-carrying rows run on the
+GPU in test_activations_contract_gpu.py."""
 
 from __future__ import annotations
 

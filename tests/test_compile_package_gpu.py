@@ -95,7 +95,7 @@ def minimum(built) -> int:
 
 def kept_outputs(built, xs):
     """What a streamed run must give bitwise: the same package with every unit kept in the
-    arena (README: "bitwise those of the same package with every unit kept"). Against the plain
+    arena (docs: "bitwise those of the same package with every unit kept"). Against the plain
     package (weights embedded) only to bf16's rounding: Inductor fuses pointwise chains across a
     weight's probe there, computing in fp32 what the streamed program must round to bf16
     (Note: [Ordering weights in a compiled program], 3). Seen with the CPU tests' GPT (hidden
