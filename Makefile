@@ -26,12 +26,14 @@ $(DEV_STAMP): $(STAMP)
 	touch $(DEV_STAMP)
 
 # The documentation site (mkdocs.yml, docs/) needs MkDocs only: mkdocstrings reads the source
-# statically, so neither torch nor the package is imported. Pinned: a newer release can add
-# warnings that --strict turns into errors.
+# statically, so neither torch nor the package is imported. Pinned, with the packages that
+# parse docstrings and resolve references (griffelib, mkdocstrings, mkdocs-autorefs): a newer
+# release can add warnings that --strict turns into errors.
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11"
+	$(PY) -m pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11" \
+		"mkdocstrings==1.0.8" "mkdocs-autorefs==1.4.5" "griffelib==2.4.1"
 	touch $(DOCS_STAMP)
 
 # Into site/ (git-ignored); --strict fails on a broken link or anchor, or a docstring that
