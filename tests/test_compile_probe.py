@@ -124,3 +124,35 @@ def test_a_weight_read_through_a_view_is_held_until_the_read():
     runner = toc.stream_exported_weights(ep, "cpu", budget_bytes=1024, prefetch_depth=0)
     with pytest.raises(RuntimeError, match="no room in the"):
         runner(x)
+
+
+class _ViewsOfOneStorage(nn.Module):
+    """``a`` and ``b`` are views of one storage (they share a version counter), read by one
+    node: their units are held at once."""
+
+    def __init__(self):
+        super().__init__()
+        base = torch.randn(2, 8, 8)
+        self.a = nn.Parameter(base[0])
+        self.b = nn.Parameter(base[1])
+
+    def forward(self, x):
+        return x @ (self.a + self.b)
+
+
+def test_views_of_one_storage_in_two_units_held_at_once():
+    """Note: [A version counter of its own]: binding ``b`` moved the counter ``a`` shares, and
+    the first call raised "'0.w' was modified in place". The runner is bitwise the program,
+    and the model's tensors keep their versions."""
+    torch.manual_seed(0)
+    model, x = _ViewsOfOneStorage().eval(), torch.randn(3, 8)
+    ep = torch.export.export(model, (x,))
+    versions = [model.a._version, model.b._version]
+    with torch.no_grad():
+        expected = model(x)
+    runner = toc.stream_exported_weights(ep, "cpu", budget_bytes=1024, prefetch_depth=0,
+                                         pin_memory=False)  # fmt: skip
+    for _ in range(2):
+        assert torch.equal(runner(x), expected)
+    assert [model.a._version, model.b._version] == versions
+    runner.remove()

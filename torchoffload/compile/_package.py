@@ -92,7 +92,7 @@ from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
 from torchoffload.compile._ops import _lib
-from torchoffload.compile._probe import ProbeServer, readers, serving
+from torchoffload.compile._probe import ProbeServer, own_version, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
 from torchoffload.weights._checkpoint import _DTYPES, Checkpoint, CheckpointError, write_safetensors
 from torchoffload.weights._handle import _check_resident
@@ -883,8 +883,8 @@ def _runtime_for(
     holder = _Holder()
     holder.held = {}
     for name, entry in catalog.weights.items():
-        if values is not None:
-            t = nn.Parameter(values[name].detach(), requires_grad=False)
+        if values is not None:  # Note: [A version counter of its own] in _probe.py
+            t = nn.Parameter(own_version(values[name]), requires_grad=False)
         else:
             t = nn.Parameter(
                 torch.empty_strided(entry.shape, entry.stride, dtype=entry.dtype, device="meta"),

@@ -15,6 +15,19 @@ after which the copy stream may overwrite its bytes) at the first probe that com
 node that uses it, or at the end of the run: by then the use has been queued on the compute
 stream, so "done" follows it. A weight probed again while still held is returned as it is.
 A probe outside a runner returns a copy of its weight (the program runs unchanged, resident).
+
+Note: [A version counter of its own]
+A server holds several units at once: one node may read weights of several units, and a
+unit is finished only after its readers. At a unit's exit the runtime checks that no tensor
+it bound was modified in place, by comparing version counters with their values right after
+its bind, and binding (``set_``) moves a counter. So a tensor handed to the runtime shares
+its counter with no other: ``detach()`` and ``nn.Parameter(t)`` share ``t``'s, and with them
+two views of one storage bound by two units held at once count each other's binds (a first
+call refused as "modified in place" where nothing was), and the model's own tensors count
+every call's binds (a backward through a graph that saved one fails autograd's version
+check, though the program holds a copy and leaves the model alone). `own_version` makes the
+tensor over the same memory with a counter of its own. A real in-place write to a bound
+tensor while its unit is held still moves that counter and is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +41,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from torchoffload._flatten import is_composite
 from torchoffload._transfer import compute_device
 from torchoffload.weights import WeightStreamHandle, _layout
 from torchoffload.weights._runtime import StreamConfig, WeightRuntime
@@ -36,6 +50,7 @@ __all__ = [
     "ExportedWeightRunner",
     "ProbeServer",
     "insert_weight_probes",
+    "own_version",
     "readers",
     "serving",
     "stream_exported_weights",
@@ -198,10 +213,21 @@ def insert_weight_probes(gm: fx.GraphModule) -> list[str]:
     return names
 
 
+def own_version(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with its geometry and dtype, a version counter of its own
+    and no autograd history, never an inference tensor (Note: [A version counter of its
+    own]). A tensor subclass, whose inner buffers the runtime binds, is only detached."""
+    if is_composite(t):
+        return t.detach()
+    with torch.inference_mode(False):
+        out = torch.empty(0, dtype=t.dtype, device=t.device)
+        return out.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
 class _One(nn.Module):
     def __init__(self, t: torch.Tensor):
         super().__init__()
-        self.register_buffer("w", t.detach())
+        self.register_buffer("w", own_version(t))
 
 
 class ExportedWeightRunner:
