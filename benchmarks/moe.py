@@ -48,6 +48,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from weights import h2d_bandwidth, sync  # noqa: E402 (the link measured as weights.py does)
 
 import torchoffload as to  # noqa: E402
 
@@ -82,27 +85,6 @@ SHAPES = {
         stream_weights="0.1",
     ),  # fmt: skip
 }
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def h2d_bandwidth(device: torch.device, nbytes: int = GIB) -> float:
-    """Pinned host-to-device copy bandwidth in GB/s (median of 5)."""
-    if device.type != "cuda":
-        return float("nan")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(6):
-        sync(device)
-        t0 = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times[1:]) / 1e9
 
 
 def build(shape: dict, device: torch.device):
