@@ -192,6 +192,25 @@ def test_writes_through_views_reach_the_host_store(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+def test_writes_under_inference_mode_reach_the_host_store(engine):
+    # allowed on a resident parameter (a normal tensor); the copies the write runs on were
+    # inference tensors, without a version counter ("Inference tensors do not track version
+    # counter")
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    for m in (model, ref):
+        with torch.inference_mode():
+            m.layers[0].fc2.weight.mul_(0.5)
+            m.layers[1].ln1.weight.add_(1)
+            norm = m.layers[0].fc2.weight.norm()
+        assert norm.is_inference()
+    assert same_params(model, ref)
+    handle.remove()
+    assert same_params(model, ref)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_what_cannot_be_served_is_refused_with_nothing_changed(engine):
     ref = gpt()
     model = copy.deepcopy(ref)

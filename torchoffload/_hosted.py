@@ -479,18 +479,21 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
     of) those copies back to placeholders."""
     pieces: dict[tuple[int, Any], tuple[Ref, torch.Tensor]] = {}
     temps: dict[int, tuple[torch.Tensor, tuple[int, Any]]] = {}
-    for t, ref in zip(holders, refs, strict=True):
-        if id(t) in temps:
-            continue
-        pk = (id(ref.store), ref.key)
-        if pk not in pieces:
-            pieces[pk] = (ref, ref.store.read_piece(ref.key))
-        piece = pieces[pk][1]
-        v = torch.empty(0, dtype=ref.dtype, device=piece.device)
-        v.set_(piece.untyped_storage(), ref.offset, ref.size, ref.stride)
-        if t.requires_grad:
-            v.requires_grad_(True)
-        temps[id(t)] = (v, pk)
+    # normal tensors even under inference mode: a write there is allowed on a resident tensor
+    # and must be seen (an inference tensor has no version counter)
+    with torch.inference_mode(False):
+        for t, ref in zip(holders, refs, strict=True):
+            if id(t) in temps:
+                continue
+            pk = (id(ref.store), ref.key)
+            if pk not in pieces:
+                pieces[pk] = (ref, ref.store.read_piece(ref.key))
+            piece = pieces[pk][1]
+            v = torch.empty(0, dtype=ref.dtype, device=piece.device)
+            v.set_(piece.untyped_storage(), ref.offset, ref.size, ref.stride)
+            if t.requires_grad:
+                v.requires_grad_(True)
+            temps[id(t)] = (v, pk)
     # set_ gives each copy a version counter of its own: a write through any of them counts.
     before = {i: (v._version, v.shape, v.stride(), v.storage_offset()) for i, (v, _) in
               temps.items()}  # fmt: skip
