@@ -230,7 +230,7 @@ def test_a_failed_warm_up_is_no_warm_up():
     s = g.stats()
     assert (s.eager_calls, s.captures, s.replays) == (2, 1, 2)
     entry = next(iter(g._graphs.values()))
-    assert entry.arena == g._arena_state() and h.stats().kept_units > 0
+    assert entry.arena == h._runtime.graph_state() and h.stats().kept_units > 0
     h.remove()
 
 

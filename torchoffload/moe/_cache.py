@@ -190,6 +190,39 @@ class ExpertCache:
         slot.ready = None
         self.free.append(slot)
 
+    def policy_order(self) -> list[Key]:
+        """The cached experts, the policy's first victim first among equal uses (LRU: least
+        recently used first; LFU: by its ticks)."""
+        if isinstance(self.policy, _LRU):
+            return list(self.policy.order)
+        current = self.policy.current
+        return sorted(current, key=lambda k: current[k][1])
+
+    def policy_uses(self) -> dict[Key, int]:
+        """Uses since setup (LFU's counts; empty for LRU)."""
+        return dict(self.policy.uses) if isinstance(self.policy, _LFU) else {}
+
+    def load_map(self, located: list[tuple[Key, int]], uses: dict[Key, int]) -> None:
+        """Replace the map: ``located`` (key, slot index) in the policy's order, first victim
+        first; ``uses`` (LFU's counts since setup). Every slot's events are dropped: the
+        caller synchronized with the work that read or wrote them."""
+        lfu = isinstance(self.policy, _LFU)
+        self.where = {}
+        self.policy = _LFU() if lfu else _LRU()
+        if lfu:
+            self.policy.uses = dict(uses)
+        for slot in self.slots:
+            slot.key = None
+            slot.ready = None
+            slot.waited = set()
+            slot.done = {}
+        for key, index in located:
+            slot = self.slots[index]
+            slot.key = key
+            self.where[key] = slot
+            self.policy.add(key)
+        self.free = [s for s in reversed(self.slots) if s.key is None]
+
     def clear(self) -> None:
         for key in list(self.where):
             self.forget(key)

@@ -119,11 +119,14 @@ class ExpertStreamHandle:
         rt = self._runtime
         with rt._lock:
             rt._check_live()
+            rt.own_map()
             return sorted((rt.layout.layers[li].name, e) for li, e in rt.cache.where)
 
     def stats(self) -> ExpertStats:
         rt = self._runtime
         with rt._lock:
+            if rt.tables is not None:
+                rt.tables.pull_counts()  # graph calls count on the device
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(
@@ -140,12 +143,15 @@ class ExpertStreamHandle:
             )
             cs = rt.counters
             slots = 0 if rt.removed else len(rt.cache.slots)
+            cached = 0 if rt.removed else len(rt.cache.where)
+            if rt.tables is not None and rt.tables.owned:
+                cached = int((rt.tables.key_of[:-1] >= 0).sum())
             return ExpertStats(
                 layers=layers,
                 slots=slots,
                 slot_bytes=layout.slot_bytes,
                 cache_bytes=slots * layout.slot_bytes,
-                cached=0 if rt.removed else len(rt.cache.where),
+                cached=cached,
                 host_bytes=layout.host_bytes,
                 dense_bytes=sum(t.numel() * t.element_size() for _, t in layout.dense),
                 calls=cs[0].calls,
@@ -158,6 +164,25 @@ class ExpertStreamHandle:
                 unused=sum(c.unused for c in cs),
                 setup_s=self._setup_s,
             )
+
+    def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:
+        """``fn`` (a decode step that calls the streamed model on one token) as a
+        `StreamedGraph`: the first call of an argument signature runs eagerly, the second is
+        captured as a CUDA graph with the routing, the cache's map and the copies of missed
+        experts in it, and later calls replay it (Note: [Routed experts in a CUDA graph]).
+        Outputs are bitwise the resident model's. Each block call inside it must be of one
+        token (run prefills outside the graphed function). While graphs run, the cache's last
+        ``top_k`` slots hold the experts being computed. Fused experts only (transformers'
+        layout). On the CPU the same bookkeeping runs without a graph. The graph's
+        ``stats()`` counts captures and replays; the handle's counts the experts."""
+        from torchoffload.moe._graphed import ExpertGraphs, check_graphable
+        from torchoffload.weights._graph import StreamedGraph
+
+        rt = self._runtime
+        with rt._lock:
+            rt._check_live()
+            check_graphable(rt)
+            return StreamedGraph(ExpertGraphs(rt), fn, max_graphs=max_graphs, prime=False)
 
     def reset_stats(self) -> None:
         with self._runtime._lock:

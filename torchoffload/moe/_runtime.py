@@ -121,6 +121,8 @@ class ExpertRuntime:
         self.blocks = [_Block() for _ in layout.layers]
         self.counters = [Counters() for _ in layout.layers]
         self.removed = False
+        self.tables: Any = None  # DeviceTables, made at the first capture (Note: [Routed
+        self.graphing = False  # experts in a CUDA graph]); whether a captured call runs
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
@@ -139,6 +141,7 @@ class ExpertRuntime:
             )
         self._check_live()
         self._reap()
+        self.own_map()
         b = self.blocks[li]
         if b.active:
             raise RuntimeError(f"the block of {layer.name!r} was called inside itself")
@@ -221,6 +224,13 @@ class ExpertRuntime:
                     self.counters[li].unused += 1
         b.__init__()
 
+    # -- graph mode (Note: [Routed experts in a CUDA graph] in _graphed.py) ---------------------
+
+    def own_map(self) -> None:
+        """The host's cache map in force again (read back from the device after graph calls)."""
+        if self.tables is not None and self.tables.owned:
+            self.tables.pull()
+
     def _reap(self) -> None:
         """End the blocks whose call is no longer running (Note: [Interrupted expert
         blocks])."""
@@ -268,7 +278,7 @@ class ExpertRuntime:
                         f"{self.layout.layers[li].name!r}"
                     )
                 return False
-            self._load(slot, key)
+            load(self, slot, key)
         slot.pins += 1
         b.acquired[e] = (slot, copied)
         return True
@@ -289,34 +299,19 @@ class ExpertRuntime:
                 return self.cache.take_routed([(li, e)])
         return None
 
-    def _load(self, slot: Slot, key: Key) -> None:
-        li, e = key
-        layer = self.layout.layers[li]
-        data = self.cache.data
-        pairs = []
-        for m, member in enumerate(layer.members):
-            start = slot.offset + member.region + layer.shift(e, m)
-            piece, offset = layer.source(e, m)
-            src = self.store.source(li, piece, offset, member.nbytes)
-            pairs.append((data[start : start + member.nbytes], src))
-        ready = self.engine.load(pairs, list(slot.done.values()))
-        self.cache.assign(slot, key, ready)
-        c = self.counters[li]
-        c.loads += 1
-        c.h2d_bytes += layer.expert_bytes
-
     # -- writes of the host store ---------------------------------------------------------
 
     def _on_write(self, li: int, experts: range) -> None:
         """Before the store's bytes of these experts change (Note: [Routed experts and the
         copy stream]): refuse inside a block; wait for every copy; forget cached copies."""
         self._reap()
-        if any(b.active for b in self.blocks):
+        if any(b.active for b in self.blocks) or self.graphing:
             name = self.layout.layers[li].name
             raise _hosted.HostedError(
                 f"a write to the experts of {name!r} while a block of the model runs: the "
                 "write would change experts the block may be using. Write them between calls"
             )
+        self.own_map()
         self._sync()
         for e in experts:
             self.cache.forget((li, e))
@@ -342,13 +337,34 @@ class ExpertRuntime:
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
             self.removed = True
+            self.tables = None
             self.cache.release()  # first: the experts may come back to the same device
             self.store.restore()
 
     def reset(self) -> None:
+        if self.tables is not None:
+            self.tables.pull_counts()
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
+
+
+def load(rt: ExpertRuntime, slot: Slot, key: Key) -> None:
+    """Queue the copy of expert ``key`` into ``slot`` (after the slot's last readers)."""
+    li, e = key
+    layer = rt.layout.layers[li]
+    data = rt.cache.data
+    pairs = []
+    for m, member in enumerate(layer.members):
+        start = slot.offset + member.region + layer.shift(e, m)
+        piece, offset = layer.source(e, m)
+        src = rt.store.source(li, piece, offset, member.nbytes)
+        pairs.append((data[start : start + member.nbytes], src))
+    ready = rt.engine.load(pairs, list(slot.done.values()))
+    rt.cache.assign(slot, key, ready)
+    c = rt.counters[li]
+    c.loads += 1
+    c.h2d_bytes += layer.expert_bytes
 
 
 def member_views(rt: ExpertRuntime, li: int, e: int, slot: Slot) -> list[torch.Tensor]:

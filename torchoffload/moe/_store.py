@@ -36,6 +36,7 @@ class ExpertStore:
         self._lock = lock
         self._on_write = on_write
         self.removed = False
+        self.pinned = pin
         self.hosts = [pinned_buffer(layer.host_bytes, pin=pin) for layer in layout.layers]
         with torch.inference_mode(False), torch.no_grad():
             for host, layer in zip(self.hosts, layout.layers, strict=True):

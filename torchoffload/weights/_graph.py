@@ -36,7 +36,7 @@ import logging
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -45,10 +45,9 @@ from torchoffload._transfer import CopyEngine
 from torchoffload._validate import check_bool, check_callable, check_int
 from torchoffload.weights._arena import Counters
 from torchoffload.weights._capture import Primes
-from torchoffload.weights._runtime import WeightRuntime
 from torchoffload.weights._syncs import HostReadCheck, is_compiled
 
-__all__ = ["GraphStats", "StreamedGraph"]
+__all__ = ["GraphRuntime", "GraphStats", "StreamedGraph"]
 
 _log = logging.getLogger(__name__)
 # An inference tensor argument this large may be state the function writes (a KV cache), which
@@ -128,6 +127,43 @@ class GraphStats:
 # rather than retry it.
 
 
+class GraphRuntime(Protocol):
+    """What a `StreamedGraph` needs of the runtime whose copies it captures: `WeightRuntime`
+    (stream_weights) and the expert runtime's driver (stream_experts) implement it."""
+
+    device: torch.device
+    engine: Any  # the eager copy engine (its test instruments are shared with the graph's)
+
+    @property
+    def removed(self) -> bool: ...
+
+    def graph_ready(self) -> bool:
+        """Whether a signature's next call may be captured (else it runs as a warm-up)."""
+        ...
+
+    def graph_state(self) -> Any:
+        """What a captured graph relies on (a graph captured under another state is captured
+        again); passed back to `graph_replaying`."""
+        ...
+
+    def primes(self) -> Primes: ...
+
+    def prepare_capture(self, primes: Primes = ()) -> None: ...
+
+    def start_capture(self, engine: Any, primes: Primes = ()) -> None: ...
+
+    def finish_capture(self) -> Primes: ...
+
+    def end_capture(self, keep: Primes = ()) -> Counters: ...
+
+    def graph_replaying(self, state: Any, primes: Primes = ()) -> Any:
+        """A context manager around a replay's launch, yielding an object with ``loaded``
+        (units copied eagerly first) and ``primes`` (left loaded for the next replay)."""
+        ...
+
+    def count_replay(self, delta: Counters) -> None: ...
+
+
 class _Captured:
     __slots__ = (
         "graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena", "primes",
@@ -144,7 +180,7 @@ class _Captured:
         self.outputs: Any = None
         self.delta = Counters()
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
-        self.arena: Any = None  # ring size and kept places at capture (`_arena_state`)
+        self.arena: Any = None  # the runtime's `graph_state()` at capture
         self.primes: Primes = ()  # units a replay finds loaded (Note: [Primed replays])
 
 
@@ -152,7 +188,7 @@ class StreamedGraph:
     """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
     signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
 
-    def __init__(self, runtime: WeightRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True):
+    def __init__(self, runtime: GraphRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True):
         check_callable("fn", fn, optional=False)
         check_int("max_graphs", max_graphs, minimum=1)
         check_bool("prime", prime)
@@ -178,12 +214,12 @@ class StreamedGraph:
     def _call(self, args: Any, kwargs: Any) -> Any:
         rt = self._rt
         if rt.removed:
-            raise RuntimeError("the WeightStreamHandle of this graph was removed")
+            raise RuntimeError("the handle of this graph was removed")
         leaves, spec = tree_flatten((args, kwargs))
         cuda = self.device if self._cuda else None
         key = (spec, tuple(_describe(i, x, cuda) for i, x in enumerate(leaves)))
         entry = self._graphs.get(key)
-        if entry is None or rt.schedule.order is None:  # a warm-up: no schedule, nothing kept
+        if entry is None or not rt.graph_ready():  # a warm-up (stream_weights: no schedule yet)
             versions = _versions(leaves)
             out = self._eagerly(args, kwargs)
             if entry is None and len(self._graphs) < self.max_graphs:
@@ -201,7 +237,7 @@ class StreamedGraph:
                     "place])"
                 )
         with torch.no_grad():
-            if entry.graph is not None and entry.arena != self._arena_state():
+            if entry.graph is not None and entry.arena != rt.graph_state():
                 # kept units moved: capture again
                 entry = self._graphs[key] = _Captured(entry.written)
             if entry.graph is None:
@@ -244,12 +280,6 @@ class StreamedGraph:
         with torch.no_grad():
             return self._fn(*args, **kwargs)
 
-    def _arena_state(self) -> Any:
-        """The arena's split into ring and kept places, which a captured graph relies on."""
-        arena = self._rt.arena
-        kept = tuple((u.index, u.fixed) for u in self._rt.units if u.fixed is not None)
-        return arena.ring_cap, kept  # a capture keeps nothing new: this holds until replays
-
     def _capture(self, entry: _Captured, leaves: list[Any], spec: Any) -> None:
         statics = list(leaves)
         entry.positions, entry.inputs, entry.held = [], [], []  # a failed capture left nothing
@@ -272,7 +302,7 @@ class StreamedGraph:
                 statics[i] = s = _static_like(x)
                 entry.positions.append(i)
                 entry.inputs.append(s)
-        entry.arena = self._arena_state()
+        entry.arena = self._rt.graph_state()
         args, kwargs = tree_unflatten(statics, spec)
         entry.fn_args = (args, kwargs)
         primes = self._rt.primes() if self.prime else ()  # Note: [Primed replays]
@@ -325,7 +355,7 @@ class StreamedGraph:
         return out
 
     def _replay(self, entry: _Captured, leaves: list[Any]) -> None:
-        with self._rt.replaying([index for index, _ in entry.arena[1]], entry.primes) as r:
+        with self._rt.graph_replaying(entry.arena, entry.primes) as r:
             self._prime_loads += r.loaded > 0
             if self._cuda:
                 entry.graph.replay()
@@ -382,7 +412,7 @@ def _describe(i: int, x: Any, device: torch.device | None) -> Any:
     return (type(x), x)
 
 
-def _capture_once(rt: WeightRuntime, fn: Any, engine: CopyEngine, stream: Any, args: Any,
+def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, args: Any,
                   kwargs: Any, primes: Primes) -> tuple:  # fmt: skip
     """One capture of ``fn(*args, **kwargs)`` on ``stream``, its copies on ``engine``, started
     with ``primes`` loaded; returns the graph, its outputs, what a replay counts and the

@@ -176,6 +176,19 @@ class WeightRuntime:
     def replaying(self, kept: list[int], primes: Primes = ()):
         return self.capture.replaying(kept, primes)
 
+    # - the `GraphRuntime` protocol of `StreamedGraph` (the rest is above)
+    def graph_ready(self) -> bool:
+        return self.schedule.order is not None  # the first call made the schedule
+
+    def graph_state(self) -> Any:
+        """The arena's split into ring and kept places, which a captured graph relies on (a
+        capture keeps nothing new: this holds until replays)."""
+        kept = tuple((u.index, u.fixed) for u in self.units if u.fixed is not None)
+        return self.arena.ring_cap, kept
+
+    def graph_replaying(self, state: Any, primes: Primes = ()):
+        return self.replaying([index for index, _ in state[1]], primes)
+
     def primes(self) -> Primes:
         return self.capture.primes()
 

@@ -1,0 +1,223 @@
+"""Routed experts inside a CUDA graph (`ExpertStreamHandle.cuda_graph`) on the CPU, where the
+same device tables, updates and copies run without a graph: a decode over a static KV cache
+is bitwise the resident model's at the least cache, a middle one and every expert cached, with
+both policies; the device-side policy picks the victims the host-side one would; eager calls,
+writes and remove() between replays; what graph mode refuses. The capture's stand-in runs
+under `HostReadCheck`, so a host read in the graphed path fails here as it would on a GPU."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+import torch
+from test_moe import qwen3  # tests/ is on sys.path
+
+import torchoffload as to
+from torchoffload.moe._graphed import DeviceTables
+from torchoffload.weights._syncs import HostReadInCapture
+
+transformers = pytest.importorskip("transformers")
+
+
+def decode(model, prompt, n, wrap=None, edit=None, again=None):
+    """Greedy decode of ``n`` tokens over a static cache, each step ``wrap(step)``;
+    ``edit(i)`` runs before step i; ``again``: the (step, cache) of an earlier decode, reset
+    and used again (a serving loop's next request)."""
+    if again is None:
+        cache = transformers.StaticCache(config=model.config, max_cache_len=prompt.shape[1] + n + 4)
+
+        def step(ids, pos):
+            out = model(input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos,
+                        past_key_values=cache, use_cache=True)  # fmt: skip
+            return out.logits[:, -1]
+
+        f = step if wrap is None else wrap(step)
+    else:
+        f, cache = again
+    with torch.inference_mode():
+        if again is not None:
+            cache.reset()
+        at = torch.arange(prompt.shape[1], device=prompt.device)
+        out = model(input_ids=prompt, cache_position=at, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        toks = [tok]
+        for i in range(n - 1):
+            if edit is not None:
+                edit(i)
+            tok = f(tok, torch.tensor([prompt.shape[1] + i], device=prompt.device)).argmax(
+                -1, keepdim=True
+            )
+            toks.append(tok)
+    return torch.cat(toks, 1), (f, cache)
+
+
+def prompt(seq=4, seed=1):
+    return torch.randint(1, 64, (1, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("slots", [2, 5, 16])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_is_bitwise(slots, policy, dtype):
+    ref, model = qwen3(dtype=dtype), qwen3(dtype=dtype)
+    want, _ = decode(ref, prompt(), 10)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, policy=policy,
+                          pin_memory=False)  # fmt: skip
+    got, (g, _) = decode(model, prompt(), 10, wrap=h.cuda_graph)
+    assert torch.equal(got, want)
+    gs = g.stats()
+    assert (gs.graphs, gs.captures, gs.replays, gs.eager_calls) == (1, 1, 8, 1)
+    st = h.stats()
+    assert st.calls == 10 and st.tokens == 4 + 9  # prefill and 9 steps, per layer
+    uses = sum(layer.uses for layer in st.layers)
+    assert st.hits + st.misses == uses and st.h2d_bytes == st.misses * st.layers[0].expert_bytes
+    if slots == 2:  # the least cache: graph mode stages every expert from the host
+        assert st.layers[0].hits == 0 or st.calls > 2
+    if slots == 16:  # every expert fits (14 cache slots beside the stage of 2): cold misses only
+        assert st.evictions == 0
+    h.remove()
+    again, _ = decode(model, prompt(), 10)
+    assert torch.equal(again, want)
+
+
+def reference_policy(calls, capacity, lfu):
+    """The host policy's choices for one-token calls (hits pinned, misses take victims in
+    order, every routed expert used in order): hits per call and the experts cached after."""
+    order: OrderedDict = OrderedDict()  # cached keys, least recently used first
+    uses: dict = {}
+    tick = 0
+    stamp: dict = {}
+    hits = []
+    for routed in calls:
+        routed = sorted(routed)
+        hit = [e for e in routed if e in order]
+        hits.append(len(hit))
+        misses = [e for e in routed if e not in order]
+        free = capacity - len(order)
+        candidates = [k for k in order if k not in hit]
+        if lfu:
+            candidates.sort(key=lambda k: (uses.get(k, 0), stamp[k]))
+        for i, e in enumerate(misses):
+            if i < free:
+                order[e] = None
+            elif i - free < len(candidates):
+                victim = candidates[i - free]
+                del order[victim]
+                order[e] = None
+        for e in routed:
+            uses[e] = uses.get(e, 0) + 1
+            if e in order:
+                order.move_to_end(e)
+                tick += 1
+                stamp[e] = tick
+    return hits, set(order)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", [3, 4, 6, 9])
+def test_device_policy_chooses_as_the_host_policy(policy, slots):
+    model = qwen3(layers=1)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, policy=policy,
+                          pin_memory=False)  # fmt: skip
+    rt = h._runtime
+    tables = DeviceTables(rt)
+    tables.push()
+    g = torch.Generator().manual_seed(slots)
+    hot = [0, 1, 2]
+    calls = []
+    for i in range(60):  # skewed: a hot set most of the time
+        if i % 3:
+            pick = torch.randperm(3, generator=g)[:2]
+            calls.append([hot[j] for j in pick.tolist()])
+        else:
+            calls.append(torch.randperm(8, generator=g)[:2].tolist())
+    got = []
+    for routed in calls:
+        before = int(tables.counts[0, 2])
+        plan = tables.route(0, torch.tensor(sorted(routed)))
+        tables.copy(0, *plan)
+        got.append(int(tables.counts[0, 2]) - before)
+    want, cached = reference_policy(calls, min(slots, 8) - 2, policy == "lfu")  # 8 experts
+    assert got == want
+    tables.pull()
+    assert {e for _, e in h.cached()} == cached
+    h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_eager_calls_writes_and_remove_between_replays():
+    ref, model = qwen3(), qwen3()
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False)
+    graphed = h.cuda_graph
+
+    def edit(m):
+        def run(i):
+            if i == 4:  # a write of the host store between replays
+                with torch.no_grad():
+                    m.model.layers[1].mlp.experts.down_proj.mul_(0.5)
+
+        return run
+
+    want, _ = decode(ref, prompt(), 9, edit=edit(ref))
+    got, again = decode(model, prompt(), 9, wrap=graphed, edit=edit(model))
+    assert torch.equal(got, want)
+    want2, _ = decode(ref, prompt(6, 3), 7)
+    got2, _ = decode(model, prompt(6, 3), 7, again=again)  # the same graph after a prefill
+    assert torch.equal(got2, want2)
+    assert again[0].stats().replays == 7 + 6  # the second decode: every step replayed
+    st = h.stats()
+    assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
+    assert len(h.cached()) <= 6
+    h.remove()
+    for name, p in ref.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_graph_mode_refuses_what_it_cannot_serve():
+    from test_moe import moe
+
+    lst = moe()
+    h = to.stream_experts(lst, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match="ModuleList"):
+        h.cuda_graph(lst)
+    h.remove()
+    odd = qwen3(hidden=24, width=10)  # slices of 1920 and 960 bytes
+    h = to.stream_experts(odd, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    with pytest.raises(ValueError, match="multiple of 512"):
+        h.cuda_graph(odd)
+    h.remove()
+    model = qwen3()
+    h = to.stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+
+    def call(ids, pos):
+        return model(input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos,
+                     past_key_values=cache, use_cache=True).logits  # fmt: skip
+
+    experts = model.model.layers[0].mlp.experts
+    step = h.cuda_graph(experts)
+    with torch.inference_mode():  # two tokens: the warm-up runs eagerly, the capture refuses
+        args = (torch.randn(2, 32), torch.tensor([[0, 1], [1, 2]]), torch.rand(2, 2))
+        step(*args)
+        with pytest.raises(RuntimeError, match="one token per block call"):
+            step(*args)
+
+    def reads(ids, pos):
+        out = call(ids, pos)
+        return out if out.sum().item() else out  # a host read in the graphed call
+
+    step = h.cuda_graph(reads)
+    with torch.inference_mode():
+        one, at = torch.tensor([[5]]), torch.tensor([2])
+        step(one, at)
+        with pytest.raises(HostReadInCapture):
+            step(one, at)
+    h.remove()
+    with pytest.raises(RuntimeError, match="removed"):
+        h.cuda_graph(model)

@@ -1,0 +1,439 @@
+"""Routed experts inside a CUDA graph: the routing, the cache's map and the copies of missed
+experts stay on the device, so a decode step that loads the experts its router picks can be
+captured once and replayed (`ExpertStreamHandle.cuda_graph`).
+
+Note: [Routed experts in a CUDA graph]
+A captured graph cannot ask the host which experts a router picked, so in a captured call every
+decision is made by kernels, from tables on the device (`DeviceTables`):
+- ``slot_of[key]``: the cache slot holding expert ``key`` (a layer's first key plus the expert
+  index), -1 if none; ``key_of[s]`` and ``stamp[s]`` for each cache slot (the expert in it and
+  when it was last used); ``uses[key]`` (uses since setup, for "lfu"); a ``clock``. Each table
+  has one spare entry at its end (the *trash*): a write that must not happen is sent there, so
+  every update has a fixed shape and no host decision.
+- Graph mode keeps the cache's last ``top_k`` slots as the *stage*: the routed expert at place
+  r (routed experts in ascending order, as the resident loop visits them) is computed from
+  stage slot r, at an address fixed at capture. The others (``cache slots``) cache experts.
+- One block call of one token (``top_k`` routed experts): the routed experts are sorted; a hit
+  is an expert with a slot; each miss takes, in order, the unpinned slot of least score (LRU:
+  the stamp; LFU: uses, then the stamp; an empty slot first; a slot hit by this call is pinned)
+  while there are unpinned slots; the tables are updated through the trash entries.
+- One copy kernel then fills the stage: a hit from its cache slot (device to device), a miss
+  from the host store, read by the kernel through its mapped address (pinned host memory is
+  addressable from the device under unified addressing), and written to its new cache slot as
+  well. A miss left without a slot is copied to the stage only. The kernel and the compute run
+  on the compute stream, in its order: the stage is written after the previous block's
+  compute read it and read after it was written, in every replay. Copies over the link that
+  the kernel drives run at the link's rate (50 GB/s measured on an H100, with 51 GB/s for the
+  copy engine).
+- The experts then compute with the resident loop's operations, in its order, on the stage's
+  bytes, whose addresses keep the resident slices' alignment modulo 512 (every member's size is
+  a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
+  the resident model's.
+Who owns the map: the host (`ExpertCache`) in eager calls, the device tables in graph calls.
+Before a capture or a replay the host's map is written to the tables (``push``: the stage
+slots are emptied first); before an eager block call, a write of the host store, ``cached()``
+or ``remove()`` it is read back (``pull``: one host sync, after which every slot is free to be
+overwritten by an eager copy). Counters are kept on the device and added to the host's on
+``stats()``. On the CPU the same tables, updates and copies run as tensor operations (the
+copies index the host store's and the cache's bytes), so the bookkeeping is tested without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchoffload.moe._cache import CachePolicy
+from torchoffload.moe._layout import ALIGN, LayoutKind
+
+__all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
+
+_STAMP_BITS = 40  # LFU score: uses above the stamp (stamps stay below 2**40)
+
+
+def tables_of(rt: Any) -> DeviceTables:
+    """The runtime's device tables, made at its first capture."""
+    if rt.tables is None:
+        rt.tables = DeviceTables(rt)
+    return rt.tables
+
+
+def check_graphable(rt: Any) -> None:
+    """Refuse, before anything is captured, a model whose experts graph mode cannot serve."""
+    layout = rt.layout
+    for layer in layout.layers:
+        if layer.kind is not LayoutKind.FUSED:
+            raise ValueError(
+                f"cuda_graph replays routed experts of fused experts modules (transformers' "
+                f"layout); {layer.name!r} is a ModuleList of expert modules, whose Python runs "
+                "per expert and reads the routing on the host. Call the model without "
+                "cuda_graph (the eager path serves this layout)"
+            )
+        for m in layer.members:
+            if m.nbytes % ALIGN:
+                raise ValueError(
+                    f"cuda_graph needs each expert's slice of a fused parameter to be a multiple "
+                    f"of {ALIGN} bytes (its address alignment, which kernels may depend on, is "
+                    f"then the same for every expert); {layer.name}.{m.name} has {m.nbytes}. "
+                    "Call the model without cuda_graph"
+                )
+    if len(rt.cache.slots) < layout.top_k:
+        raise ValueError("the cache holds fewer slots than one token's routed experts")
+    if rt.device.type == "cuda":
+        if not rt.store.pinned:
+            raise ValueError(
+                "cuda_graph reads missed experts from pinned host memory: call "
+                "stream_experts with pin_memory=True (the default)"
+            )
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            raise ValueError("stream_experts' cuda_graph needs triton (its copy kernel)") from None
+
+
+class DeviceTables:
+    """The cache's map on the device, and the addresses the copy kernel reads (Note: [Routed
+    experts in a CUDA graph])."""
+
+    def __init__(self, rt: Any):
+        layout = rt.layout
+        dev = rt.device
+        self.rt = rt
+        self.k = layout.top_k
+        self.slots = len(rt.cache.slots)
+        self.cache_slots = self.slots - self.k  # the rest is the stage
+        self.keys = layout.total_experts
+        self.first = []  # each layer's first key
+        n = 0
+        for layer in layout.layers:
+            self.first.append(n)
+            n += layer.experts
+        self.lfu = rt.config.policy is CachePolicy.LFU
+        self.cuda = dev.type == "cuda"
+        i64 = dict(dtype=torch.int64, device=dev)
+        with torch.inference_mode(False), torch.no_grad():
+            self.slot_of = torch.full((self.keys + 1,), -1, **i64)
+            self.key_of = torch.full((self.cache_slots + 1,), -1, **i64)
+            self.stamp = torch.zeros(self.cache_slots + 1, **i64)
+            self.uses = torch.zeros(self.keys + 1, **i64)
+            self.clock = torch.zeros(1, **i64)
+            self.counts = torch.zeros(len(layout.layers), 4, **i64)  # calls tokens hits misses
+            self.order = torch.arange(self.k, **i64)
+            self.before = torch.ones(self.k, self.k, dtype=torch.bool, device=dev).tril()
+            self.token = torch.zeros(1, **i64)
+            self.big = torch.full((1,), 1 << 62, **i64)
+            self.none = torch.full((1,), -1, **i64)
+            base = rt.cache.data.data_ptr() if self.cuda else 0
+            self.cache_base = base
+            # per layer: member regions, sizes, the stage's and the host's addresses
+            self.region, self.sizes, self.stage, self.host = [], [], [], []
+            slot_bytes = rt.cache.slot_bytes
+            for li, layer in enumerate(layout.layers):
+                region = torch.tensor([m.region for m in layer.members], **i64)
+                self.region.append(region)
+                self.sizes.append([m.nbytes for m in layer.members])
+                stage = [[base + (self.cache_slots + r) * slot_bytes + m.region
+                          for m in layer.members] for r in range(self.k)]  # fmt: skip
+                self.stage.append(torch.tensor(stage, **i64))
+                hbase = rt.store.hosts[li].data_ptr() if self.cuda else 0
+                rows = []
+                for e in range(layer.experts):
+                    row = []
+                    for m in range(len(layer.members)):
+                        piece, offset = layer.source(e, m)
+                        row.append(hbase + layer.pieces[piece].host_offset + offset)
+                    rows.append(row)
+                rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
+                self.host.append(torch.tensor(rows, **i64))
+        self.owned = False  # the device's map is the one in force
+        self.warm = False
+
+    # -- the map between host and device --------------------------------------------------------
+
+    def push(self) -> None:
+        """The host's map to the tables (before a capture or a replay); the compute stream
+        waits for the eager copies still in flight (graph calls read any slot)."""
+        if self.owned:
+            return
+        cache = self.rt.cache
+        engine = self.rt.engine
+        for slot in cache.slots:
+            if slot.ready is not None:
+                engine.wait(slot.ready)
+        for slot in cache.slots[self.cache_slots :]:  # the stage: emptied
+            if slot.key is not None:
+                cache.forget(slot.key)
+        key_of = [-1] * (self.cache_slots + 1)
+        stamp = [-1 - i for i in range(self.cache_slots + 1)]  # empty slots first, slot 0 first
+        slot_of = [-1] * (self.keys + 1)
+        order = cache.policy_order()  # keys, least recently used first
+        for t, key in enumerate(order):
+            s = cache.where[key].index
+            key_of[s] = self.first[key[0]] + key[1]
+            stamp[s] = t
+            slot_of[key_of[s]] = s
+        uses = [0] * (self.keys + 1)
+        for key, u in cache.policy_uses().items():
+            uses[self.first[key[0]] + key[1]] = u
+        with torch.inference_mode(False), torch.no_grad():
+            for table, values in ((self.key_of, key_of), (self.stamp, stamp),
+                                  (self.slot_of, slot_of), (self.uses, uses)):  # fmt: skip
+                table.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=False)
+            self.clock.fill_(len(order))
+        self.owned = True
+
+    def pull(self) -> None:
+        """The tables' map back to the host's cache (one host sync); every slot's events are
+        dropped (the sync waited for the work that read or wrote it)."""
+        if not self.owned:
+            return
+        self.pull_counts()
+        key_of = self.key_of.tolist()
+        stamp = self.stamp.tolist()
+        uses = self.uses.tolist()
+        located = sorted((stamp[s], s) for s in range(self.cache_slots) if key_of[s] >= 0)
+        keys = {}
+        for first_li, first in enumerate(self.first):
+            for e in range(self.rt.layout.layers[first_li].experts):
+                keys[first + e] = (first_li, e)
+        self.rt.cache.load_map([(keys[key_of[s]], s) for _, s in located],
+                               {keys[i]: u for i, u in enumerate(uses[:-1]) if u})  # fmt: skip
+        self.owned = False
+
+    def pull_counts(self) -> None:
+        """The device's counters added to the host's, and zeroed (one host sync)."""
+        counts = self.counts.tolist()
+        if not any(any(row) for row in counts):
+            return
+        for li, (calls, tokens, hits, misses) in enumerate(counts):
+            c = self.rt.counters[li]
+            c.calls += calls
+            c.tokens += tokens
+            c.hits += hits
+            c.misses += misses
+            c.loads += misses
+            c.h2d_bytes += misses * self.rt.layout.layers[li].expert_bytes
+        with torch.inference_mode(False), torch.no_grad():
+            self.counts.zero_()
+
+    # -- one block call -------------------------------------------------------------------------
+
+    def route(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tables' update for one token routed to ``experts`` (sorted, ``k`` of them; the
+        layer's expert count marks none) and the copy plan: per place, its source addresses,
+        whether it is copied, the cache addresses a miss is written to and whether it is."""
+        layer = self.rt.layout.layers[li]
+        n = layer.experts
+        sb = self.rt.cache.slot_bytes
+        trash_key = self.keys
+        valid = experts < n
+        key = torch.where(valid, experts + self.first[li], trash_key)
+        slot = self.slot_of[key]
+        hit = slot >= 0
+        miss = valid & ~hit
+        before = (self.before & miss.unsqueeze(0)).sum(1)  # misses before each place, itself too
+        rank = before - 1
+        sc = self.cache_slots
+        region = self.region[li]
+        if sc:
+            score = self.stamp[:sc]
+            if self.lfu:
+                owner = torch.where(self.key_of[:sc] >= 0, self.key_of[:sc], trash_key)
+                score = self.uses[owner] * (1 << _STAMP_BITS) + score
+                score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
+            score = torch.cat([score, self.big])
+            score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: this call's hits
+            nv = min(self.k, sc)
+            victims = torch.topk(score[:sc], nv, largest=False).indices
+            free = torch.clamp(sc - hit.sum(), max=nv)
+            write = miss & (rank < free)
+            vslot = victims[rank.clamp(0, nv - 1)]
+            old = self.key_of[vslot]
+            self.slot_of.index_put_((torch.where(write & (old >= 0), old, trash_key),),
+                                    self.none)  # fmt: skip
+            self.slot_of.index_put_((torch.where(write, key, trash_key),), vslot)
+            self.key_of.index_put_((torch.where(write, vslot, sc),), key)
+            self.slot_of[trash_key:].fill_(-1)
+            used = torch.where(hit, slot, torch.where(write, vslot, sc))
+            self.stamp.index_put_((used,), self.clock + self.order)
+            self.clock.add_(self.k)
+            dst = self.cache_base + vslot.unsqueeze(1) * sb + region
+        else:
+            write = torch.zeros_like(miss)
+            dst = self.stage[li]
+        self.uses.index_put_((key,), torch.ones_like(key), accumulate=True)
+        self.uses[trash_key:].fill_(0)
+        host = self.host[li][torch.where(valid, experts, n)]
+        cached = self.cache_base + slot.clamp(min=0).unsqueeze(1) * sb + region
+        src = torch.where(miss.unsqueeze(1), host, cached)
+        counts = self.counts[li]
+        counts[:2] += 1  # a call of one token
+        counts[2] += (valid & hit).sum()
+        counts[3] += miss.sum()
+        return src, valid, miss, dst, write
+
+    def warm_up(self) -> None:
+        """Compile the copy kernel for every layer's shapes (outside a capture), copying
+        nothing."""
+        if self.warm or not self.cuda:
+            self.warm = True
+            return
+        from torchoffload.moe._kernels import copy_routed
+
+        none = torch.zeros(self.k, dtype=torch.bool, device=self.rt.device)
+        for li in range(len(self.rt.layout.layers)):
+            stage = self.stage[li]
+            copy_routed(stage, stage, none, stage, none, self.sizes[li])
+        self.warm = True
+
+    def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
+             dst: torch.Tensor, write: torch.Tensor) -> None:  # fmt: skip
+        """Fill the stage (and a miss's cache slot) for layer ``li``'s call."""
+        stage = self.stage[li]
+        if self.cuda:
+            from torchoffload.moe._kernels import copy_routed
+
+            copy_routed(src, stage, valid, dst, write, self.sizes[li])
+            return
+        host = self.rt.store.hosts[li]
+        cache = self.rt.cache.data
+        for m, nbytes in enumerate(self.sizes[li]):
+            span = torch.arange(nbytes, dtype=torch.int64)
+            from_host = host[(torch.where(miss, src[:, m], 0)).unsqueeze(1) + span]
+            from_cache = cache[(torch.where(miss, 0, src[:, m])).unsqueeze(1) + span]
+            x = torch.where(miss.unsqueeze(1), from_host, from_cache)
+            to_stage = stage[:, m]
+            cache.index_put_((to_stage.unsqueeze(1) + span,), x)
+            cache.index_put_((torch.where(write, dst[:, m], to_stage).unsqueeze(1) + span,), x)
+
+    def views(self, li: int, r: int) -> list[torch.Tensor]:
+        """The members of the expert at place ``r`` in the stage."""
+        layer = self.rt.layout.layers[li]
+        storage = self.rt.cache.storage
+        out = []
+        start = (self.cache_slots + r) * self.rt.cache.slot_bytes
+        for m in layer.members:
+            t = torch.empty(0, dtype=m.dtype, device=self.rt.device)
+            out.append(t.set_(storage, (start + m.region) // t.element_size(), m.size, m.stride))
+        return out
+
+
+def graphed_forward(
+    rt: Any,
+    li: int,
+    module: Any,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The fused experts' forward in a captured call: one token, its routed experts loaded and
+    computed with no host decision (Note: [Routed experts in a CUDA graph])."""
+    tables = rt.tables
+    layer = rt.layout.layers[li]
+    if hidden_states.dim() != 2 or hidden_states.shape[0] != 1:
+        raise RuntimeError(
+            f"cuda_graph of stream_experts serves one token per block call (a decode step of "
+            f"batch 1); {layer.name!r} was called on {tuple(hidden_states.shape)} hidden "
+            "states. Run prefills and larger batches outside the graphed function"
+        )
+    if top_k_index.shape != (1, tables.k):
+        raise RuntimeError(
+            f"cuda_graph of stream_experts expects {tables.k} routed experts per token, "
+            f"{layer.name!r} got routing of shape {tuple(top_k_index.shape)}"
+        )
+    with torch.no_grad():
+        experts, place = top_k_index[0].sort()
+        plan = tables.route(li, experts)
+        tables.copy(li, *plan)
+    valid = plan[1]
+    final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
+                        device=hidden_states.device)  # fmt: skip
+    trash = tables.token + 1
+    for r in range(tables.k):
+        gate_up_proj, down_proj = tables.views(li, r)
+        token_idx = tables.token
+        top_k_pos = place[r : r + 1]
+        current_state = hidden_states[token_idx]
+        gate, up = F.linear(current_state, gate_up_proj).chunk(2, dim=-1)
+        current = module.act_fn(gate) * up
+        current = F.linear(current, down_proj)
+        current = current * top_k_weights[token_idx, top_k_pos, None]
+        into = torch.where(valid[r : r + 1], token_idx, trash)  # an expert index of none: trash
+        final.index_add_(0, into, current.to(final.dtype))
+    return final[:1]
+
+
+def _idle(rt: Any, what: str) -> None:
+    """Refuse ``what`` while a block of the model runs (an interrupted one ended first)."""
+    rt._reap()
+    if any(b.active for b in rt.blocks):
+        raise RuntimeError(f"{what} inside a forward of the streamed model")
+
+
+class _Replay:
+    __slots__ = ("loaded", "primes")
+
+    def __init__(self) -> None:
+        self.loaded = 0
+        self.primes: tuple = ()
+
+
+class ExpertGraphs:
+    """The `GraphRuntime` (weights/_graph.py) of `ExpertStreamHandle.cuda_graph`: the device
+    tables own the cache's map around a capture and each replay; nothing is primed."""
+
+    def __init__(self, rt: Any):
+        self.rt = rt
+        self.device = rt.device
+        self.engine = rt.engine
+
+    @property
+    def removed(self) -> bool:
+        return self.rt.removed
+
+    def graph_ready(self) -> bool:
+        return True
+
+    def graph_state(self) -> Any:
+        return None
+
+    def primes(self) -> tuple:
+        return ()
+
+    def prepare_capture(self, primes: tuple = ()) -> None:
+        rt = self.rt
+        with rt._lock:
+            rt._check_live()
+            _idle(rt, "a captured call")
+            tables = tables_of(rt)
+            tables.push()
+            tables.warm_up()
+
+    def start_capture(self, engine: Any, primes: tuple = ()) -> None:
+        self.rt.graphing = True
+
+    def finish_capture(self) -> tuple:
+        self.rt.graphing = False
+        return ()
+
+    def end_capture(self, keep: tuple = ()) -> Any:
+        from torchoffload.weights._arena import Counters
+
+        self.rt.graphing = False
+        return Counters()  # a replay's copies depend on its routing: the handle counts them
+
+    @contextlib.contextmanager
+    def graph_replaying(self, state: Any, primes: tuple = ()):
+        rt = self.rt
+        with rt._lock:
+            rt._check_live()
+            _idle(rt, "a graph replay")
+            tables_of(rt).push()
+            yield _Replay()
+
+    def count_replay(self, delta: Any) -> None:
+        pass
