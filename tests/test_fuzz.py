@@ -32,13 +32,14 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import EmbedResidual  # tests/ is on sys.path
-from fuzz_models import Spec, build, build_moe, loss_of, moe_specs, specs, tokens
+from fuzz_models import MoESpec, Spec, build, build_moe, loss_of, moe_specs, specs, tokens
 from hypothesis import HealthCheck, Phase, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import torchoffload as to
 from torchoffload._hosted import HOSTED
+from torchoffload.weights._syncs import HostReadInCapture
 
 # - Profiles
 
@@ -860,6 +861,7 @@ class InferenceMachine(RuleBasedStateMachine):
     under no_grad or inference_mode with other shapes in between."""
 
     ENGINE = "stream_weights"
+    last_refusal: BaseException | None = None  # the cause of the last Refused
 
     def op_ok(self, op: str) -> bool:
         return not broken(self.ENGINE, op)
@@ -920,8 +922,9 @@ class InferenceMachine(RuleBasedStateMachine):
         try:
             with refusal_allowed(lambda: values(self.off)):
                 got = fn(self.off, self.call)
-        except Refused:
+        except Refused as e:
             count(REFUSED, self.ENGINE)
+            self.last_refusal = e.__cause__
             if self.pending:
                 self.stopped = True
             return None
@@ -1076,6 +1079,108 @@ class Experts(InferenceMachine):
         self.call = self.off
 
 
+class FusedMoE(torch.nn.Module):
+    """Embedding, ``layers`` x (norm, transformers' Qwen3-MoE sparse block: a router and fused
+    experts, residual), a head: the fused layout that `stream_experts`' graph mode serves."""
+
+    def __init__(self, dim, width, experts, top_k, norm_topk, layers, dtype, seed):
+        super().__init__()
+        import transformers
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=32, hidden_size=dim, moe_intermediate_size=width, num_experts=experts,
+            num_experts_per_tok=top_k, norm_topk_prob=norm_topk, experts_implementation="eager",
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        self.emb = torch.nn.Embedding(32, dim)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.blocks = torch.nn.ModuleList(Qwen3MoeSparseMoeBlock(cfg) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 32)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.normal_(0, 0.3)
+        self.to(dtype)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for norm, block in zip(self.norms, self.blocks, strict=True):
+            h = h + block(norm(h))
+        return self.head(h)
+
+
+class ExpertGraph(Experts):
+    """stream_experts' handle.cuda_graph on fused experts (Note: [Routed experts in a CUDA
+    graph]): one-token calls are captured and replayed with the routing, the cache's map and
+    the copies on the (CPU-emulated) device; other shapes run eagerly the first time and are
+    refused at their capture. Every inference operation between calls, compared bitwise."""
+
+    ENGINE = "expert_graph"
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
+        pytest.importorskip("transformers")
+        self.stopped = False
+        self.pending = False
+        dims = dict(
+            dim=data.draw(st.sampled_from([16, 32]), label="dim"),
+            width=data.draw(st.sampled_from([8, 16, 32]), label="width"),
+            experts=data.draw(st.integers(2, 8), label="experts"),
+            norm_topk=data.draw(st.booleans(), label="norm_topk"),
+            layers=data.draw(st.integers(1, 2), label="layers"),
+            dtype=data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype"),
+            seed=data.draw(st.integers(0, 99), label="seed"),
+        )
+        dims["top_k"] = data.draw(st.integers(1, min(3, dims["experts"])), label="top_k")
+        self.spec = MoESpec(vocab=32, dim=dims["dim"], hidden=dims["width"], layers=1,
+                            experts=dims["experts"], top_k=dims["top_k"], bias=False,
+                            norm_topk=dims["norm_topk"], dense_first=False,
+                            dtype=str(dims["dtype"]).removeprefix("torch."), seed=0)  # fmt: skip
+        self.handle = None
+        self.ref, self.off = FusedMoE(**dims).eval(), FusedMoE(**dims).eval()
+        least = to.minimum_cache_bytes(self.off)
+        slot = least // dims["top_k"]
+        total = dims["experts"] * dims["layers"]
+        slots = data.draw(st.integers(dims["top_k"], total + 1), label="slots")
+        self.kw = dict(
+            cache_bytes=slots * slot,
+            policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
+        )
+        try:
+            with refusal_allowed(lambda: values(self.off)):
+                self.apply()
+        except Refused:
+            self.stopped = True
+
+    def apply(self):
+        self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        self.call = self.handle.cuda_graph(self.off)
+
+    def both(self, fn, what):
+        try:
+            return super().both(fn, what)
+        finally:  # a refusal for a host read would be the graphed path's own: a finding
+            assert not isinstance(self.last_refusal, HostReadInCapture), self.last_refusal
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def decode_step(self, data):
+        """One token: the graph's call (twice as often as other shapes)."""
+        x = tokens(self.spec, 1, 1, data.draw(st.integers(0, 99), label="input seed"))
+
+        def fn(model, call):
+            with torch.inference_mode():
+                return call(x).clone()
+
+        self.both(fn, "one token")
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def decode_step_again(self, data):
+        self.decode_step(data)
+
+
 # - Compiled engines: the program at a random budget against the same program with every unit
 # kept (compiled code is not bitwise eager code).
 
@@ -1166,6 +1271,7 @@ ENGINES = {
     "stream_weights": (InferenceMachine, 15),
     "cuda_graph": (CudaGraph, 10),
     "stream_experts": (Experts, 15),
+    "expert_graph": (ExpertGraph, 10),
     "compile_streamed": (CompiledMachine, 0),
     "package": (Package, 0),
 }
