@@ -151,6 +151,9 @@ class DeviceTables:
                 self.host.append(torch.tensor(rows, **i64))
         self.owned = False  # the device's map is the one in force
         self.warm = False
+        if self.cuda:  # the stage's copies, one event per place
+            self.side = torch.cuda.Stream(dev)
+            self.events = [torch.cuda.Event() for _ in range(self.k)]
 
     # -- the map between host and device --------------------------------------------------------
 
@@ -286,19 +289,30 @@ class DeviceTables:
 
         none = torch.zeros(self.k, dtype=torch.bool, device=self.rt.device)
         for li in range(len(self.rt.layout.layers)):
-            stage = self.stage[li]
-            copy_routed(stage, stage, none, stage, none, self.sizes[li])
+            stage = self.stage[li][:1]
+            copy_routed(stage, stage, none[:1], stage, none[:1], self.sizes[li])
         self.warm = True
 
     def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
-             dst: torch.Tensor, write: torch.Tensor) -> None:  # fmt: skip
-        """Fill the stage (and a miss's cache slot) for layer ``li``'s call."""
+             dst: torch.Tensor, write: torch.Tensor) -> list | None:  # fmt: skip
+        """Fill the stage (and a miss's cache slot) for layer ``li``'s call; on CUDA, the
+        events after each place's copy (the compute stream waits on each before its
+        expert)."""
         stage = self.stage[li]
         if self.cuda:
             from torchoffload.moe._kernels import copy_routed
 
-            copy_routed(src, stage, valid, dst, write, self.sizes[li])
-            return
+            # the copy stream waits for the plan and for the last reads of the stage and of
+            # the victims' slots (all queued before on the compute stream); one launch per
+            # place, each followed by its event: place r computes while r + 1... are copied
+            compute = torch.cuda.current_stream(self.rt.device)
+            self.side.wait_stream(compute)
+            with torch.cuda.stream(self.side):
+                for r, event in enumerate(self.events):
+                    p = slice(r, r + 1)
+                    copy_routed(src[p], stage[p], valid[p], dst[p], write[p], self.sizes[li])
+                    event.record(self.side)
+            return self.events
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
         for m, nbytes in enumerate(self.sizes[li]):
@@ -309,6 +323,7 @@ class DeviceTables:
             to_stage = stage[:, m]
             cache.index_put_((to_stage.unsqueeze(1) + span,), x)
             cache.index_put_((torch.where(write, dst[:, m], to_stage).unsqueeze(1) + span,), x)
+        return None
 
     def views(self, li: int, r: int) -> list[torch.Tensor]:
         """The members of the expert at place ``r`` in the stage."""
@@ -348,12 +363,14 @@ def graphed_forward(
     with torch.no_grad():
         experts, place = top_k_index[0].sort()
         plan = tables.route(li, experts)
-        tables.copy(li, *plan)
+        copied = tables.copy(li, *plan)
     valid = plan[1]
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
                         device=hidden_states.device)  # fmt: skip
     trash = tables.token + 1
     for r in range(tables.k):
+        if copied is not None:
+            torch.cuda.current_stream(hidden_states.device).wait_event(copied[r])
         gate_up_proj, down_proj = tables.views(li, r)
         token_idx = tables.token
         top_k_pos = place[r : r + 1]
