@@ -1146,6 +1146,7 @@ class ExpertGraph(Experts):
         self.kw = dict(
             cache_bytes=slots * slot,
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
+            prefetch=data.draw(st.booleans(), label="prefetch"),
         )
         try:
             with refusal_allowed(lambda: values(self.off)):

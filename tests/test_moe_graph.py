@@ -60,12 +60,13 @@ def prompt(seq=4, seed=1):
 @pytest.mark.parametrize("slots", [2, 5, 16])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graphed_decode_is_bitwise(slots, policy, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_graphed_decode_is_bitwise(slots, policy, dtype, prefetch):
     ref, model = qwen3(dtype=dtype), qwen3(dtype=dtype)
     want, _ = decode(ref, prompt(), 10)
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, policy=policy,
-                          pin_memory=False)  # fmt: skip
+                          pin_memory=False, prefetch=prefetch)  # fmt: skip
     got, (g, _) = decode(model, prompt(), 10, wrap=h.cuda_graph)
     assert torch.equal(got, want)
     gs = g.stats()
@@ -73,7 +74,9 @@ def test_graphed_decode_is_bitwise(slots, policy, dtype):
     st = h.stats()
     assert st.calls == 10 and st.tokens == 4 + 9  # prefill and 9 steps, per layer
     uses = sum(layer.uses for layer in st.layers)
-    assert st.hits + st.misses == uses and st.h2d_bytes == st.misses * st.layers[0].expert_bytes
+    assert st.hits + st.misses == uses
+    assert st.h2d_bytes == (st.misses + st.prefetched) * st.layers[0].expert_bytes
+    assert (st.prefetched > 0) == (prefetch and slots > 2)  # the least cache has no room
     if slots == 2:  # the least cache: graph mode stages every expert from the host
         assert st.layers[0].hits == 0 or st.calls > 2
     if slots == 16:  # every expert fits (14 cache slots beside the stage of 2): cold misses only
@@ -221,3 +224,41 @@ def test_graph_mode_refuses_what_it_cannot_serve():
     h.remove()
     with pytest.raises(RuntimeError, match="removed"):
         h.cuda_graph(model)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_prefetch_turns_the_next_blocks_misses_into_hits_when_the_prediction_holds():
+    """Layer 1's router is layer 0's and the blocks barely change the hidden states, so the
+    next router's prediction is its choice: with prefetch, layer 1 misses only where the
+    cache evicted; without, as often as layer 0."""
+
+    def build():
+        m = qwen3()
+        with torch.no_grad():
+            layers = m.model.layers
+            layers[1].mlp.gate.weight.copy_(layers[0].mlp.gate.weight * 20)
+            layers[0].mlp.gate.weight.mul_(20)
+            layers[1].post_attention_layernorm.weight.copy_(
+                layers[0].post_attention_layernorm.weight
+            )
+            for layer in layers:
+                layer.self_attn.o_proj.weight.mul_(1e-4)
+                layer.mlp.experts.down_proj.mul_(1e-4)
+        return m
+
+    ref = build()
+    want, _ = decode(ref, prompt(), 12)
+    layer1 = {}
+    for prefetch in (False, True):
+        model = build()
+        slot_bytes = to.minimum_cache_bytes(model) // 2
+        h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False,
+                              prefetch=prefetch)  # fmt: skip
+        got, _ = decode(model, prompt(), 12, wrap=h.cuda_graph)
+        assert torch.equal(got, want)
+        st = h.stats()
+        layer1[prefetch] = st.layers[1]
+        assert (st.prefetched > 0) == prefetch
+        h.remove()
+    # the prefill and the first step run eagerly alike; the 10 replays differ
+    assert layer1[True].misses + 10 <= layer1[False].misses, layer1

@@ -29,6 +29,7 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   bytes, whose addresses keep the resident slices' alignment modulo 512 (every member's size is
   a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
   the resident model's.
+- With ``prefetch=True``, see Note: [Prefetch by the next router].
 Who owns the map: the host (`ExpertCache`) in eager calls, the device tables in graph calls.
 Before a capture or a replay the host's map is written to the tables (``push``: the stage
 slots are emptied first); before an eager block call, a write of the host store, ``cached()``
@@ -49,6 +50,22 @@ import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._layout import ALIGN, LayoutKind
+
+# Note: [Prefetch by the next router]
+# A block's experts can be copied only after its router ran, so in a graph call the link idles
+# while a block computes unless the next block's experts are known earlier. The residual stream
+# changes little from one block to the next, so the next block's router run on this block's
+# hidden states (the experts' input) predicts most of its choice (pre-gating). With
+# ``prefetch=True``, right after a block's own copies are queued, the next block's router runs on
+# its hidden states, and the predicted experts the cache lacks take slots (the same victim rule;
+# stamped as used now) and are copied into the cache on the copy stream, after this block's
+# copies (so a slot this block reads is never overwritten before its stage copy, by the copy
+# stream's order). The next block's own routing then finds them as hits; its stage copies queue
+# behind the prefetch copies on the same stream, so a hit never reads a slot before its copy
+# landed. A wrong prediction costs link time and may evict a useful expert; outputs never change
+# (every expert computes from the bytes of the expert its own router picked). Counted in
+# ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch: an eager call's
+# Python runs long enough that its copies are already overlapped.
 
 __all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
 
@@ -121,12 +138,14 @@ class DeviceTables:
             self.stamp = torch.zeros(self.cache_slots + 1, **i64)
             self.uses = torch.zeros(self.keys + 1, **i64)
             self.clock = torch.zeros(1, **i64)
-            self.counts = torch.zeros(len(layout.layers), 4, **i64)  # calls tokens hits misses
+            # per layer: calls, tokens, hits, misses, prefetched
+            self.counts = torch.zeros(len(layout.layers), 5, **i64)
             self.order = torch.arange(self.k, **i64)
             self.before = torch.ones(self.k, self.k, dtype=torch.bool, device=dev).tril()
             self.token = torch.zeros(1, **i64)
             self.big = torch.full((1,), 1 << 62, **i64)
             self.none = torch.full((1,), -1, **i64)
+            self.no_write = torch.zeros(self.k, dtype=torch.bool, device=dev)
             base = rt.cache.data.data_ptr() if self.cuda else 0
             self.cache_base = base
             # per layer: member regions, sizes, the stage's and the host's addresses
@@ -212,26 +231,26 @@ class DeviceTables:
         counts = self.counts.tolist()
         if not any(any(row) for row in counts):
             return
-        for li, (calls, tokens, hits, misses) in enumerate(counts):
+        for li, (calls, tokens, hits, misses, prefetched) in enumerate(counts):
             c = self.rt.counters[li]
             c.calls += calls
             c.tokens += tokens
             c.hits += hits
             c.misses += misses
-            c.loads += misses
-            c.h2d_bytes += misses * self.rt.layout.layers[li].expert_bytes
+            c.prefetched += prefetched
+            c.loads += misses + prefetched
+            c.h2d_bytes += (misses + prefetched) * self.rt.layout.layers[li].expert_bytes
         with torch.inference_mode(False), torch.no_grad():
             self.counts.zero_()
 
     # -- one block call -------------------------------------------------------------------------
 
-    def route(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The tables' update for one token routed to ``experts`` (sorted, ``k`` of them; the
-        layer's expert count marks none) and the copy plan: per place, its source addresses,
-        whether it is copied, the cache addresses a miss is written to and whether it is."""
-        layer = self.rt.layout.layers[li]
-        n = layer.experts
-        sb = self.rt.cache.slot_bytes
+    def _admit(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Find ``experts`` (sorted; the layer's expert count marks none) in the cache and
+        give each miss, in order, a slot while unpinned slots last (a slot hit by these
+        experts is pinned); the map updated. Returns key, valid, slot, hit, miss, write (got
+        a slot), vslot (that slot) and its cache addresses."""
+        n = self.rt.layout.layers[li].experts
         trash_key = self.keys
         valid = experts < n
         key = torch.where(valid, experts + self.first[li], trash_key)
@@ -241,43 +260,65 @@ class DeviceTables:
         before = (self.before & miss.unsqueeze(0)).sum(1)  # misses before each place, itself too
         rank = before - 1
         sc = self.cache_slots
-        region = self.region[li]
+        if not sc:
+            return key, valid, slot, hit, miss, torch.zeros_like(miss), None, self.stage[li]
+        score = self.stamp[:sc]
+        if self.lfu:
+            owner = torch.where(self.key_of[:sc] >= 0, self.key_of[:sc], trash_key)
+            score = self.uses[owner] * (1 << _STAMP_BITS) + score
+            score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
+        score = torch.cat([score, self.big])
+        score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: the hits
+        nv = min(self.k, sc)
+        victims = torch.topk(score[:sc], nv, largest=False).indices
+        free = torch.clamp(sc - hit.sum(), max=nv)
+        write = miss & (rank < free)
+        vslot = victims[rank.clamp(0, nv - 1)]
+        old = self.key_of[vslot]
+        self.slot_of.index_put_((torch.where(write & (old >= 0), old, trash_key),), self.none)
+        self.slot_of.index_put_((torch.where(write, key, trash_key),), vslot)
+        self.key_of.index_put_((torch.where(write, vslot, sc),), key)
+        self.slot_of[trash_key:].fill_(-1)
+        dst = self.cache_base + vslot.unsqueeze(1) * self.rt.cache.slot_bytes + self.region[li]
+        return key, valid, slot, hit, miss, write, vslot, dst
+
+    def route(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The tables' update for one token routed to ``experts`` (sorted, ``k`` of them; the
+        layer's expert count marks none) and the copy plan: per place, its source addresses,
+        whether it is copied, the cache addresses a miss is written to and whether it is."""
+        n = self.rt.layout.layers[li].experts
+        sc = self.cache_slots
+        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts)
         if sc:
-            score = self.stamp[:sc]
-            if self.lfu:
-                owner = torch.where(self.key_of[:sc] >= 0, self.key_of[:sc], trash_key)
-                score = self.uses[owner] * (1 << _STAMP_BITS) + score
-                score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
-            score = torch.cat([score, self.big])
-            score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: this call's hits
-            nv = min(self.k, sc)
-            victims = torch.topk(score[:sc], nv, largest=False).indices
-            free = torch.clamp(sc - hit.sum(), max=nv)
-            write = miss & (rank < free)
-            vslot = victims[rank.clamp(0, nv - 1)]
-            old = self.key_of[vslot]
-            self.slot_of.index_put_((torch.where(write & (old >= 0), old, trash_key),),
-                                    self.none)  # fmt: skip
-            self.slot_of.index_put_((torch.where(write, key, trash_key),), vslot)
-            self.key_of.index_put_((torch.where(write, vslot, sc),), key)
-            self.slot_of[trash_key:].fill_(-1)
             used = torch.where(hit, slot, torch.where(write, vslot, sc))
             self.stamp.index_put_((used,), self.clock + self.order)
             self.clock.add_(self.k)
-            dst = self.cache_base + vslot.unsqueeze(1) * sb + region
-        else:
-            write = torch.zeros_like(miss)
-            dst = self.stage[li]
         self.uses.index_put_((key,), torch.ones_like(key), accumulate=True)
-        self.uses[trash_key:].fill_(0)
+        self.uses[self.keys :].fill_(0)
         host = self.host[li][torch.where(valid, experts, n)]
-        cached = self.cache_base + slot.clamp(min=0).unsqueeze(1) * sb + region
+        sb = self.rt.cache.slot_bytes
+        cached = self.cache_base + slot.clamp(min=0).unsqueeze(1) * sb + self.region[li]
         src = torch.where(miss.unsqueeze(1), host, cached)
         counts = self.counts[li]
         counts[:2] += 1  # a call of one token
         counts[2] += (valid & hit).sum()
         counts[3] += miss.sum()
         return src, valid, miss, dst, write
+
+    def prefetch(self, li: int, experts: torch.Tensor) -> None:
+        """Copy into the cache, on the copy stream after the stage's copies, the predicted
+        ``experts`` of layer ``li`` that it lacks (Note: [Prefetch by the next router]); they
+        count as used now (LRU) and not as uses (LFU)."""
+        if not self.cache_slots:
+            return
+        n = self.rt.layout.layers[li].experts
+        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts)
+        self.stamp.index_put_((torch.where(write, vslot, self.cache_slots),),
+                              self.clock + self.order)  # fmt: skip
+        self.clock.add_(self.k)
+        self.counts[li, 4] += write.sum()
+        host = self.host[li][torch.where(valid, experts, n)]
+        self._copy(li, host, dst, write)
 
     def warm_up(self) -> None:
         """Compile the copy kernel for every layer's shapes (outside a capture), copying
@@ -325,6 +366,25 @@ class DeviceTables:
             cache.index_put_((torch.where(write, dst[:, m], to_stage).unsqueeze(1) + span,), x)
         return None
 
+    def _copy(self, li: int, src: torch.Tensor, dst: torch.Tensor, write: torch.Tensor) -> None:
+        """Copy, where ``write``, each place's expert from host addresses ``src`` into cache
+        addresses ``dst`` (the prefetch's copy: queued on the copy stream)."""
+        if self.cuda:
+            from torchoffload.moe._kernels import copy_routed
+
+            self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
+            with torch.cuda.stream(self.side):
+                copy_routed(src, dst, write, dst, self.no_write, self.sizes[li])
+            return
+        host = self.rt.store.hosts[li]
+        cache = self.rt.cache.data
+        for m, nbytes in enumerate(self.sizes[li]):
+            span = torch.arange(nbytes, dtype=torch.int64)
+            for r in range(self.k):  # in order: a place without a copy writes back what is there
+                at = dst[r, m] + span
+                x = torch.where(write[r], host[src[r, m] + span], cache[at])
+                cache.index_put_((at,), x)
+
     def views(self, li: int, r: int) -> list[torch.Tensor]:
         """The members of the expert at place ``r`` in the stage."""
         layer = self.rt.layout.layers[li]
@@ -364,6 +424,10 @@ def graphed_forward(
         experts, place = top_k_index[0].sort()
         plan = tables.route(li, experts)
         copied = tables.copy(li, *plan)
+        if rt.config.prefetch and li + 1 < len(rt.layout.layers):
+            predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
+            if predicted is not None:
+                tables.prefetch(li + 1, predicted)
     valid = plan[1]
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
                         device=hidden_states.device)  # fmt: skip
@@ -389,6 +453,26 @@ def _idle(rt: Any, what: str) -> None:
     rt._reap()
     if any(b.active for b in rt.blocks):
         raise RuntimeError(f"{what} inside a forward of the streamed model")
+
+
+def predict(layer: Any, hidden_states: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The ``k`` experts ``layer``'s router picks for ``hidden_states`` (one token), sorted;
+    None where its router is not found or answers in another form (Note: [Prefetch by the
+    next router])."""
+    router = next((getattr(layer.block, n) for n in ("gate", "router") if
+                   isinstance(getattr(layer.block, n, None), torch.nn.Module)), None)  # fmt: skip
+    if router is None:
+        return None
+    out = router(hidden_states)
+    if isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], torch.Tensor):
+        index = out[2]  # transformers' routers: (logits, weights, indices)
+    elif isinstance(out, torch.Tensor) and out.shape[-1] == layer.experts:
+        index = torch.topk(out, min(k, layer.experts), dim=-1).indices
+    else:
+        return None
+    if index.shape != (1, k) or index.dtype not in (torch.int64, torch.int32):
+        return None
+    return index[0].to(torch.int64).sort().values
 
 
 class _Replay:

@@ -74,6 +74,7 @@ class ExpertStats:
     h2d_bytes: int  # expert bytes copied to the device
     h2d_copies: int  # experts copied (with `unused` ones)
     unused: int  # experts copied ahead for a use that did not come (a failed block)
+    prefetched: int  # experts copied ahead on the next router's prediction (prefetch=True)
     setup_s: float
 
     @property
@@ -162,6 +163,7 @@ class ExpertStreamHandle:
                 h2d_bytes=sum(c.h2d_bytes for c in cs),
                 h2d_copies=sum(c.loads for c in cs),
                 unused=sum(c.unused for c in cs),
+                prefetched=sum(c.prefetched for c in cs),
                 setup_s=self._setup_s,
             )
 
@@ -238,6 +240,7 @@ def stream_experts(
     policy: str = "lru",
     use_streams: bool = True,
     pin_memory: bool = True,
+    prefetch: bool = False,
 ) -> ExpertStreamHandle:
     """Keep ``model``'s experts in pinned host memory and copy to ``device`` only the experts
     each block's router picks that are not in a device cache of ``cache_bytes``.
@@ -260,6 +263,10 @@ def stream_experts(
         use_streams: copy on a dedicated stream (overlapping compute); ``False`` queues the
             copies on the compute stream.
         pin_memory: page-lock the host store (only where an accelerator exists).
+        prefetch: in calls replayed by `cuda_graph`, run each next block's router on the
+            current block's hidden states and copy the experts it predicts into the cache
+            while this block computes (Note: [Prefetch by the next router]). Eager calls do
+            not prefetch.
 
     Returns an `ExpertStreamHandle`: ``stats()``, ``cached()``, ``remove()``.
 
@@ -272,8 +279,9 @@ def stream_experts(
     check_int("cache_bytes", cache_bytes, minimum=1)
     check_bool("use_streams", use_streams)
     check_bool("pin_memory", pin_memory)
+    check_bool("prefetch", prefetch)
     config = ExpertConfig(compute_device(device), cache_bytes, CachePolicy.parse(policy),
-                          use_streams, pin_memory)  # fmt: skip
+                          use_streams, pin_memory, prefetch)  # fmt: skip
     layout = find_experts(model)
     least = layout.least_cache_bytes()
     if cache_bytes < least:

@@ -61,6 +61,7 @@ class ExpertConfig:
     policy: CachePolicy
     use_streams: bool
     pin_memory: bool
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, CachePolicy):
@@ -78,6 +79,7 @@ class Counters:
     h2d_bytes: int = 0
     loads: int = 0  # experts copied
     unused: int = 0  # experts copied for a use that did not come
+    prefetched: int = 0  # experts copied ahead on the next router's prediction (graph calls)
 
 
 class _Block:
