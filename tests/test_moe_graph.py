@@ -142,7 +142,7 @@ def test_device_policy_chooses_as_the_host_policy(policy, slots):
     for routed in calls:
         before = int(tables.counts[0, 2])
         plan = tables.route(0, torch.tensor(sorted(routed)))
-        tables.copy(0, *plan)
+        tables.copies.copy(0, *plan)
         got.append(int(tables.counts[0, 2]) - before)
     want, cached = reference_policy(calls, min(slots, 8) - 2, policy == "lfu")  # 8 experts
     assert got == want

@@ -145,34 +145,10 @@ class DeviceTables:
             self.token = torch.zeros(1, **i64)
             self.big = torch.full((1,), 1 << 62, **i64)
             self.none = torch.full((1,), -1, **i64)
-            self.no_write = torch.zeros(self.k, dtype=torch.bool, device=dev)
-            base = rt.cache.data.data_ptr() if self.cuda else 0
-            self.cache_base = base
-            # per layer: member regions, sizes, the stage's and the host's addresses
-            self.region, self.sizes, self.stage, self.host = [], [], [], []
-            slot_bytes = rt.cache.slot_bytes
-            for li, layer in enumerate(layout.layers):
-                region = torch.tensor([m.region for m in layer.members], **i64)
-                self.region.append(region)
-                self.sizes.append([m.nbytes for m in layer.members])
-                stage = [[base + (self.cache_slots + r) * slot_bytes + m.region
-                          for m in layer.members] for r in range(self.k)]  # fmt: skip
-                self.stage.append(torch.tensor(stage, **i64))
-                hbase = rt.store.hosts[li].data_ptr() if self.cuda else 0
-                rows = []
-                for e in range(layer.experts):
-                    row = []
-                    for m in range(len(layer.members)):
-                        piece, offset = layer.source(e, m)
-                        row.append(hbase + layer.pieces[piece].host_offset + offset)
-                    rows.append(row)
-                rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
-                self.host.append(torch.tensor(rows, **i64))
+        self.copies = Stage(rt, self.cache_slots, self.k)
+        c = self.copies
+        self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
         self.owned = False  # the device's map is the one in force
-        self.warm = False
-        if self.cuda:  # the stage's copies, one event per place
-            self.side = torch.cuda.Stream(dev)
-            self.events = [torch.cuda.Event() for _ in range(self.k)]
 
     # -- the map between host and device --------------------------------------------------------
 
@@ -318,7 +294,46 @@ class DeviceTables:
         self.clock.add_(self.k)
         self.counts[li, 4] += write.sum()
         host = self.host[li][torch.where(valid, experts, n)]
-        self._copy(li, host, dst, write)
+        self.copies.copy_ahead(li, host, dst, write)
+
+
+class Stage:
+    """The stage (the cache's last ``k`` slots), the addresses the copy kernel reads, and the
+    copies (Note: [Routed experts in a CUDA graph])."""
+
+    def __init__(self, rt: Any, cache_slots: int, k: int):
+        dev = rt.device
+        self.rt = rt
+        self.k = k
+        self.cuda = dev.type == "cuda"
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.base = base = rt.cache.data.data_ptr() if self.cuda else 0
+        # per layer: member regions, sizes, the stage's and the host's addresses
+        self.region, self.sizes, self.stage, self.host = [], [], [], []
+        slot_bytes = rt.cache.slot_bytes
+        with torch.inference_mode(False), torch.no_grad():
+            self.no_write = torch.zeros(k, dtype=torch.bool, device=dev)
+            for li, layer in enumerate(rt.layout.layers):
+                self.region.append(torch.tensor([m.region for m in layer.members], **i64))
+                self.sizes.append([m.nbytes for m in layer.members])
+                stage = [[base + (cache_slots + r) * slot_bytes + m.region
+                          for m in layer.members] for r in range(k)]  # fmt: skip
+                self.stage.append(torch.tensor(stage, **i64))
+                hbase = rt.store.hosts[li].data_ptr() if self.cuda else 0
+                rows = []
+                for e in range(layer.experts):
+                    row = []
+                    for m in range(len(layer.members)):
+                        piece, offset = layer.source(e, m)
+                        row.append(hbase + layer.pieces[piece].host_offset + offset)
+                    rows.append(row)
+                rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
+                self.host.append(torch.tensor(rows, **i64))
+        self.start = cache_slots * slot_bytes  # the stage's first byte
+        self.warm = False
+        if self.cuda:  # the stage's copies, one event per place
+            self.side = torch.cuda.Stream(dev)
+            self.events = [torch.cuda.Event() for _ in range(k)]
 
     def warm_up(self) -> None:
         """Compile the copy kernel for every layer's shapes (outside a capture), copying
@@ -366,7 +381,8 @@ class DeviceTables:
             cache.index_put_((torch.where(write, dst[:, m], to_stage).unsqueeze(1) + span,), x)
         return None
 
-    def _copy(self, li: int, src: torch.Tensor, dst: torch.Tensor, write: torch.Tensor) -> None:
+    def copy_ahead(self, li: int, src: torch.Tensor, dst: torch.Tensor,
+                   write: torch.Tensor) -> None:  # fmt: skip
         """Copy, where ``write``, each place's expert from host addresses ``src`` into cache
         addresses ``dst`` (the prefetch's copy: queued on the copy stream)."""
         if self.cuda:
@@ -390,7 +406,7 @@ class DeviceTables:
         layer = self.rt.layout.layers[li]
         storage = self.rt.cache.storage
         out = []
-        start = (self.cache_slots + r) * self.rt.cache.slot_bytes
+        start = self.start + r * self.rt.cache.slot_bytes
         for m in layer.members:
             t = torch.empty(0, dtype=m.dtype, device=self.rt.device)
             out.append(t.set_(storage, (start + m.region) // t.element_size(), m.size, m.stride))
@@ -423,7 +439,7 @@ def graphed_forward(
     with torch.no_grad():
         experts, place = top_k_index[0].sort()
         plan = tables.route(li, experts)
-        copied = tables.copy(li, *plan)
+        copied = tables.copies.copy(li, *plan)
         if rt.config.prefetch and li + 1 < len(rt.layout.layers):
             predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
             if predicted is not None:
@@ -435,7 +451,7 @@ def graphed_forward(
     for r in range(tables.k):
         if copied is not None:
             torch.cuda.current_stream(hidden_states.device).wait_event(copied[r])
-        gate_up_proj, down_proj = tables.views(li, r)
+        gate_up_proj, down_proj = tables.copies.views(li, r)
         token_idx = tables.token
         top_k_pos = place[r : r + 1]
         current_state = hidden_states[token_idx]
@@ -512,7 +528,7 @@ class ExpertGraphs:
             _idle(rt, "a captured call")
             tables = tables_of(rt)
             tables.push()
-            tables.warm_up()
+            tables.copies.warm_up()
 
     def start_capture(self, engine: Any, primes: tuple = ()) -> None:
         self.rt.graphing = True
