@@ -361,6 +361,8 @@ class Stage:
             # the copy stream waits for the plan and for the last reads of the stage and of
             # the victims' slots (all queued before on the compute stream); one launch per
             # place, each followed by its event: place r computes while r + 1... are copied
+            # (the plan's tensors live until the caller's compute stream waited on every
+            # event: no block of theirs is reused before these copies read it)
             compute = torch.cuda.current_stream(self.rt.device)
             self.side.wait_stream(compute)
             with torch.cuda.stream(self.side):
@@ -391,6 +393,10 @@ class Stage:
             self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
             with torch.cuda.stream(self.side):
                 copy_routed(src, dst, write, dst, self.no_write, self.sizes[li])
+            # made on the compute stream and read by this copy after the caller drops them:
+            # their blocks are not reused before the copy ran (in a capture, not at all)
+            for t in (src, dst, write):
+                t.record_stream(self.side)
             return
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
