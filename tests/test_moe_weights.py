@@ -126,10 +126,19 @@ def test_qwen3_moe_composed_reads_writes_and_state_dict():
 
 
 def test_cuda_graph_of_composed_model_is_refused():
-    model = qwen3()
+    """Neither graph drives the other engine: stream_weights' would not load the routed
+    experts, stream_experts' would meet stream_weights' units loading eagerly in its capture
+    (on the CPU both would run their bookkeeping: refused there too)."""
+    ref, model = qwen3(), qwen3()
     he, hw = compose(model)
+    before = snapshot(model)
     with pytest.raises(ValueError, match=r"cuda_graph: 4 tensors .* stream with another engine"):
         hw.cuda_graph(model)
+    with pytest.raises(RuntimeError, match=r"cuda_graph: stream_weights .* streams this model's"):
+        he.cuda_graph(model)
+    assert same(snapshot(model), before)
+    with torch.no_grad():
+        assert torch.equal(model(prompt()).logits, ref(prompt()).logits)
     hw.remove()
     he.remove()
 

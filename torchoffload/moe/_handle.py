@@ -184,6 +184,7 @@ class ExpertStreamHandle:
         rt = self._runtime
         with rt._lock:
             rt._check_live()
+            _check_not_streamed_over(rt.layout, graph=True)
             check_graphable(rt)
             return StreamedGraph(ExpertGraphs(rt), fn, max_graphs=max_graphs, prime=False)
 
@@ -354,15 +355,24 @@ def _check_model(model: Any) -> None:
 # tensors; they come back to this handle when its remove() runs, so it runs second.
 
 
-def _check_not_streamed_over(layout: ExpertLayout) -> None:
-    """Refuse, changing nothing, to remove while another engine holds the dense tensors."""
+def _check_not_streamed_over(layout: ExpertLayout, graph: bool = False) -> None:
+    """Refuse, changing nothing, to remove (or to capture, ``graph``) while another engine
+    holds the dense tensors."""
     for name, t in layout.dense:
-        if t in STREAMED or t in _hosted.REFS:
+        if t not in STREAMED and t not in _hosted.REFS:
+            continue
+        if graph:
             raise RuntimeError(
-                f"stream_weights (or another engine) streams this model's dense tensors "
-                f"(first: {name!r}), applied after stream_experts: call that handle's remove() "
-                "first, then this one's. Nothing was changed"
+                f"cuda_graph: stream_weights (or another engine) streams this model's dense "
+                f"tensors (first: {name!r}); its units load eagerly, which a graph of the "
+                "routed experts cannot capture. Graph mode keeps the dense parts resident: "
+                "remove() that handle first, or call the model eagerly"
             )
+        raise RuntimeError(
+            f"stream_weights (or another engine) streams this model's dense tensors "
+            f"(first: {name!r}), applied after stream_experts: call that handle's remove() "
+            "first, then this one's. Nothing was changed"
+        )
 
 
 def _move_dense(layout: ExpertLayout, device: torch.device, moved: list) -> None:

@@ -164,10 +164,10 @@ class WeightStreamHandle:
         if hosted:  # Note: [Tensors hosted by another engine] in _layout.py
             raise ValueError(
                 f"cuda_graph: {len(hosted)} tensors of this model stream with another engine "
-                f"(first: {hosted[0].name!r}; stream_experts), which loads the routed experts "
-                "by reading each block's routing on the host: a CUDA graph cannot replay that. "
-                "Call the model eagerly (both engines run), or remove() both handles and "
-                "stream the whole model with stream_weights alone"
+                f"(first: {hosted[0].name!r}; stream_experts), whose copies a graph of "
+                "stream_weights does not drive (eagerly, it reads each block's routing on the "
+                "host). Call the model eagerly (both engines run), or remove() this handle "
+                "and use the stream_experts handle's cuda_graph (the dense parts resident)"
             )
         if rt.device.type == "cuda" and not (rt.host.is_pinned() and rt.config.use_streams):
             raise ValueError(
