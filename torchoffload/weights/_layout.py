@@ -229,9 +229,9 @@ def candidates(
     compose in one order, the other engine first and `stream_weights` over what it left, and
     come off in the reverse order (stream_experts refuses to start on a model whose tensors
     stream_weights holds, and refuses `remove()` while stream_weights holds its dense
-    tensors: it would move them back under stream_weights). A captured graph cannot replay
-    an engine that reads the routing on the host inside the forward: `cuda_graph` refuses a
-    layout with hosted tensors.
+    tensors: it would move them back under stream_weights). A graph captured by one engine
+    does not drive the other's copies: `cuda_graph` refuses a layout with hosted tensors, and
+    stream_experts' `cuda_graph` refuses while stream_weights holds its dense tensors.
     """
     slots = find_slots(model)
     streamed: list[Slot] = []
