@@ -1048,11 +1048,11 @@ class Experts(InferenceMachine):
     ENGINE = "stream_experts"
 
     @initialize(data=st.data())
-    def setup(self, data):
+    def setup(self, data, spec=None):
         EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
         self.stopped = False
         self.pending = False
-        self.spec = spec = data.draw(moe_specs(), label="spec")
+        self.spec = spec = spec or data.draw(moe_specs(), label="spec")
         self.handle = None
         self.ref, self.off = build_moe(spec).eval(), build_moe(spec).eval()
         try:
@@ -1182,6 +1182,64 @@ class ExpertGraph(Experts):
         self.decode_step(data)
 
 
+class Composed:
+    """stream_experts' and stream_weights' handles of one model, removed in order."""
+
+    def __init__(self, experts, weights):
+        self.experts = experts
+        self.weights = weights
+
+    def remove(self):
+        self.weights.remove()
+        self.experts.remove()
+
+
+class ExpertsWeights(Experts):
+    """stream_experts, then stream_weights over the dense parts at a random budget from the
+    least up, prefetch depth and cut (Note: [Tensors hosted by another engine]): every
+    operation of the inference machine, remove() of both in order and apply again, and
+    stream_experts' remove() first, which must be refused changing nothing."""
+
+    ENGINE = "experts_weights"
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        spec = data.draw(moe_specs(), label="spec")
+        units = [None, "leaves"] + (["blocks"] if spec.layers > 1 and not spec.dense_first else [])
+        self.weights_kw = dict(
+            prefetch_depth=data.draw(st.integers(0, 3), label="prefetch_depth"),
+            unit=data.draw(st.sampled_from(units), label="unit"),
+        )
+        self.budget_frac = data.draw(st.sampled_from([0.0, 0.3, 1.0, 3.0]), label="budget")
+        Experts.setup(self, data, spec=spec)
+
+    def apply(self):
+        experts = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        try:
+            least = to.minimum_budget(self.off, **self.weights_kw)
+            dense = sum(t.numel() * t.element_size() for n, t in self.ref.state_dict().items()
+                        if ".experts." not in n)  # fmt: skip
+            budget = int(least + self.budget_frac * max(dense - least, 0))
+            weights = to.stream_weights(self.off, "cpu", budget_bytes=budget, pin_memory=False,
+                                        use_streams=self.kw["use_streams"],
+                                        **self.weights_kw)  # fmt: skip
+        except BaseException:
+            experts.remove()
+            raise
+        self.handle = Composed(experts, weights)
+        self.call = self.off
+
+    @precondition(lambda self: self.live() and not self.pending)
+    @rule()
+    def remove_experts_first(self):
+        def fn(model, call):
+            if model is self.off:
+                self.handle.experts.remove()
+
+        self.both(fn, "stream_experts' remove() before stream_weights'")
+        assert not self.handle.experts.removed, "stream_experts' remove() first was not refused"
+
+
 # - Compiled engines: the program at a random budget against the same program with every unit
 # kept (compiled code is not bitwise eager code).
 
@@ -1273,6 +1331,7 @@ ENGINES = {
     "cuda_graph": (CudaGraph, 10),
     "stream_experts": (Experts, 15),
     "expert_graph": (ExpertGraph, 10),
+    "experts_weights": (ExpertsWeights, 10),
     "compile_streamed": (CompiledMachine, 0),
     "package": (Package, 0),
 }

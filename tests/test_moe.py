@@ -329,7 +329,7 @@ def test_streaming_twice_or_under_another_engine_is_refused():
         stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
     h.remove()
     w = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False)
-    with pytest.raises(RuntimeError, match="already streams with another engine"):
+    with pytest.raises(RuntimeError, match="already streams with stream_weights"):
         stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
     w.remove()
 

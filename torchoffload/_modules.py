@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from torch import nn
 
@@ -30,10 +30,13 @@ def checkpointed(layers: Iterable[nn.Module]) -> Iterator[None]:
             del layer.forward
 
 
-def find_layers(model: nn.Module) -> nn.ModuleList:
+def find_layers(
+    model: nn.Module, skip: Callable[[nn.ModuleList], bool] | None = None
+) -> nn.ModuleList:
     """The largest `nn.ModuleList` in ``model`` whose entries all have one type (the repeated
-    blocks of a transformer). Raises ValueError if there is none, or if two lists tie (an
-    encoder and a decoder): which layers to offload is then the caller's choice."""
+    blocks of a transformer), leaving out lists for which ``skip`` is true. Raises ValueError
+    if there is none, or if two lists tie (an encoder and a decoder): which layers to offload
+    is then the caller's choice."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     found: list[tuple[str, nn.ModuleList]] = []
@@ -41,6 +44,8 @@ def find_layers(model: nn.Module) -> nn.ModuleList:
         if not isinstance(module, nn.ModuleList) or len(module) < 2:
             continue
         if len({type(m) for m in module}) != 1:
+            continue
+        if skip is not None and skip(module):
             continue
         found.append((name, module))
     if not found:

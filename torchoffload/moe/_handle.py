@@ -18,6 +18,7 @@ from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._forward import NO_COPY, install
 from torchoffload.moe._layout import ExpertLayout, find_experts
 from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
+from torchoffload.weights._runtime import STREAMED, WeightRuntime
 
 __all__ = [
     "ExpertLayerStats",
@@ -183,6 +184,7 @@ class ExpertStreamHandle:
         rt = self._runtime
         with rt._lock:
             rt._check_live()
+            _check_not_streamed_over(rt.layout, graph=True)
             check_graphable(rt)
             return StreamedGraph(ExpertGraphs(rt), fn, max_graphs=max_graphs, prime=False)
 
@@ -193,11 +195,13 @@ class ExpertStreamHandle:
     def remove(self) -> None:
         """Put every expert tensor back where it was (its device, dtype and values; parameters
         keep their identity), the dense tensors on their devices, and free the cache and the
-        host store. Idempotent."""
+        host store. Idempotent. Refused, changing nothing, while `stream_weights` streams
+        the dense parts: remove that handle first."""
         rt = self._runtime
         with rt._lock:
             if rt.removed:
                 return
+            _check_not_streamed_over(rt.layout)
             rt.restore()  # raises, changing nothing, inside a forward
             for u in self._undo:
                 u.remove()
@@ -253,7 +257,8 @@ def stream_experts(
             them (``gate_up_proj`` and ``down_proj`` with the experts on the leading dimension,
             with the eager experts implementation), or a ``ModuleList`` named ``experts`` of
             identical modules beside a router. Its other tensors (the dense parts) are moved to
-            ``device`` and stay there.
+            ``device`` and stay there, or stream with `stream_weights` applied after this
+            (Note: [Tensors hosted by another engine] in weights/_layout.py).
         device: where the model computes. ``None``: the current accelerator, else the CPU
             (the same logic runs there synchronously, for testing).
         cache_bytes: device bytes for the expert cache. At least `minimum_cache_bytes` (one
@@ -331,11 +336,43 @@ def _check_model(model: Any) -> None:
             "this model already streams its experts; call that handle's remove() first"
         )
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if isinstance(STREAMED.get(t), WeightRuntime):
+            raise RuntimeError(
+                f"{name!r} already streams with stream_weights. To stream the experts too, "
+                "apply stream_experts first and stream_weights over what it leaves: call the "
+                "stream_weights handle's remove(), then stream_experts(model, ...), then "
+                "stream_weights(model, ...)"
+            )
         if t in _hosted.REFS:
             raise RuntimeError(
                 f"{name!r} already streams with another engine (its values live in that "
                 "handle's host store); call that handle's remove() first"
             )
+
+
+# -- composing with stream_weights (Note: [Tensors hosted by another engine] in
+# weights/_layout.py): stream_weights over a model whose experts stream here holds the dense
+# tensors; they come back to this handle when its remove() runs, so it runs second.
+
+
+def _check_not_streamed_over(layout: ExpertLayout, graph: bool = False) -> None:
+    """Refuse, changing nothing, to remove (or to capture, ``graph``) while another engine
+    holds the dense tensors."""
+    for name, t in layout.dense:
+        if t not in STREAMED and t not in _hosted.REFS:
+            continue
+        if graph:
+            raise RuntimeError(
+                f"cuda_graph: stream_weights (or another engine) streams this model's dense "
+                f"tensors (first: {name!r}); its units load eagerly, which a graph of the "
+                "routed experts cannot capture. Graph mode keeps the dense parts resident: "
+                "remove() that handle first, or call the model eagerly"
+            )
+        raise RuntimeError(
+            f"stream_weights (or another engine) streams this model's dense tensors "
+            f"(first: {name!r}), applied after stream_experts: call that handle's remove() "
+            "first, then this one's. Nothing was changed"
+        )
 
 
 def _move_dense(layout: ExpertLayout, device: torch.device, moved: list) -> None:

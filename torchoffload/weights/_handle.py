@@ -160,6 +160,15 @@ class WeightStreamHandle:
         signature] and Note: [Weights in a captured graph]."""
         rt = self._runtime
         rt._check_live()
+        hosted = rt.layout.hosted
+        if hosted:  # Note: [Tensors hosted by another engine] in _layout.py
+            raise ValueError(
+                f"cuda_graph: {len(hosted)} tensors of this model stream with another engine "
+                f"(first: {hosted[0].name!r}; stream_experts), whose copies a graph of "
+                "stream_weights does not drive (eagerly, it reads each block's routing on the "
+                "host). Call the model eagerly (both engines run), or remove() this handle "
+                "and use the stream_experts handle's cuda_graph (the dense parts resident)"
+            )
         if rt.device.type == "cuda" and not (rt.host.is_pinned() and rt.config.use_streams):
             raise ValueError(
                 "cuda_graph needs the host store pinned and a copy stream: call stream_weights "
@@ -237,7 +246,8 @@ def stream_weights(
     Outputs are bitwise identical to the model with all weights on the device.
 
     Args:
-        model: the model; its parameters and buffers may be on the host or on ``device``.
+        model: the model; its parameters and buffers may be on the host or on ``device``
+            (a mixture of experts whose experts stream with `stream_experts`: the rest).
         device: where the model computes. ``None``: the current accelerator, else the CPU
             (the same logic runs there synchronously, for testing).
         budget_bytes: hard cap on device bytes for streamed weights (the arena).
@@ -263,6 +273,11 @@ def stream_weights(
             an error). After ``remove()``, tensors that were on meta are on the host.
 
     Returns a `WeightStreamHandle`: ``stats()``, ``schedule``, ``remove()``.
+
+    Tensors that stream with another engine (the experts of `stream_experts`, applied
+    first) are left alone: in no unit, in no budget, not moved; a unit may contain them, and
+    that engine loads them inside its forward. `remove()` this handle before that one.
+    See Note: [Tensors hosted by another engine] in _layout.py.
 
     Outside its unit's forward a streamed tensor is empty (Note: [Binding weights in place]):
     a weight read outside the module that owns it must be resident, or inside a larger unit.

@@ -9,13 +9,14 @@ the chosen one.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from torchoffload import _hosted
 from torchoffload._flatten import flatten, is_composite
 from torchoffload._modules import find_layers, matches
 
@@ -100,6 +101,8 @@ class Layout:
     resident: tuple[Slot, ...]
     pieces: dict[Any, tuple[int, int, int]]  # storage key -> (lo, hi, host offset)
     host_bytes: int
+    # tensors another engine hosts, left alone (Note: [Tensors hosted by another engine])
+    hosted: tuple[Slot, ...] = ()
 
     @property
     def leaves(self) -> list[Leaf]:
@@ -211,11 +214,33 @@ def candidates(
     model: nn.Module, resident: tuple[str, ...], unit: str | Sequence[nn.Module] | None
 ) -> list[Layout]:
     """The layouts ``unit`` allows, in order of preference (blocks before leaves). Raises
-    `ValueError` for bad settings or when there is nothing to stream."""
+    `ValueError` for bad settings or when there is nothing to stream.
+
+    Note: [Tensors hosted by another engine]
+    A tensor that is already a placeholder of another engine's host store (``_hosted.REFS``;
+    the caller has refused tensors of another weight runtime) is that engine's: today an
+    expert tensor of `stream_experts`, which binds it inside its own forward (a routed expert
+    inside its block) and serves its reads and writes outside it. A layout leaves it alone: it
+    is in no unit and not resident, counts in no budget (nor `minimum_budget`), is not moved
+    or copied, and `remove()` does not touch it; a list of modules whose tensors are all
+    hosted elsewhere (a ModuleList of experts) is not a candidate for the blocks. Units still
+    run around such tensors: a unit's module may hold them (a decoder layer with its experts),
+    and while the unit's own tensors are bound the other engine binds its own. So the engines
+    compose in one order, the other engine first and `stream_weights` over what it left, and
+    come off in the reverse order (stream_experts refuses to start on a model whose tensors
+    stream_weights holds, and refuses `remove()` while stream_weights holds its dense
+    tensors: it would move them back under stream_weights). A graph captured by one engine
+    does not drive the other's copies: `cuda_graph` refuses a layout with hosted tensors, and
+    stream_experts' `cuda_graph` refuses while stream_weights holds its dense tensors.
+    """
     slots = find_slots(model)
     streamed: list[Slot] = []
     resident_slots: list[Slot] = []
+    hosted: list[Slot] = []
     for slot in slots:
+        if slot.tensor in _hosted.REFS:
+            hosted.append(slot)
+            continue
         if slot.tensor.numel() == 0:
             continue
         if resident and any(matches(q, resident) for _, _, q in slot.where):
@@ -225,12 +250,21 @@ def candidates(
     for pattern in resident:
         if not any(matches(q, (pattern,)) for s in slots for _, _, q in s.where):
             raise ValueError(f"resident pattern {pattern!r} matches no parameter or buffer")
+        if not any(matches(q, (pattern,)) for s in (*streamed, *resident_slots)
+                   for _, _, q in s.where):  # fmt: skip
+            first = next(q for s in hosted for _, _, q in s.where if matches(q, (pattern,)))
+            raise ValueError(
+                f"resident pattern {pattern!r} matches only tensors that stream with another "
+                f"engine (first: {first!r}): that engine keeps them, not stream_weights"
+            )
     if not streamed:
         raise ValueError(
             "stream_weights has nothing to stream: "
             + (
                 f"all {len(resident_slots)} tensors match resident={resident!r}"
                 if resident_slots
+                else f"every tensor of {type(model).__name__} streams with another engine"
+                if hosted
                 else f"{type(model).__name__} has no parameters or buffers"
             )
         )
@@ -243,13 +277,30 @@ def candidates(
                 seen.add(id(module))
                 owners.append(module)
     out = []
-    for modules, kind in _cuts(model, owners, unit):
-        layout = cut(model, modules, kind, streamed, resident_slots)
+    for modules, kind in _cuts(model, owners, unit, _hosted_only(hosted)):
+        layout = cut(model, modules, kind, streamed, resident_slots, hosted)
         if layout is not None:
             out.append(layout)
     if not out:
         raise ValueError("stream_weights has nothing to stream: every tensor is resident")
     return out
+
+
+def _hosted_only(hosted: list[Slot]) -> Callable[[nn.ModuleList], bool] | None:
+    """Which lists of modules are no candidate for the blocks: those holding tensors, all of
+    them another engine's (None: no tensor is)."""
+    ids = {id(s.tensor) for s in hosted}
+
+    def skip(modules: nn.ModuleList) -> bool:
+        tensors = [
+            t
+            for m in modules.modules()
+            for t in (*m._parameters.values(), *m._buffers.values())
+            if t is not None
+        ]
+        return bool(tensors) and all(id(t) in ids for t in tensors)  # fmt: skip
+
+    return skip if ids else None
 
 
 def plan(
@@ -281,14 +332,17 @@ def plan(
 
 
 def _cuts(
-    model: nn.Module, owners: list[nn.Module], unit: str | Sequence[nn.Module] | None
+    model: nn.Module,
+    owners: list[nn.Module],
+    unit: str | Sequence[nn.Module] | None,
+    skip: Callable[[nn.ModuleList], bool] | None = None,
 ) -> list[tuple[list[nn.Module], str]]:
     """The ways to cut the model into units, in order of preference: (modules, kind)."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     leaves = (_close([], owners), "leaves")
     if unit is None or unit == "blocks":
         try:
-            blocks = list(find_layers(model))
+            blocks = list(find_layers(model, skip))
         except ValueError:
             if unit == "blocks":
                 raise
@@ -340,6 +394,7 @@ def cut(
     kind: str,
     streamed: list[Slot],
     resident: list[Slot],
+    hosted: Sequence[Slot] = (),
 ) -> Layout | None:
     """Cut the model into ``modules``; lay out the host store and every unit's span. None when
     no unit holds a streamed tensor."""
@@ -385,7 +440,8 @@ def cut(
             units.append(_unit_layout(names[id(m)] or "<root>", m, leaves, pieces))
     if not units:
         return None
-    return Layout(kind, tuple(units), tuple(kept_streamed), tuple(resident), pieces, host_off)
+    return Layout(kind, tuple(units), tuple(kept_streamed), tuple(resident), pieces, host_off,
+                  tuple(hosted))  # fmt: skip
 
 
 def _unit_layout(name: str, module: nn.Module, leaves: list[Leaf], pieces: dict) -> UnitLayout:

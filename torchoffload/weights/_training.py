@@ -462,8 +462,9 @@ def stream_parameters(
         use_streams=use_streams,
         pin_memory=pin_memory,
     )
-    for name, t in model.named_parameters(remove_duplicate=False):
-        if t in HOSTED or t in STREAMED:
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:  # fmt: skip
+        if t in HOSTED or t in STREAMED or t in _hosted.REFS:
             raise ValueError(f"{name!r} is already streamed: remove() that handle first")
     buffers = tuple(n for n, _ in model.named_buffers(remove_duplicate=False))
     layout = _pick(model, resident + buffers, unit)
