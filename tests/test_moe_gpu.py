@@ -221,7 +221,8 @@ def test_races_are_caught_without_the_waits(kind):
 @pytest.mark.parametrize("slots", ["least", "middle", "all"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype):
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype, prefetch):
     """Decode steps replayed as CUDA graphs that route, load missed experts from pinned host
     memory (the copy kernel) and compute, with the prefill's eager copies slowed (a replay
     waits for them): the tokens are the resident model's (Note: [Routed experts in a CUDA
@@ -233,7 +234,8 @@ def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype)
     want, _ = decode(ref, prompt, 16)
     del ref
     model = qwen3(dtype)
-    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), policy=policy)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), policy=policy,
+                       prefetch=prefetch)  # fmt: skip
     with testing.slow_copies(cycles=5_000_000):
         got, (g, _) = decode(model, prompt, 16, wrap=h.cuda_graph)
         got2, _ = decode(model, prompt[:, :5], 16, wrap=h.cuda_graph)
@@ -244,8 +246,27 @@ def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype)
     assert (gs.captures, gs.replays) == (1, 14)
     st = h.stats()
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
-    assert st.h2d_bytes == st.misses * st.layers[0].expert_bytes
+    assert st.h2d_bytes == (st.misses + st.prefetched) * st.layers[0].expert_bytes
     if slots == "least":  # the stage takes every slot: each routed expert comes from the host
         assert st.hits <= 4 * 4 * 2  # (only in the eager prefills and first steps)
-    print(f"\ngraphed {slots} {policy}: hit rate {st.hit_rate:.2f}")
+    print(f"\ngraphed {slots} {policy} prefetch={prefetch}: hit rate {st.hit_rate:.2f}")
     h.remove()
+
+
+@pytest.mark.parametrize("budget", ["least", "all"])
+def test_qwen3_moe_dense_parts_streamed_too_with_slow_copies(budget):
+    """stream_experts, then stream_weights over the dense parts (Note: [Tensors hosted by
+    another engine]): two engines' copy streams and events in one forward, bitwise."""
+    x = torch.randint(1, 512, (1, 17), generator=torch.Generator().manual_seed(3)).cuda()
+    ref = qwen3(torch.bfloat16)
+    want = ref.generate(x, **GEN)
+    del ref
+    model = qwen3(torch.bfloat16, "cpu")
+    he = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"))
+    least = to.minimum_budget(model)
+    hw = to.stream_weights(model, "cuda", budget_bytes=least if budget == "least" else 1 << 34)
+    with testing.slow_copies(cycles=5_000_000):
+        assert torch.equal(model.generate(x, **GEN), want)
+    assert hw.stats().h2d_bytes > 0 or budget == "all"
+    hw.remove()
+    he.remove()
