@@ -10,8 +10,9 @@ handle.remove()
 ```
 
 Modules, bottom up: `_layout` (finding the experts: fused parameters or a list of modules; the
-pure byte layout), `_cache` (device slots and the replacement policy), `_store` (the host store
-and the placeholders of the expert tensors), `_runtime` (routing through the cache, copies and
+pure byte layout), `_cache` (device slots and the replacement policy), `_routing` (routing
+profiles: the block calls of a run, recorded for the planner), `_store` (the host store and
+the placeholders of the expert tensors), `_runtime` (routing through the cache, copies and
 events), `_forward` (the fused experts' forward and the hooks of a list of experts), `_handle`
 (the public face). The dense parts stay on the device.
 """
@@ -24,12 +25,16 @@ from torchoffload.moe._handle import (
     minimum_cache_bytes,
     stream_experts,
 )
+from torchoffload.moe._routing import BlockCall, RoutingProfile, RoutingRecorder
 
 __all__ = [
+    "BlockCall",
     "CachePolicy",
     "ExpertLayerStats",
     "ExpertStats",
     "ExpertStreamHandle",
+    "RoutingProfile",
+    "RoutingRecorder",
     "minimum_cache_bytes",
     "stream_experts",
 ]

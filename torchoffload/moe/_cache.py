@@ -127,12 +127,17 @@ class _LFU:
 
 class ExpertCache:
     """``slots`` slots of ``slot_bytes`` in one device allocation (made here, on the compute
-    stream, once)."""
+    stream, once). ``storage=False``: bookkeeping only, nothing allocated (``data`` and
+    ``storage`` are None), for a dry runtime (the planner's replay of a routing profile)."""
 
-    def __init__(self, slots: int, slot_bytes: int, device: torch.device, policy: CachePolicy):
-        with torch.inference_mode(False):
-            self.data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
-        self.storage = self.data.untyped_storage()
+    def __init__(self, slots: int, slot_bytes: int, device: torch.device, policy: CachePolicy,
+                 *, storage: bool = True):  # fmt: skip
+        self.data: torch.Tensor | None = None
+        self.storage: Any = None
+        if storage:
+            with torch.inference_mode(False):
+                self.data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+            self.storage = self.data.untyped_storage()
         self.slot_bytes = slot_bytes
         self.slots = [Slot(i, i * slot_bytes) for i in range(slots)]
         self.free = list(reversed(self.slots))  # pop() takes slot 0 first
@@ -229,4 +234,4 @@ class ExpertCache:
 
     def release(self) -> None:
         self.clear()
-        self.data = self.storage = None  # type: ignore[assignment]
+        self.data = self.storage = None

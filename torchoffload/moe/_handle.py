@@ -17,6 +17,7 @@ from torchoffload._validate import check_bool, check_int
 from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._forward import NO_COPY, install
 from torchoffload.moe._layout import ExpertLayout, find_experts
+from torchoffload.moe._routing import RoutingRecorder
 from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
 from torchoffload.weights._runtime import STREAMED, WeightRuntime
 
@@ -24,6 +25,7 @@ __all__ = [
     "ExpertLayerStats",
     "ExpertStats",
     "ExpertStreamHandle",
+    "expert_layout",
     "minimum_cache_bytes",
     "stream_experts",
 ]
@@ -192,6 +194,17 @@ class ExpertStreamHandle:
         with self._runtime._lock:
             self._runtime.reset()
 
+    def record_routing(self) -> RoutingRecorder:
+        """Record which experts every block call uses while the returned context is open::
+
+            with handle.record_routing() as rec:
+                model.generate(...)
+            profile = rec.profile()  # a RoutingProfile, for torchoffload.planner.plan_experts
+
+        A few list appends per block call; one recording at a time."""
+        self._runtime._check_live()
+        return RoutingRecorder(self._runtime)
+
     def remove(self) -> None:
         """Put every expert tensor back where it was (its device, dtype and values; parameters
         keep their identity), the dense tensors on their devices, and free the cache and the
@@ -326,6 +339,19 @@ def minimum_cache_bytes(model: nn.Module) -> int:
     changed."""
     _check_model(model)
     return find_experts(model).least_cache_bytes()
+
+
+def expert_layout(model: nn.Module | ExpertStreamHandle) -> ExpertLayout:
+    """The layout of a model's experts: its handle's while it streams them (the tensors are
+    placeholders then), else found now (the model is not changed)."""
+    handle = model if isinstance(model, ExpertStreamHandle) else getattr(model, _ATTR, None)
+    if isinstance(handle, ExpertStreamHandle):
+        handle._runtime._check_live()
+        return handle._runtime.layout
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module or an ExpertStreamHandle, got "
+                        f"{type(model).__name__}")  # fmt: skip
+    return find_experts(model)
 
 
 def _check_model(model: Any) -> None:

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ExpertLayer", "ExpertLayout", "LayoutKind", "Member", "Piece", "find_experts"]
+__all__ = [
+    "ExpertLayer",
+    "ExpertLayout",
+    "LayoutKind",
+    "Member",
+    "Piece",
+    "find_experts",
+    "region_bytes",
+    "shape_layout",
+]
 
 ALIGN = 512  # the caching allocator's block alignment (Note: [Experts as units])
 HOST_ALIGN = 64
@@ -29,6 +38,12 @@ HOST_ALIGN = 64
 
 def round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def region_bytes(nbytes: int, fused: bool) -> int:
+    """A member's region in a slot (Note: [Experts as units]): its bytes rounded up to 512, and
+    512 more for a fused slice whose bytes are not a multiple of 512 (its shift varies)."""
+    return round_up(nbytes, ALIGN) + (ALIGN if fused and nbytes % ALIGN else 0)
 
 
 # Note: [Experts as units]
@@ -272,7 +287,7 @@ def _fused_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
         _check_tensor(f"{name}.{attr}", t)
         n = t[0].numel() * t.element_size()
         members.append(Member(attr, tuple(t.shape[1:]), tuple(t.stride()[1:]), t.dtype, n, region))
-        region += round_up(n, ALIGN) + (ALIGN if n % ALIGN else 0)
+        region += region_bytes(n, fused=True)
     pieces, off = [], 0
     for attr, t in tensors:
         pieces.append(Piece.of(t, f"{name}.{attr}", module, attr, off))
@@ -313,7 +328,7 @@ def _list_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
     for q, _, _, t in per_expert[0]:
         n = t.numel() * t.element_size()
         members.append(Member(q, tuple(t.shape), tuple(t.stride()), t.dtype, n, region))
-        region += round_up(n, ALIGN)
+        region += region_bytes(n, fused=False)
     pieces, off = [], 0
     for i, found in enumerate(per_expert):
         for q, m, tn, t in found:
@@ -322,6 +337,24 @@ def _list_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
             off = round_up(off + pieces[-1].nbytes, HOST_ALIGN)
     return ExpertLayer(name, LayoutKind.LIST, module, block, len(experts), _top_k(block, router),
                        tuple(members), tuple(pieces), off, region, router)  # fmt: skip
+
+
+def shape_layout(experts: tuple[int, ...], top_k: int, member_bytes: tuple[int, ...],
+                 fused: bool) -> ExpertLayout:  # fmt: skip
+    """The layout of a model known by its shape alone: an expert layer of ``experts[i]``
+    experts for each i, each expert ``member_bytes`` (its tensors' bytes). It has no modules
+    and no tensors: only a dry runtime's bookkeeping reads it (the planner)."""
+    members, region = [], 0
+    for i, n in enumerate(member_bytes):
+        members.append(Member(f"member{i}", (n,), (1,), torch.uint8, n, region))
+        region += region_bytes(n, fused)
+    kind = LayoutKind.FUSED if fused else LayoutKind.LIST
+    layers = tuple(
+        ExpertLayer(f"expert layer {li}", kind, None, None, e, top_k, tuple(members), (),  # type: ignore[arg-type]
+                    e * sum(round_up(n, HOST_ALIGN) for n in member_bytes), region)
+        for li, e in enumerate(experts)
+    )  # fmt: skip
+    return ExpertLayout(layers, ())
 
 
 def _tensors_of(expert: nn.Module) -> list[tuple[str, nn.Module, str, torch.Tensor]]:

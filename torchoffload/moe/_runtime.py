@@ -47,6 +47,7 @@ from torchoffload._calls import running
 from torchoffload._transfer import copy_engine
 from torchoffload.moe._cache import CachePolicy, ExpertCache, Key, Slot
 from torchoffload.moe._layout import ExpertLayout
+from torchoffload.moe._routing import NO_RECORDER, Recorder
 from torchoffload.moe._store import ExpertStore
 
 __all__ = ["Counters", "ExpertConfig", "ExpertRuntime"]
@@ -62,6 +63,9 @@ class ExpertConfig:
     use_streams: bool
     pin_memory: bool
     prefetch: bool = False
+    # bookkeeping only, for the planner's replay of a routing profile: no cache storage, no
+    # host store (the model is not touched), nothing copied
+    dry: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, CachePolicy):
@@ -106,7 +110,7 @@ class ExpertRuntime:
     """The device cache, the host store and the counters of one streamed model."""
 
     def __init__(self, layout: ExpertLayout, config: ExpertConfig):
-        dev = config.device
+        dev, dry = config.device, config.dry
         self.layout = layout
         self.config = config
         self.device = dev
@@ -116,15 +120,16 @@ class ExpertRuntime:
         # - The device cache, then the host store (the model's expert tensors become
         #   placeholders: the last step, after every allocation that may fail)
         slots = layout.slots_for(config.cache_bytes)
-        self.cache = ExpertCache(slots, layout.slot_bytes, dev, config.policy)
+        self.cache = ExpertCache(slots, layout.slot_bytes, dev, config.policy, storage=not dry)
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
-        self.store = ExpertStore(layout, dev, pin, self._lock, self._on_write)
+        self.store = None if dry else ExpertStore(layout, dev, pin, self._lock, self._on_write)
         self.empty = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
         self.blocks = [_Block() for _ in layout.layers]
         self.counters = [Counters() for _ in layout.layers]
         self.removed = False
         self.tables: Any = None  # DeviceTables, made at the first capture (Note: [Routed
         self.graphing = False  # experts in a CUDA graph]); whether a captured call runs
+        self.recorder: Recorder = NO_RECORDER  # a RoutingRecorder while one is open
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
@@ -153,6 +158,7 @@ class ExpertRuntime:
         c = self.counters[li]
         c.calls += 1
         c.tokens += rows
+        self.recorder.begin(li, rows)
 
     def route(self, li: int, experts: list[int]) -> None:
         """The block will use ``experts`` (ascending), in that order: queue their copies."""
@@ -177,6 +183,7 @@ class ExpertRuntime:
             self.begin(li, 0)
             b.implicit = True
             self.counters[li].calls -= 1
+        self.recorder.enter(li, e, b.order)
         if e not in b.acquired and not self._acquire(li, e, now=True):
             raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
         slot, copied = b.acquired[e]
@@ -357,12 +364,12 @@ def load(rt: ExpertRuntime, slot: Slot, key: Key) -> None:
     layer = rt.layout.layers[li]
     data = rt.cache.data
     pairs = []
-    for m, member in enumerate(layer.members):
+    for m, member in enumerate(layer.members if rt.store is not None else ()):
         start = slot.offset + member.region + layer.shift(e, m)
         piece, offset = layer.source(e, m)
         src = rt.store.source(li, piece, offset, member.nbytes)
         pairs.append((data[start : start + member.nbytes], src))
-    ready = rt.engine.load(pairs, list(slot.done.values()))
+    ready = None if rt.store is None else rt.engine.load(pairs, list(slot.done.values()))
     rt.cache.assign(slot, key, ready)
     c = rt.counters[li]
     c.loads += 1
