@@ -1,4 +1,5 @@
-"""What a `Plan` tells its reader: the report the CLI prints and the memory plot."""
+"""What a plan tells its reader: a `Plan`'s report (the CLI prints it) and memory plot, and an
+`ExpertPlan`'s table."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from torchoffload.planner._cost import (
 )
 
 if TYPE_CHECKING:
+    from torchoffload.planner._experts import ExpertPlan
     from torchoffload.planner._plan import Plan
 
 
@@ -153,3 +155,47 @@ def plot(plan: Plan, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def describe_experts(plan: ExpertPlan) -> str:
+    """An expert plan as a table: per cache size, the predicted hits and ms per token."""
+    big = max(p.cache_bytes for p in plan.predictions) >= 2**30
+    unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
+    warm = f", the first {plan.warmup_steps} steps not counted" if plan.warmup_steps else ""
+    lines = [
+        f"torchoffload expert plan: {plan.model}",
+        f"routing: {plan.profile}, policy {plan.policy}{warm}",
+        f"link {plan.link_bytes_per_s / 1e9:.1f} GB/s, resident {plan.resident_ms_per_token:.2f}"
+        " ms/token; ms/token = max(link ms, resident ms) (Note: [Predicting expert streaming])",
+        "",
+        f"{'cache ' + unit:>10}  {'slots':>6}  {'hit rate':>8}  {'MiB/token':>10}  "
+        f"{'link ms':>8}  {'ms/token':>9}  {'no overlap':>10}  {'tokens/s':>9}  bound",
+    ]
+    for p in plan.predictions:
+        mark = "  <- least for the target" if p is plan.target else ""
+        lines.append(
+            f"{p.cache_bytes / scale:>10.2f}  {p.slots:>6}  {p.hit_rate:>8.3f}  "
+            f"{p.bytes_per_token / 2**20:>10.1f}  {p.link_ms:>8.2f}  {p.ms_per_token:>9.2f}  "
+            f"{p.no_overlap_ms:>10.2f}  {1e3 / p.ms_per_token if p.ms_per_token else 0:>9.1f}  "
+            f"{p.bound}{mark}"
+        )
+    lines.append(
+        f"least cache {plan.least_cache_bytes / scale:.2f} {unit} (one token's routed experts of "
+        f"one block); every expert {plan.all_cache_bytes / scale:.2f} {unit}"
+    )
+    if plan.target_ms_per_token is not None:
+        t = plan.target_ms_per_token
+        if plan.target is not None:
+            p = plan.target
+            lines.append(
+                f"target {t:g} ms/token: the least cache predicted to reach it is "
+                f"{p.cache_bytes / scale:.2f} {unit} ({p.slots} slots, hit rate "
+                f"{p.hit_rate:.3f}, {p.ms_per_token:.2f} ms/token)"
+            )
+        elif plan.resident_ms_per_token > t:
+            lines.append(f"target {t:g} ms/token: no cache reaches it, the resident model "
+                         f"takes {plan.resident_ms_per_token:g}")  # fmt: skip
+        else:
+            lines.append(f"target {t:g} ms/token: no cache reaches it, not even a slot for "
+                         "every expert (the misses of the experts' first uses)")  # fmt: skip
+    return "\n".join(lines)
