@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weights import h2d_bandwidth, sync  # noqa: E402 (the link measured as weights.py does)
 
 import torchoffload as to  # noqa: E402
+from torchoffload.planner import plan_experts, synthetic_routing  # noqa: E402
+from torchoffload.planner._routing import ZipfRanks  # noqa: E402 (the planner's zipf model)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -121,8 +123,7 @@ class Routing:
 
     def start(self) -> None:
         """Install the routers and reset the drift: every row sees the same routing."""
-        self.gen = torch.Generator().manual_seed(1)
-        self.orders = [torch.randperm(self.n, generator=self.gen) for _ in self.routers]
+        self.ranks = ZipfRanks([self.n] * len(self.routers), self.a, self.drift, seed=1)
         self._write()
         for r, bias in zip(self.routers, self.bias, strict=True):
             if self.kind == "zipf":
@@ -131,19 +132,12 @@ class Routing:
                 r.__dict__.pop("forward", None)
 
     def step(self, i: int) -> None:
-        if self.kind != "zipf" or not self.drift or i % self.drift:
-            return
-        for order in self.orders:
-            j = int(torch.randint(0, self.n - 1, (1,), generator=self.gen))
-            order[[j, j + 1]] = order[[j + 1, j]]
-        self._write()
+        if self.kind == "zipf" and self.ranks.step(i):
+            self._write()
 
     def _write(self) -> None:
-        ranks = torch.arange(1, self.n + 1, dtype=torch.float32)
-        for bias, order in zip(self.bias, self.orders, strict=True):
-            values = torch.empty(self.n)
-            values[order] = -self.a * ranks.log()
-            bias.copy_(values)
+        for li, bias in enumerate(self.bias):
+            bias.copy_(self.ranks.bias(li))
 
     def stop(self) -> None:
         for r in self.routers:
@@ -210,6 +204,21 @@ def prefill(model, x: torch.Tensor, handle):
     return statistics.median(times), handle.stats() if handle is not None else None
 
 
+def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> dict:
+    """The planner's decode prediction for a stream_experts row, from a synthetic profile of its
+    routing (the routing model, not this run's routing): ms per token and hit rate."""
+    link = bw * 1e9 if bw == bw else 1.0  # NaN: no link measured (the hit rate only)
+    profile = synthetic_routing(handle, args.warmup + args.tokens, routing=routing.kind,
+                                a=args.zipf, drift=args.drift)  # fmt: skip
+    plan = plan_experts(handle, profile, link_bytes_per_s=link,
+                        resident_ms_per_token=resident_ms, warmup_steps=args.warmup,
+                        cache_bytes=[handle.stats().cache_bytes],
+                        policy=handle._runtime.config.policy.value)  # fmt: skip
+    (p,) = plan.predictions
+    return dict(pred_ms=round(p.ms_per_token, 2) if bw == bw else None,
+                pred_hit=round(p.hit_rate, 3))  # fmt: skip
+
+
 def moved(stats, tokens: int, weights_bytes: int) -> tuple[float, float | None]:
     """(bytes copied per token, hit rate) from an engine's stats."""
     if stats is None:
@@ -274,6 +283,8 @@ def main(argv=None) -> int:
             ms = statistics.median(times)
             per, hit = moved(st, args.tokens, weight_bytes)
             add(name, kind, "decode", ms, per, hit, tokens, setup_s)
+            if isinstance(handle, to.ExpertStreamHandle):
+                rows[-1] |= predicted(handle, routing, resident[(kind, "decode")][0], bw, args)
             if args.prefill:
                 ms, st = prefill(model, long, handle)
                 per, hit = moved(st, args.prefill, weight_bytes)
@@ -328,6 +339,13 @@ def main(argv=None) -> int:
             f"{r['hit'] if r['hit'] is not None else '-'} | {r['bound_ms']} | {r['of_bound']} | "
             f"{r['peak_gib']} | {'-' if r['same_tokens'] is None else r['same_tokens']} |"
         )
+    print("\nThe planner's prediction (plan_experts, a synthetic routing of the same kind) per "
+          "decode row:\n\n| routing | row | ms | predicted ms | hit rate | predicted hit rate |\n"
+          "|---|---|---:|---:|---:|---:|")  # fmt: skip
+    for r in rows:
+        if "pred_ms" in r:
+            print(f"| {r['routing']} | {r['row']} | {r['ms']} | {r['pred_ms']} | {r['hit']} | "
+                  f"{r['pred_hit']} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(dict(bw_gbps=bw, shape=shape, rows=rows), indent=1))
     return 0
