@@ -1,6 +1,7 @@
 """Mixture-of-experts inference: decode (batch 1) and prefill of a Qwen3-MoE with random weights,
-resident against today's ``stream_weights`` and ``stream_experts`` (routed experts only, through
-a device expert cache of a few sizes), with uniform and Zipf-skewed routing.
+resident against today's ``stream_weights``, ``stream_experts`` (routed experts only, through a
+device expert cache of a few sizes; eagerly and replayed as CUDA graphs) and accelerate's
+``cpu_offload``, with uniform and Zipf-skewed routing.
 
     python benchmarks/moe.py                                 # Qwen3-30B-A3B shape, bf16 (~61 GB)
     python benchmarks/moe.py --shape small                   # 4 layers x 32 experts: a quick run
@@ -8,28 +9,40 @@ a device expert cache of a few sizes), with uniform and Zipf-skewed routing.
 
 Rows per routing and phase: ``resident`` (every tensor on the device; the eager experts loop of
 transformers), ``stream_weights B GiB`` (every weight streamed per token, ``--stream-weights``
-budgets), ``stream_experts least`` (only the routed experts: the least cache, one token's top-k
-of one block, so nearly every routed expert is copied), ``stream_experts C GiB`` (a cache of C
-GiB, ``--policies``). Columns: ms per step (decode: per token, the median of ``--tokens`` timed
-steps after ``--warmup``; prefill: one forward of ``--prefill`` tokens, median of 2), MiB copied
-to the device per step, the cache's hit rate, the bound ``max(resident ms, bytes / bw)`` with bw
-the pinned host-to-device bandwidth measured in this run, the row's ratio to it (1.0 = at the
-bound), peak device GiB, and whether its greedy tokens equal the resident model's.
+budgets), ``stream_experts least`` (routed-only: the least cache, one token's top-k of one
+block, so every routed expert is copied), ``stream_experts C GiB`` (a cache of C GiB,
+``--policies``), the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing,
+cache map and copies on the device), ``graph prefetch`` (``prefetch=True``), ``graph all
+cached`` (every expert in the cache: the graph's compute floor, no copies), and ``accelerate
+cpu_offload`` (``--accelerate``; every weight copied from host memory each forward). Columns: ms
+per step (decode: per token, the median of ``--tokens`` timed steps after ``--warmup``;
+prefill: one forward of ``--prefill`` tokens, median of 2), MiB copied to the device per step,
+the cache's hit rate, the bound, the row's ratio to it (1.0 = at the bound), peak device GiB, and
+whether its logits are bitwise the resident model's (every decode step's). The bound is ``max(
+compute, bytes / bw)`` with bw the pinned host-to-device bandwidth measured in this run and
+compute the resident model's ms (eager rows) or the ``graph all cached`` row's (graph rows: the
+resident loop of transformers reads the routing on the host and cannot be captured).
 
-Routing: ``uniform`` is the random-weight router as it is (almost uniform: the worst case for a
-cache). ``zipf`` adds to each layer's router logits ``-a * log(rank)`` over a random order of
-its experts (``--zipf a``), so that expert popularity follows a Zipf law, and every ``--drift``
-tokens swaps two neighbouring ranks in each layer (popularity that changes slowly over
-tokens). It stands for the skew that traces of real MoE decoding show (a few experts of each
-layer take most tokens, with temporal locality; the expert caches of llama.cpp forks,
-MoE-Infinity and others report 67-81% hit rates on such traces); ``a`` of about 1 is in that
-range. Both the resident and the streamed rows run the same patched routers.
+Decoding is teacher-forced: each step's input token is drawn at random (a greedy decode of a
+random model repeats its tokens, and so its routing), over a static KV cache. Routing: each
+router's logits get ``bias + noise[position]``, with ``noise`` Gumbel noise drawn per layer,
+position and expert, scaled by ``--noise`` so that it outweighs the random router's own logits.
+``uniform``: no bias, so each token's top-k is a uniform draw of k experts: the worst case for
+a cache. ``zipf``: the bias is ``-a * log(rank)`` over a random order of each layer's experts
+(``--zipf a``), and every ``--drift`` tokens two neighbouring ranks swap in each layer, so a
+token's experts are drawn without replacement with probabilities proportional to ``rank ** -a``
+(Gumbel-top-k), popularity changing slowly over tokens: the synthetic ``zipf`` routing of the
+planner (`synthetic_routing`), whose prediction is printed beside each row. It stands for the
+skew that traces of real MoE decoding show (a few experts of each layer take most tokens, with
+temporal locality; the expert caches of llama.cpp forks, MoE-Infinity and others report 67-81%
+hit rates on such traces); ``a`` of about 1 is in that range. Every row runs the same routers.
 
 The model is built on the device (random init there is fast); ``stream_experts`` and
 ``stream_weights`` copy it to pinned host memory and ``remove()`` puts it back, so the host
 needs about the model's size of memory (61 GB for the default shape). The ``stream_weights``
-rows run last: its ``remove()`` needs the budget and the whole model on the device at once
-(pass one budget for the default shape on an 80 GB card).
+rows run after the others: its ``remove()`` needs the budget and the whole model on the device
+at once (pass one budget for the default shape on an 80 GB card). ``accelerate`` runs last and
+leaves the model offloaded (its weights then live in host memory).
 """
 
 from __future__ import annotations
@@ -111,25 +124,38 @@ def build(shape: dict, device: torch.device):
 
 
 class Routing:
-    """The routers of every layer, uniform (as built) or Zipf-skewed with drift."""
+    """The routers of every layer with ``bias + noise[position]`` added to their logits (see
+    the module doc): uniform (no bias) or Zipf-skewed with drift."""
 
-    def __init__(self, model, kind: str, a: float, drift: int):
+    def __init__(self, model, kind: str, a: float, drift: int, noise: float, positions: int):
         self.kind = kind
         self.a = a
         self.drift = drift
         self.routers = [layer.mlp.gate for layer in model.model.layers]
         self.n = self.routers[0].num_experts
-        self.bias = [torch.zeros(self.n, device=r.weight.device) for r in self.routers]
+        dev = self.routers[0].weight.device
+        self.bias = [torch.zeros(self.n, device=dev) for _ in self.routers]
+        g = torch.Generator(device=dev).manual_seed(7)
+        u = torch.rand(len(self.routers), positions, self.n, generator=g, device=dev)
+        self.noise = -torch.log(-torch.log(u.clamp_min(1e-30))) * noise  # Gumbel
+        self.one = torch.zeros(1, dtype=torch.long, device=dev)  # a decode step's position
+        self.pos = self.one
 
     def start(self) -> None:
         """Install the routers and reset the drift: every row sees the same routing."""
         self.ranks = ZipfRanks([self.n] * len(self.routers), self.a, self.drift, seed=1)
         self._write()
-        for r, bias in zip(self.routers, self.bias, strict=True):
-            if self.kind == "zipf":
-                r.forward = _biased(r, bias)
-            else:
-                r.__dict__.pop("forward", None)
+        for li, r in enumerate(self.routers):
+            r.forward = _noisy(r, self, li)
+
+    def at(self, positions: torch.Tensor) -> None:
+        """The positions of the next call's tokens (a decode step's go to a tensor of its own,
+        which a captured graph reads)."""
+        if positions.numel() == 1:
+            self.one.copy_(positions.reshape(1))
+            self.pos = self.one
+        else:
+            self.pos = positions
 
     def step(self, i: int) -> None:
         if self.kind == "zipf" and self.ranks.step(i):
@@ -137,19 +163,20 @@ class Routing:
 
     def _write(self) -> None:
         for li, bias in enumerate(self.bias):
-            bias.copy_(self.ranks.bias(li))
+            bias.copy_(self.ranks.bias(li) if self.kind == "zipf" else torch.zeros(self.n))
 
     def stop(self) -> None:
         for r in self.routers:
             r.__dict__.pop("forward", None)
 
 
-def _biased(router, bias: torch.Tensor):
-    """Qwen3MoeTopKRouter.forward with ``bias`` added to the logits."""
+def _noisy(router, routing: Routing, li: int):
+    """Qwen3MoeTopKRouter.forward with the routing's bias and noise added to the logits."""
 
     def forward(hidden_states):
         hidden_states = hidden_states.reshape(-1, router.hidden_dim)
-        logits = F.linear(hidden_states, router.weight) + bias.to(router.weight.dtype)
+        extra = routing.bias[li] + routing.noise[li][routing.pos]
+        logits = F.linear(hidden_states, router.weight) + extra.to(router.weight.dtype)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top, index = torch.topk(probs, router.top_k, dim=-1)
         if router.norm_topk_prob:
@@ -159,38 +186,49 @@ def _biased(router, bias: torch.Tensor):
     return forward
 
 
-def decode(model, prompt: torch.Tensor, warmup: int, steps: int, routing: Routing, handle):
-    """Greedy decode one token at a time after ``prompt``: ms of each timed step, the tokens,
-    and the handle's stats over the timed steps."""
-    from transformers import DynamicCache
+def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, handle,
+           graph: bool = False):  # fmt: skip
+    """Teacher-forced decode after a prompt (``ids[0]``), one token a step (``ids[1 + i]``)
+    over a static cache, the step replayed by ``handle.cuda_graph`` when ``graph``: ms of
+    each timed step, every step's logits, and the handle's stats over the timed steps."""
+    from transformers import StaticCache
 
-    device = prompt.device
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:
-        cache = DynamicCache()
-    times, tokens = [], []
+    device = ids.device
+    prompt = ids[:, : -(warmup + steps)]
+    n = prompt.shape[1]
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 1)
+
+    def step(x, pos):
+        out = model(input_ids=x, position_ids=pos.unsqueeze(0), cache_position=pos,
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        return out.logits[:, -1]
+
+    f = handle.cuda_graph(step) if graph else step
+    times, logits = [], []
     with torch.inference_mode():
-        out = model(prompt, past_key_values=cache, use_cache=True)
-        token = out.logits[:, -1:].argmax(-1)
+        positions = torch.arange(ids.shape[1], device=device)
+        routing.at(positions[:n])
+        model(input_ids=prompt, cache_position=positions[:n], past_key_values=cache,
+              use_cache=True)  # fmt: skip
         for i in range(warmup + steps):
             if i == warmup and handle is not None:
                 handle.reset_stats()
             routing.step(i)
+            routing.at(positions[n + i : n + i + 1])
             sync(device)
             t0 = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1:].argmax(-1)
+            out = f(ids[:, n + i : n + i + 1], positions[n + i : n + i + 1])
             sync(device)
             if i >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
-            tokens.append(token)
-    return times, torch.cat(tokens, dim=1), handle.stats() if handle is not None else None
+            logits.append(out.clone())
+    return times, torch.stack(logits), handle.stats() if handle is not None else None
 
 
-def prefill(model, x: torch.Tensor, handle):
+def prefill(model, x: torch.Tensor, routing: Routing, handle):
     """ms of one forward of ``x`` (median of 2 after one warm-up) and the stats of the last."""
     times = []
+    routing.at(torch.arange(x.shape[1], device=x.device))
     with torch.inference_mode():
         for i in range(3):
             if handle is not None:
@@ -239,10 +277,20 @@ def main(argv=None) -> int:
     p.add_argument("--routing", default="uniform,zipf")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the skewed routing")
     p.add_argument("--drift", type=int, default=8, help="tokens between rank swaps (0: none)")
+    p.add_argument("--noise", type=float, default=8.0, help="scale of the routing's noise")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     p.add_argument("--tokens", type=int, default=16, help="timed decode steps")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
+    p.add_argument("--no-graph", action="store_true", help="skip the cuda_graph rows")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager stream_experts rows")
+    p.add_argument(
+        "--accelerate",
+        type=int,
+        default=2,
+        metavar="TOKENS",
+        help="timed decode steps of accelerate's cpu_offload (0: skip the row)",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
 
@@ -269,75 +317,112 @@ def main(argv=None) -> int:
         flush=True,
     )
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, shape["vocab"], (1, args.prompt), generator=g).to(device)
+    steps = args.warmup + args.tokens
+    ids = torch.randint(0, shape["vocab"], (1, args.prompt + steps), generator=g).to(device)
     long = torch.randint(0, shape["vocab"], (1, args.prefill), generator=g).to(device)
-    routings = {k: Routing(model, k, args.zipf, args.drift) for k in args.routing.split(",")}
+    positions = max(args.prefill, ids.shape[1]) + 1
+    routings = {k: Routing(model, k, args.zipf, args.drift, args.noise, positions)
+                for k in args.routing.split(",")}  # fmt: skip
     rows, resident = [], {}
 
-    def measure(name: str, handle=None, setup_s: float = 0.0) -> None:
+    def measure(name: str, handle=None, setup_s: float = 0.0, graph: bool = False,
+                tokens: int | None = None, prefill_too: bool = True) -> None:  # fmt: skip
         for kind, routing in routings.items():
             routing.start()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            times, tokens, st = decode(model, prompt, args.warmup, args.tokens, routing, handle)
+            n = args.tokens if tokens is None else tokens
+            times, logits, st = decode(model, ids[:, : ids.shape[1] - args.tokens + n],
+                                       args.warmup, n, routing, handle, graph)  # fmt: skip
             ms = statistics.median(times)
-            per, hit = moved(st, args.tokens, weight_bytes)
-            add(name, kind, "decode", ms, per, hit, tokens, setup_s)
-            if isinstance(handle, to.ExpertStreamHandle):
+            per, hit = moved(st, n, weight_bytes)
+            if name.startswith("accelerate"):  # every weight copied at every forward
+                per = weight_bytes
+            add(name, kind, "decode", ms, per, hit, logits, setup_s, graph)
+            if isinstance(handle, to.ExpertStreamHandle) and not graph:
                 rows[-1] |= predicted(handle, routing, resident[(kind, "decode")][0], bw, args)
-            if args.prefill:
-                ms, st = prefill(model, long, handle)
+            if args.prefill and prefill_too and not graph:
+                ms, st = prefill(model, long, routing, handle)
                 per, hit = moved(st, args.prefill, weight_bytes)
+                if name.startswith("accelerate"):
+                    per = weight_bytes / args.prefill
                 add(name, kind, f"prefill {args.prefill}", ms, per * args.prefill, hit, None,
                     setup_s)  # fmt: skip
             routing.stop()
 
-    def add(name, kind, phase, ms, per, hit, tokens, setup_s):
+    def add(name, kind, phase, ms, per, hit, logits, setup_s, graph=False):
         key = (kind, phase)
         if name == "resident":
-            resident[key] = (ms, tokens)
+            resident[key] = (ms, logits)
+        if name.endswith("graph all cached"):
+            resident[(kind, "graph")] = (ms, None)
         link = per / (bw * 1e9) * 1e3 if bw == bw else 0.0
-        bound = max(resident[key][0], link)
-        same = None if tokens is None else bool(torch.equal(tokens, resident[key][1]))
+        floor = resident.get((kind, "graph"), (math.nan,))[0] if graph else resident[key][0]
+        bound = max(floor, link) if floor == floor else link
+        want = resident[key][1]
+        same = None if logits is None else bool(torch.equal(logits, want[: len(logits)]))
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
         r = dict(routing=kind, phase=phase, row=name, ms=round(ms, 2), mib=round(per / MIB, 1),
                  hit=None if hit is None else round(hit, 3), bound_ms=round(bound, 2),
-                 of_bound=round(bound / ms, 3), peak_gib=round(peak, 2), same_tokens=same,
-                 setup_s=round(setup_s, 1))  # fmt: skip
+                 of_bound=round(ms / bound, 3) if bound else None, peak_gib=round(peak, 2),
+                 same_logits=same, setup_s=round(setup_s, 1))  # fmt: skip
         rows.append(r)
         print(r, flush=True)
 
     measure("resident")
     least = to.minimum_cache_bytes(model)
+    every = expert_bytes * 2  # more than every expert needs: capped
+    graphs = [] if args.no_graph or device.type != "cuda" else [False, True]
+    runs = [(every, "lru", True, False)] if graphs else []  # the graph's floor first
     for policy in policies:
         for cache in [least, *[int(c * GIB) for c in caches]]:
-            t0 = time.perf_counter()
-            h = to.stream_experts(model, device, cache_bytes=cache, policy=policy)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            name = "least" if cache == least else f"{cache / GIB:g} GiB"
-            measure(f"stream_experts {name} {policy}", h, time.perf_counter() - t0)
-            h.remove()
-            del h
-            gc.collect()
-    # Last: stream_weights' remove() copies the model back while its arena is still allocated
-    # (budget + model on the device), which the last budget skips.
-    for i, budget in enumerate(budgets):
+            if not args.no_eager:
+                runs.append((cache, policy, False, False))
+            if graphs:
+                runs.append((cache, policy, True, False))
+    if graphs and caches:
+        runs.append((int(caches[len(caches) // 2] * GIB), policies[0], True, True))
+    for cache, policy, graph, prefetch in runs:
+        t0 = time.perf_counter()
+        h = to.stream_experts(model, device, cache_bytes=cache, policy=policy, prefetch=prefetch)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        name = {least: "least", every: "all cached"}.get(cache, f"{cache / GIB:g} GiB")
+        name = f"stream_experts {name} {policy}" + (" graph" if graph else "")
+        name += " prefetch" if prefetch else ""
+        if cache == every:
+            name = "stream_experts graph all cached"
+        measure(name, h, time.perf_counter() - t0, graph=graph)
+        h.remove()
+        del h
+        gc.collect()
+    # stream_weights' remove() copies the model back while its arena is still allocated
+    # (budget + model on the device): one budget at a time, removed before accelerate
+    for budget in budgets:
         t0 = time.perf_counter()
         h = to.stream_weights(model, device, budget_bytes=int(budget * GIB))
-        measure(f"stream_weights {budget:g} GiB", h, time.perf_counter() - t0)
-        if i + 1 < len(budgets):
-            h.remove()
-            del h
-            gc.collect()
+        measure(f"stream_weights {budget:g} GiB", h, time.perf_counter() - t0,
+                tokens=max(2, args.tokens // 2))  # fmt: skip
+        h.remove()
+        del h
+        gc.collect()
+    if args.accelerate and device.type == "cuda":  # last: leaves the model offloaded
+        from accelerate import cpu_offload
+
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        cpu_offload(model, execution_device=device)
+        measure("accelerate cpu_offload", None, time.perf_counter() - t0,
+                tokens=args.accelerate, prefill_too=True)  # fmt: skip
 
     print("\n| routing | phase | row | ms | MiB/step | hit rate | bound ms | of bound | peak GiB | "
-          "same tokens |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+          "same logits |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for r in rows:
         print(
             f"| {r['routing']} | {r['phase']} | {r['row']} | {r['ms']} | {r['mib']} | "
             f"{r['hit'] if r['hit'] is not None else '-'} | {r['bound_ms']} | {r['of_bound']} | "
-            f"{r['peak_gib']} | {'-' if r['same_tokens'] is None else r['same_tokens']} |"
+            f"{r['peak_gib']} | {'-' if r['same_logits'] is None else r['same_logits']} |"
         )
     print("\nThe planner's prediction (plan_experts, a synthetic routing of the same kind) per "
           "decode row:\n\n| routing | row | ms | predicted ms | hit rate | predicted hit rate |\n"
