@@ -25,8 +25,9 @@ resident loop of transformers reads the routing on the host and cannot be captur
 
 Decoding is teacher-forced: each step's input token is drawn at random (a greedy decode of a
 random model repeats its tokens, and so its routing), over a static KV cache. Routing: each
-router's logits get ``bias + noise[position]``, with ``noise`` Gumbel noise drawn per layer,
-position and expert, scaled by ``--noise`` so that it outweighs the random router's own logits.
+router's logits get ``s * (bias + noise[position])``, with ``noise`` Gumbel noise drawn per
+layer, position and expert, and ``s`` (``--noise``) large enough that this outweighs the random
+router's own logits.
 ``uniform``: no bias, so each token's top-k is a uniform draw of k experts: the worst case for
 a cache. ``zipf``: the bias is ``-a * log(rank)`` over a random order of each layer's experts
 (``--zipf a``), and every ``--drift`` tokens two neighbouring ranks swap in each layer, so a
@@ -137,6 +138,7 @@ class Routing:
         self.bias = [torch.zeros(self.n, device=dev) for _ in self.routers]
         g = torch.Generator(device=dev).manual_seed(7)
         u = torch.rand(len(self.routers), positions, self.n, generator=g, device=dev)
+        self.scale = noise
         self.noise = -torch.log(-torch.log(u.clamp_min(1e-30))) * noise  # Gumbel
         self.one = torch.zeros(1, dtype=torch.long, device=dev)  # a decode step's position
         self.pos = self.one
@@ -163,7 +165,8 @@ class Routing:
 
     def _write(self) -> None:
         for li, bias in enumerate(self.bias):
-            bias.copy_(self.ranks.bias(li) if self.kind == "zipf" else torch.zeros(self.n))
+            zipf = self.ranks.bias(li) * self.scale  # scaled as the noise: Gumbel-top-k
+            bias.copy_(zipf if self.kind == "zipf" else torch.zeros(self.n))
 
     def stop(self) -> None:
         for r in self.routers:
