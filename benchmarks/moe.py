@@ -385,6 +385,13 @@ def main(argv=None) -> int:
                 runs.append((cache, policy, True, False))
     if graphs and caches:
         runs.append((int(caches[len(caches) // 2] * GIB), policies[0], True, True))
+    # The experts wait on the host between rows (as a model loaded there would): the device
+    # then never holds them and a cache at once (the cache is allocated before they move)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    for m in experts:
+        m.to("cpu")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     for cache, policy, graph, prefetch in runs:
         t0 = time.perf_counter()
         h = to.stream_experts(model, device, cache_bytes=cache, policy=policy, prefetch=prefetch)
@@ -399,6 +406,8 @@ def main(argv=None) -> int:
         h.remove()
         del h
         gc.collect()
+    for m in experts:
+        m.to(device)
     # stream_weights' remove() copies the model back while its arena is still allocated
     # (budget + model on the device): one budget at a time, removed before accelerate
     for budget in budgets:
