@@ -70,8 +70,6 @@ KNOWN_BROKEN: dict[tuple[str, str], int] = {
     # resident OffloadedOptimizer reads the other's master again from its rounded value
     ("optimizer", "edit_shared_counter"): -8,
     ("stream_parameters", "edit_shared_counter"): -8,  # the views kept resident
-    # a write to a parameter after a refused backward, before the next forward: lost
-    ("stream_parameters", "write_after_failed_backward"): -11,
 }
 if os.environ.get("FUZZ_KNOWN_BROKEN"):
     KNOWN_BROKEN = {}
@@ -2093,13 +2091,12 @@ def test_new8_resident_optimizer_after_an_edit_of_a_view():
 NEW11 = replace(NEW8, shared_storage=False, dtype="float32")
 
 
-@new(11, "a backward that raised leaves its units bound: a write before the next forward is lost")
 def test_new11_edit_after_a_backward_that_raised():
-    # stream_parameters drops what a backward loaded when the pass ends (a queued callback),
-    # or, after a backward that raised (the callback never runs), at the next forward; until
-    # then the parameters are bound to their device copies, not placeholders, and an edit
-    # writes the device copy only: the host store keeps the old values (found by the fuzzer
-    # after a refused zero_grad(set_to_none=False) and a refused backward)
+    # stream_parameters drops what a backward loaded when the pass ends (a queued callback);
+    # after a backward that raised (the callback never runs) the parameters stayed bound to
+    # their device copies until the next forward, and an edit wrote the device copy only: the
+    # host store kept the old values (found by the fuzzer after a refused
+    # zero_grad(set_to_none=False) and a refused backward). Note: [A backward that raised]
     ref, off = build(NEW11), build(NEW11)
     handle = to.stream_parameters(off, budget_bytes=1 << 20, unit="leaves", prefetch_depth=0,
                                   use_streams=False)  # fmt: skip

@@ -298,6 +298,65 @@ def test_a_backward_that_raised_leaves_nothing_loaded_after_the_next_forward():
     handle.remove()
 
 
+@pytest.mark.parametrize("edit", ["mul_", "load_state_dict"])
+def test_an_edit_after_a_backward_that_raised_inside_a_unit_reaches_the_host_store(edit):
+    """Note: [A backward that raised]: the unit the failed pass left bound is unbound before
+    the caller sees the error, so an edit then goes to the host store (it went to the device
+    copy only, and the next forward dropped it)."""
+    from torchoffload._hosted import is_placeholder
+
+    ref = gpt()
+    m = copy.deepcopy(ref)
+    handle = to.stream_parameters(m, 10 << 20)
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    armed = [True]
+
+    class Boom(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            if armed[0]:
+                raise RuntimeError("boom")
+            return g
+
+    for mm in (ref, m):  # inside layers[2]: its unit is bound when the backward raises
+        mm.layers[2].qkv.register_forward_hook(lambda mod, args, out: Boom.apply(out))
+    x = tokens(0)
+    for mm in (ref, m):
+        with pytest.raises(RuntimeError, match="boom"):
+            mm.loss(x).backward()
+    rt = handle._runtime
+    assert rt.loaded_bytes > 0  # device bytes kept until the next forward, unbound
+    assert all(is_placeholder(p) for p in m.layers.parameters())
+    for mm in (ref, m):
+        if edit == "mul_":
+            with torch.no_grad():
+                mm.layers[2].fc1.weight.mul_(0.9)
+        else:
+            sd = mm.state_dict()
+            sd["layers.2.qkv.weight"] = sd["layers.2.qkv.weight"] * 0.5
+            mm.load_state_dict(sd)
+    assert host_values(m).keys() == host_values(ref).keys()
+    for k, v in host_values(ref).items():
+        assert torch.equal(host_values(m)[k], v), k
+    armed[0] = False
+    for mm, o in ((ref, ref_opt), (m, opt)):
+        o.zero_grad()
+        mm.loss(x).backward()
+        o.step()
+        o.zero_grad()
+    got, want = host_values(m), host_values(ref)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert rt.loaded_bytes == 0
+    opt.remove()
+    handle.remove()
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_hugging_face_llama_with_gradient_checkpointing_is_bitwise(reentrant):
     transformers = pytest.importorskip("transformers")

@@ -169,6 +169,17 @@ class PieceStore:
             if not piece.holders:
                 self.drop(piece)
 
+    def unbind_all(self) -> bool:
+        """Every piece unbound (its parameters placeholders) and held by no unit, its device
+        bytes kept (Note: [A backward that raised]); whether one is still loaded."""
+        loaded = False
+        for piece in self.pieces.values():
+            piece.holders.clear()
+            if piece.loaded:
+                bind(piece, full=False)
+                loaded = True
+        return loaded
+
     def drop_all(self) -> None:
         for piece in self.pieces.values():
             piece.holders.clear()

@@ -18,8 +18,27 @@ input's gradient has run (counted per graph: several forwards before one backwar
 for their own). The hooks add no node to the graph: an identity node on the inputs summed the
 unit's own uses of an input before its other uses, a different order of the same sum (an
 RMSNorm inside a residual came out an ulp off; found by the fuzzer). Whatever is still loaded
-when the backward pass ends (a callback queued on the pass) is dropped then; so is what a
-backward that raised left behind, at the next forward.
+when the backward pass ends (a callback queued on the pass) is dropped then.
+
+Note: [A backward that raised]
+Autograd runs no queued callback of a backward pass that raised: it frees them with the pass.
+The callback object (`_PassEnd`) sees that: released without having been called, it unbinds
+every piece the pass left bound, so each of their parameters is a placeholder again (Note:
+[Placeholders never answer]) and a user's edit after the failure (``p.mul_`` under no_grad,
+``load_state_dict``) goes through the hosting layer to the host store instead of into a device
+copy that the next drop would throw away. Unbinding is only the parameters' metadata
+(``.data`` to 0 elements, the placeholder class): the device storages stay loaded, with their
+holders cleared, and are dropped at the next forward (or the next backward's end) on the
+caller's thread, where the compute stream is the caller's (Note: [Streams of a training load]);
+until then a load of a piece still loaded and not stale reuses it (its bytes are the host's),
+and a write through a placeholder marks it stale. Nothing of the failed pass leaks: the bytes
+it left on the device are copies of the host store (a host write since then made them stale),
+and its gradients are what autograd accumulated before it raised, as without streaming.
+The pass is freed by the last thread that holds it: on the CPU the caller's, while the error
+unwinds, so the parameters are placeholders before the caller sees the exception; on a GPU,
+where the node that raised may run on an autograd device thread, that thread may let go of the
+pass a moment after the caller has been woken. The next forward still drops whatever a pass
+left behind if its callback object was never released (``_backward_pass`` still set).
 """
 
 from __future__ import annotations
@@ -110,6 +129,7 @@ class ParameterRuntime:
         self._position: dict[int, int] = {}
         self._recording: list[int] = []
         self._backward_pass: int | None = None
+        self._leftover = False  # pieces a pass that raised left loaded (unbound)
         self.backward_passes = 0
 
     @property
@@ -162,8 +182,8 @@ class ParameterRuntime:
                 unit.backward = True
                 return None
             self._check_flags(unit)
-            if self._backward_pass is not None:  # a backward ended without its callback
-                self._end_backward()
+            if self._backward_pass is not None or self._leftover:  # a backward that raised
+                self._end_backward()  # Note: [A backward that raised]
             self._record(index)
             self._hold(unit)
             self._prefetch(index, +1)
@@ -239,9 +259,8 @@ class ParameterRuntime:
         self._recording = []
         for unit in self.units:
             unit.pending = len(unit.trainable)
-        ref = weakref.ref(self)
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: _call(ref, "end_backward_callback")
+            _PassEnd(weakref.ref(self), self._backward_pass)
         )
 
     def accumulated(self, param: torch.Tensor) -> None:
@@ -272,8 +291,21 @@ class ParameterRuntime:
             if not self.removed:
                 self._end_backward()
 
+    def backward_failed(self, task: int) -> None:
+        """Backward pass ``task`` raised (its callback was freed unrun): every piece it left
+        bound is unbound now, and dropped at the next forward (Note: [A backward that
+        raised])."""
+        with self._lock:
+            if self.removed or self._backward_pass != task:
+                return
+            self._backward_pass = None
+            for unit in self.units:
+                unit.backward = False
+            self._leftover = self.store.unbind_all()
+
     def _end_backward(self) -> None:
         self._backward_pass = None
+        self._leftover = False
         for unit in self.units:
             unit.backward = False
         self.store.drop_all()
@@ -294,7 +326,7 @@ class ParameterRuntime:
                     "an OffloadedOptimizer steps these parameters in the host store: remove() "
                     "it (or delete it) first"
                 )
-            if self._backward_pass is not None:
+            if self._backward_pass is not None or self._leftover:
                 self._end_backward()
             self.store.restore()
 
@@ -307,6 +339,24 @@ def _call(ref: weakref.ref, name: str, *args: Any) -> None:
     rt = ref()
     if rt is not None:
         getattr(rt, name)(*args)
+
+
+class _PassEnd:
+    """The callback queued on a backward pass: called when the pass ends; freed without being
+    called when the pass raised (Note: [A backward that raised])."""
+
+    __slots__ = ("ref", "task", "ran")
+
+    def __init__(self, ref: weakref.ref, task: int):
+        self.ref, self.task, self.ran = ref, task, False
+
+    def __call__(self) -> None:
+        self.ran = True
+        _call(self.ref, "end_backward_callback")
+
+    def __del__(self) -> None:
+        if not self.ran:
+            _call(self.ref, "backward_failed", self.task)
 
 
 class _Token:
