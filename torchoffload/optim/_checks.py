@@ -46,7 +46,7 @@ def check_record(host: HostMasters, rec: Record) -> None:
     if (p._version, p.data_ptr()) != rec.synced:
         # Changed outside the optimizer (load_state_dict, an in-place init): its master
         # follows. A blocking copy, only after such a change.
-        host.refresh(rec)
+        host.moved(rec)
 
 
 def refuse_consumed(every: list[tuple[int, torch.Tensor]], what: str) -> None:

@@ -31,13 +31,13 @@ from typing import Any
 import torch
 
 from torchoffload.optim._grads import ConsumedGrad
-from torchoffload.optim._params import hyper
+from torchoffload.optim._params import follow_written, hyper, shared_families
 
 
 class DeviceStep:
     """Masters, the optimizer class and its state on the device, for ``params`` (with the
-    user group of each in ``group_of``, and ``index``, their indices in the optimizer's
-    parameter order)."""
+    user group of each in ``group_of``, ``index``, their indices in the optimizer's
+    parameter order, and ``families``, their `storage_families` keys)."""
 
     def __init__(
         self,
@@ -47,9 +47,12 @@ class DeviceStep:
         user_groups: list[dict[str, Any]],
         optimizer_class: type[torch.optim.Optimizer],
         optimizer_kwargs: dict[str, Any],
+        families: list[int],
     ):
         self.params = params
         self.index = index
+        shared = shared_families(families)
+        self.shared = [key in shared for key in families]  # shares its version counter
         self.trainable = [p.requires_grad for p in params]
         self.built = [(p.dtype, tuple(p.shape), p.device) for p in params]
         self.user_groups = user_groups
@@ -97,7 +100,13 @@ class DeviceStep:
                 and self.masters[k] is not p
                 and self.built[k] == (p.dtype, tuple(p.shape), p.device)
             ):
-                self.reload(k)
+                if self.shared[k] and p.data_ptr() == self.synced[k][1]:
+                    # See Note: [Parameters that share a storage] in _params.py
+                    with torch.no_grad():
+                        follow_written(self.masters[k], p.detach())
+                    self.synced[k] = (p._version, p.data_ptr())
+                else:
+                    self.reload(k)
 
     def reload(self, k: int) -> None:
         master, p = self.masters[k], self.params[k]

@@ -14,7 +14,15 @@ from torchoffload._pool import pinned_buffer
 from torchoffload.optim._config import OptimizerOffloadConfig
 from torchoffload.optim._grads import MovedGrad
 from torchoffload.optim._layout import Entry, HostLayout, default_bucket_bytes, plan_layout
-from torchoffload.optim._params import hyper, is_dtensor, local, shape_of, storage_families
+from torchoffload.optim._params import (
+    follow_written,
+    hyper,
+    is_dtensor,
+    local,
+    shape_of,
+    shared_families,
+    storage_families,
+)
 
 # Note: [Host buffers are reused across steps without a sync]
 # A bucket's host buffers receive its gradient (D2H, into the fp32 gradient or, with host
@@ -112,6 +120,7 @@ class HostMasters:
         self.device = device
         self.numbering = numbering
         families = storage_families(params)
+        self.shared = shared_families(families)  # families of several parameters
         self.layout = layout = host_layout(params, config, families)
         # - Host buffers (allocated once, exact size)
         pin = config.pin_memory and device.type != "cpu" and torch.accelerator.is_available()
@@ -175,6 +184,18 @@ class HostMasters:
             rec.master.copy_(p.detach())
         rec.synced = (p._version, p.data_ptr())
 
+    def moved(self, rec: Record) -> None:
+        """The parameter's (version, data_ptr) moved since the optimizer last read or wrote it
+        (not streamed): read its master again, or, in a family of one version counter, only
+        if its bytes changed (Note: [Parameters that share a storage] in _params.py)."""
+        p = local(rec.param)
+        if rec.family not in self.shared or p.data_ptr() != rec.synced[1]:
+            self.refresh(rec)
+            return
+        with torch.no_grad():
+            follow_written(rec.master, p.detach().to(rec.master.device))
+        rec.synced = (p._version, p.data_ptr())
+
     def follow(self) -> None:
         """Read again the master of every parameter changed in place since the optimizer last
         read or wrote it, as the next step would (`check_record`), so that a `state_dict()`
@@ -190,7 +211,7 @@ class HostMasters:
             if (p.device, p.dtype, tuple(p.shape)) == built and (
                 (p._version, p.data_ptr()) != rec.synced
             ):
-                self.refresh(rec)
+                self.moved(rec)
 
     def load_master(self, rec: Record, master: torch.Tensor) -> None:
         """Take a saved master (one that rounds to the parameter: `load_state_dict`)."""

@@ -90,7 +90,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._building = False
         self.config = config
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
-        on_host = host_part(flat, config.offload_fraction, storage_families(flat))
+        families = storage_families(flat)
+        on_host = host_part(flat, config.offload_fraction, families)
         # Indices, in the optimizer's parameter order, of the host part's parameters and of
         # the device part's (Note: [Which parameters stay on the device]).
         self._host_index = [i for i, h in enumerate(on_host) if h]
@@ -99,7 +100,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             kept = [i for i, h in enumerate(on_host) if not h]
             self._device = DeviceStep(
                 [flat[i] for i in kept], kept, [group_of[i] for i in kept], self.param_groups,
-                optimizer_class, kwargs,
+                optimizer_class, kwargs, [families[i] for i in kept],
             )  # fmt: skip
         rank = clip_order(flat, model)
         self._runtime = HostStepRuntime(

@@ -26,6 +26,19 @@ from torchoffload._hosted import HOSTED
 # final backward and `step()`. Views that ``module.to(dtype)`` gave storages of their own
 # still share one version counter (``to`` sets ``param.data``): one family too
 # (`storage_families` finds them by bumping each counter, which changes no value).
+# A counter that moved outside the optimizer says that a member of its family was written, not
+# which (``gate.mul_`` moves ``shift``'s too). So in a family of several parameters, a member
+# whose counter moved on the same storage has its master read again only when its bytes are
+# no longer the master rounded to its dtype, compared bit for bit (`follow_written`): the
+# member written is read again whole, as a loop over fp32 masters reads again the master of
+# the parameter it wrote, and the others keep their fp32 masters, as that loop does (reading
+# a bf16 one's master again from its rounded value loses its low bits). The two differ in one
+# case: a write that left every byte of the member it wrote as it was (a clamp that clamped
+# nothing) cannot be told from no write, and the master is kept where the loop would read it
+# again. A parameter alone on its counter is read again after any move of it, and a streamed
+# one after a write of its bytes in the host store (``Hosted.version``), which says which
+# parameter was written. The comparison runs only for a family whose counter moved; the
+# device part's is queued on the compute stream (a 0-d condition, no host sync).
 
 
 def storage_families(params: list[torch.Tensor]) -> list[int]:
@@ -57,6 +70,27 @@ def storage_families(params: list[torch.Tensor]) -> list[int]:
         old = {out[j] for j in together}
         out = [key if k in old else k for k in out]
     return out
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def follow_written(master: torch.Tensor, value: torch.Tensor) -> None:
+    """Read ``master`` (fp32) again from ``value`` (a parameter of a family whose counter moved,
+    on the master's device) unless ``value``'s bytes are ``master`` rounded to its dtype:
+    Note: [Parameters that share a storage]. Queued: no host sync."""
+    bits = _BITS[value.element_size()]
+    written = (value.view(bits) != master.to(value.dtype).view(bits)).any()
+    master.copy_(torch.where(written, value.to(master.dtype), master))
+
+
+def shared_families(families: list[int]) -> set[int]:
+    """The keys of ``families`` (`storage_families`) that more than one parameter has."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for key in families:
+        (shared if key in seen else seen).add(key)
+    return shared
 
 
 def shape_of(p: torch.Tensor) -> tuple[int, ...]:
