@@ -357,6 +357,48 @@ def test_an_edit_after_a_backward_that_raised_inside_a_unit_reaches_the_host_sto
     handle.remove()
 
 
+@pytest.mark.parametrize("edit", ["mul_", "load_state_dict"])
+def test_an_edit_after_a_forward_that_raised_inside_a_unit_reaches_the_host_store(edit):
+    """A unit whose forward raised is released like one that returned (its post-forward hook
+    is always called): an edit before the next forward goes to the host store. Without that
+    the unit stayed bound, the edit went to its device copy, reads showed it, and the next
+    load (or remove()) brought back the host's values: the edit was lost."""
+    from torchoffload._hosted import is_placeholder
+
+    ref = gpt()
+    m = copy.deepcopy(ref)
+    handle = to.stream_parameters(m, 10 << 20)
+    armed = [True]
+
+    def boom(mod, args, out):
+        if armed[0]:
+            raise ValueError("boom")
+
+    for mm in (ref, m):  # after layers[2].qkv computed, inside its unit
+        mm.layers[2].qkv.register_forward_hook(boom)
+    x = tokens(0)
+    for mm in (ref, m):
+        with pytest.raises(ValueError, match="boom"):
+            mm.loss(x)
+    assert all(is_placeholder(p) for p in m.layers.parameters())
+    for mm in (ref, m):
+        if edit == "mul_":
+            with torch.no_grad():
+                mm.layers[2].qkv.weight.mul_(0.9)
+        else:
+            sd = mm.state_dict()
+            sd["layers.2.qkv.weight"] = sd["layers.2.qkv.weight"] * 0.5
+            mm.load_state_dict(sd)
+    armed[0] = False
+    for mm in (ref, m):
+        mm.loss(x).backward()
+    for (name, p), q in zip(ref.named_parameters(), m.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    handle.remove()
+    for (name, p), q in zip(ref.named_parameters(), m.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_hugging_face_llama_with_gradient_checkpointing_is_bitwise(reentrant):
     transformers = pytest.importorskip("transformers")

@@ -560,7 +560,9 @@ def stream_parameters(
     for i, unit_state in enumerate(runtime.units):
         m = unit_state.module
         hooks.append(m.register_forward_pre_hook(_PreForward(ref, i), with_kwargs=True))
-        hooks.append(m.register_forward_hook(_PostForward(ref, i)))
+        # always_call: a forward that raised inside the unit releases it too (else an edit
+        # before the next forward went to its device copy and was lost at the next load)
+        hooks.append(m.register_forward_hook(_PostForward(ref, i), always_call=True))
     params = {id(p): p for u in runtime.units for p in u.trainable}
     for p in params.values():
         hooks.append(p.register_post_accumulate_grad_hook(_Accumulated(ref)))
