@@ -7,21 +7,31 @@ device expert cache of a few sizes; eagerly and replayed as CUDA graphs) and acc
     python benchmarks/moe.py --shape small                   # 4 layers x 32 experts: a quick run
     python benchmarks/moe.py --layers 8 --experts 64 --caches 1,2   # a shape in between
 
-Rows per routing and phase: ``resident`` (every tensor on the device; the eager experts loop of
-transformers), ``stream_weights B GiB`` (every weight streamed per token, ``--stream-weights``
-budgets), ``stream_experts least`` (routed-only: the least cache, one token's top-k of one
-block, so every routed expert is copied), ``stream_experts C GiB`` (a cache of C GiB,
-``--policies``), the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing,
-cache map and copies on the device), ``graph prefetch`` (``prefetch=True``), ``graph all
-cached`` (every expert in the cache: the graph's compute floor, no copies), and ``accelerate
-cpu_offload`` (``--accelerate``; every weight copied from host memory each forward). Columns: ms
-per step (decode: per token, the median of ``--tokens`` timed steps after ``--warmup``;
-prefill: one forward of ``--prefill`` tokens, median of 2), MiB copied to the device per step,
-the cache's hit rate, the bound, the row's ratio to it (1.0 = at the bound), peak device GiB, and
-whether its logits are bitwise the resident model's (every decode step's). The bound is ``max(
-compute, bytes / bw)`` with bw the pinned host-to-device bandwidth measured in this run and
-compute the resident model's ms (eager rows) or the ``graph all cached`` row's (graph rows: the
-resident loop of transformers reads the routing on the host and cannot be captured).
+Rows, in this order (``ROWS``: a builder per kind of row), each under every routing, decode
+then prefill:
+- ``resident``: every tensor on the device (the eager experts loop of transformers).
+- ``stream_experts least``: routed-only, the least cache (one token's top-k of one block), so
+  every routed expert is copied; then ``stream_experts C GiB`` for each ``--caches`` size (the
+  issue's 8, 16 and 32 GiB by default), per ``--policies``.
+- the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing, cache map
+  and copies on the device; CUDA only, no prefill), after ``graph all cached`` (every expert in
+  the cache: the graph's compute term, no copies), and ``graph prefetch`` (``prefetch=True``).
+- ``stream_weights B GiB``: today's engine, every weight streamed per token (``--stream-weights``
+  budgets).
+- ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
+  ``--accelerate-tokens`` timed steps after one warm-up, one timed prefill and the first routing
+  only (``--no-accelerate`` skips it; it runs on the CPU too when accelerate is installed).
+Host compute of cold experts will be a builder of its own, after the eager ``stream_experts``.
+
+Columns: ms per step (decode: per token, the median of ``--tokens`` timed steps after
+``--warmup``; prefill: one forward of ``--prefill`` tokens, median of 2), MiB copied to the
+device per step, the cache's hit rate, the bound, ``x bound`` (the row's ms over the bound: 1.0
+at the bound, larger is slower), peak device GiB, and whether its logits are bitwise the
+resident model's (every decode step's). The bound is ``max(compute, bytes / bw)`` with bytes the
+row's copies (missed experts, for ``stream_experts``), bw the pinned host-to-device bandwidth
+measured in this run and compute the resident model's ms (eager rows) or the ``graph all
+cached`` row's (graph rows: the resident loop of transformers reads the routing on the host and
+cannot be captured).
 
 Decoding is teacher-forced: each step's input token is drawn at random (a greedy decode of a
 random model repeats its tokens, and so its routing), over a static KV cache. Routing: each
@@ -38,17 +48,27 @@ skew that traces of real MoE decoding show (a few experts of each layer take mos
 temporal locality; the expert caches of llama.cpp forks, MoE-Infinity and others report 67-81%
 hit rates on such traces); ``a`` of about 1 is in that range. Every row runs the same routers.
 
-The model is built on the device (random init there is fast); ``stream_experts`` and
-``stream_weights`` copy it to pinned host memory and ``remove()`` puts it back, so the host
-needs about the model's size of memory (61 GB for the default shape). The ``stream_weights``
-rows run after the others: its ``remove()`` needs the budget and the whole model on the device
-at once (pass one budget for the default shape on an 80 GB card). ``accelerate`` runs last and
-leaves the model offloaded (its weights then live in host memory).
+Host memory (the GPU machine has 128 GiB; the default shape's weights are 61 GB, 57 GiB, of
+which 54 GiB experts). The model is built on the device (random init there is fast), and each
+builder frees what it took before the next starts:
+- ``resident``: nothing on the host.
+- ``stream_experts`` rows (eager, then graph): the experts move to pageable host memory (54 GiB)
+  so that the device never holds them and a cache at once; each row's setup copies them into
+  its pinned store and frees the pageable copies, and its ``remove()`` copies them back and
+  frees the store: 108 GiB at the peak, while both exist. The experts go back to the device
+  after the builder's last row.
+- ``stream_weights``: a pinned store of every weight (57 GiB), freed by ``remove()``; one budget
+  at a time, as ``remove()`` copies the model back while the arena is still allocated (budget
+  plus model on the device: pass one budget for the default shape on an 80 GB card).
+- ``accelerate``: ``cpu_offload`` keeps a pageable copy of every weight (57 GiB) and puts the
+  model's own tensors on the meta device; last, as it is never undone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -56,7 +76,9 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,15 +148,17 @@ def build(shape: dict, device: torch.device):
 
 class Routing:
     """The routers of every layer with ``bias + noise[position]`` added to their logits (see
-    the module doc): uniform (no bias) or Zipf-skewed with drift."""
+    the module doc): uniform (no bias) or Zipf-skewed with drift. Its tensors live on ``device``
+    (default: the routers'), where the routers run."""
 
-    def __init__(self, model, kind: str, a: float, drift: int, noise: float, positions: int):
+    def __init__(self, model, kind: str, a: float, drift: int, noise: float, positions: int,
+                 device: torch.device | None = None):  # fmt: skip
         self.kind = kind
         self.a = a
         self.drift = drift
         self.routers = [layer.mlp.gate for layer in model.model.layers]
         self.n = self.routers[0].num_experts
-        dev = self.routers[0].weight.device
+        dev = self.routers[0].weight.device if device is None else device
         self.bias = [torch.zeros(self.n, device=dev) for _ in self.routers]
         g = torch.Generator(device=dev).manual_seed(7)
         u = torch.rand(len(self.routers), positions, self.n, generator=g, device=dev)
@@ -147,8 +171,13 @@ class Routing:
         """Install the routers and reset the drift: every row sees the same routing."""
         self.ranks = ZipfRanks([self.n] * len(self.routers), self.a, self.drift, seed=1)
         self._write()
+        self.saved = []
         for li, r in enumerate(self.routers):
-            r.forward = _noisy(r, self, li)
+            # Under accelerate's hooks a module's forward is their wrapper, which loads the
+            # weights and calls _old_forward: replace that one
+            attr = "_old_forward" if hasattr(r, "_hf_hook") else "forward"
+            self.saved.append((r, attr, r.__dict__.get(attr)))
+            setattr(r, attr, _noisy(r, self, li))
 
     def at(self, positions: torch.Tensor) -> None:
         """The positions of the next call's tokens (a decode step's go to a tensor of its own,
@@ -169,8 +198,11 @@ class Routing:
             bias.copy_(zipf if self.kind == "zipf" else torch.zeros(self.n))
 
     def stop(self) -> None:
-        for r in self.routers:
-            r.__dict__.pop("forward", None)
+        for r, attr, old in self.saved:
+            if old is None:
+                r.__dict__.pop(attr, None)
+            else:
+                setattr(r, attr, old)
 
 
 def _noisy(router, routing: Routing, li: int):
@@ -228,12 +260,13 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
     return times, torch.stack(logits), handle.stats() if handle is not None else None
 
 
-def prefill(model, x: torch.Tensor, routing: Routing, handle):
-    """ms of one forward of ``x`` (median of 2 after one warm-up) and the stats of the last."""
+def prefill(model, x: torch.Tensor, routing: Routing, handle, runs: int = 2):
+    """ms of one forward of ``x`` (median of ``runs`` after one warm-up) and the stats of the
+    last."""
     times = []
     routing.at(torch.arange(x.shape[1], device=x.device))
     with torch.inference_mode():
-        for i in range(3):
+        for i in range(1 + runs):
             if handle is not None:
                 handle.reset_stats()
             sync(x.device)
@@ -269,6 +302,154 @@ def moved(stats, tokens: int, weights_bytes: int) -> tuple[float, float | None]:
     return stats.h2d_bytes / tokens, None
 
 
+def empty_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# -- the rows ------------------------------------------------------------------------------------
+#
+# Each kind of row has a builder: a generator that sets its engine up on the model, yields a Row
+# (which main measures under every routing) and, resumed, takes it down before the next. They
+# run in the order of ROWS; the order and what each frees are the host-memory plan of the
+# module doc.
+
+
+@dataclasses.dataclass
+class Row:
+    """An engine set up on the model, measured under each routing: decode, then a prefill."""
+
+    name: str
+    handle: Any = None  # stats(), reset_stats(), cuda_graph(); None: no stats
+    setup_s: float = 0.0
+    graph: bool = False  # decode steps replayed by handle.cuda_graph (no prefill row)
+    warmup: int | None = None  # decode steps before timing (None: --warmup)
+    tokens: int | None = None  # timed decode steps (None: --tokens)
+    prefill_runs: int = 2  # timed prefills, after one warm-up
+    copies: int | None = None  # bytes copied per forward, where no stats count them
+    routings: int | None = None  # under the first n routings only (None: every one)
+
+
+@dataclasses.dataclass
+class Bench:
+    """What the row builders read."""
+
+    model: Any
+    device: torch.device
+    args: argparse.Namespace
+    caches: list[float]  # GiB
+    budgets: list[float]  # GiB
+    policies: list[str]
+    expert_bytes: int
+    weight_bytes: int
+
+
+@contextlib.contextmanager
+def experts_on_host(b: Bench) -> Iterator[None]:
+    """The experts wait in pageable host memory (as those of a model loaded there would), so the
+    device never holds them and a cache at once: stream_experts allocates its cache before it
+    moves them."""
+    experts = [layer.mlp.experts for layer in b.model.model.layers]
+    for m in experts:
+        m.to("cpu")
+    empty_cache(b.device)
+    try:
+        yield
+    finally:
+        for m in experts:
+            m.to(b.device)
+
+
+def streamed_row(b: Bench, name: str, cache: int, policy: str, graph: bool = False,
+                 prefetch: bool = False) -> Iterator[Row]:  # fmt: skip
+    """One stream_experts row: set up, measured, removed (its pinned store freed)."""
+    t0 = time.perf_counter()
+    h = to.stream_experts(b.model, b.device, cache_bytes=cache, policy=policy, prefetch=prefetch)
+    empty_cache(b.device)
+    yield Row(name, h, time.perf_counter() - t0, graph=graph)
+    h.remove()
+    del h
+    gc.collect()
+
+
+def cache_sizes(b: Bench) -> list[tuple[str, int]]:
+    """Routed-only (the least cache: one token's experts of one block, so every routed expert
+    is copied), then each --caches size."""
+    least = to.minimum_cache_bytes(b.model)
+    return [("least", least), *((f"{c:g} GiB", int(c * GIB)) for c in b.caches)]
+
+
+def resident_rows(b: Bench) -> Iterator[Row]:
+    """Every tensor on the device: the compute term of the eager rows' bound."""
+    yield Row("resident")
+
+
+def stream_experts_rows(b: Bench) -> Iterator[Row]:
+    """stream_experts, eager: routed-only and each cache size, per --policies."""
+    if b.args.no_eager:
+        return
+    with experts_on_host(b):
+        for policy in b.policies:
+            for label, cache in cache_sizes(b):
+                yield from streamed_row(b, f"stream_experts {label} {policy}", cache, policy)
+
+
+def graph_rows(b: Bench) -> Iterator[Row]:
+    """stream_experts with its decode steps replayed by handle.cuda_graph (CUDA only): every
+    expert cached first (the compute term of the graph rows' bound: no copies), then as the
+    eager rows, then prefetch=True at the middle cache size."""
+    if b.args.no_graph or b.device.type != "cuda":
+        return
+    with experts_on_host(b):
+        every = 2 * b.expert_bytes  # more than every expert needs: capped
+        yield from streamed_row(b, "stream_experts graph all cached", every, "lru", graph=True)
+        for policy in b.policies:
+            for label, cache in cache_sizes(b):
+                name = f"stream_experts {label} {policy} graph"
+                yield from streamed_row(b, name, cache, policy, graph=True)
+        if b.caches:
+            c, policy = b.caches[len(b.caches) // 2], b.policies[0]
+            name = f"stream_experts {c:g} GiB {policy} graph prefetch"
+            yield from streamed_row(b, name, int(c * GIB), policy, graph=True, prefetch=True)
+
+
+def stream_weights_rows(b: Bench) -> Iterator[Row]:
+    """Today's stream_weights: every weight streamed through an arena of each budget."""
+    for budget in b.budgets:
+        t0 = time.perf_counter()
+        h = to.stream_weights(b.model, b.device, budget_bytes=int(budget * GIB))
+        yield Row(f"stream_weights {budget:g} GiB", h, time.perf_counter() - t0,
+                  tokens=max(2, b.args.tokens // 2))  # fmt: skip
+        h.remove()
+        del h
+        gc.collect()
+
+
+def accelerate_rows(b: Bench) -> Iterator[Row]:
+    """accelerate's cpu_offload: every weight copied from (pageable) host memory at every
+    forward, so a few tokens, one warm-up step, one timed prefill and the first routing only
+    (what it copies does not depend on the routing). Not undone: last."""
+    if b.args.no_accelerate:
+        return
+    try:
+        import accelerate
+    except ImportError:
+        print("# accelerate not installed: its row skipped", flush=True)
+        return
+    t0 = time.perf_counter()
+    accelerate.cpu_offload(b.model, execution_device=b.device)
+    gc.collect()
+    empty_cache(b.device)
+    yield Row(f"accelerate {accelerate.__version__} cpu_offload", None,
+              time.perf_counter() - t0, warmup=1, tokens=b.args.accelerate_tokens,
+              prefill_runs=1, copies=b.weight_bytes, routings=1)  # fmt: skip
+
+
+# In this order (the module doc says why). Host compute of cold experts: a builder of its own,
+# its rows under experts_on_host, after stream_experts_rows.
+ROWS = [resident_rows, stream_experts_rows, graph_rows, stream_weights_rows, accelerate_rows]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
@@ -287,15 +468,13 @@ def main(argv=None) -> int:
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
     p.add_argument("--no-graph", action="store_true", help="skip the cuda_graph rows")
     p.add_argument("--no-eager", action="store_true", help="skip the eager stream_experts rows")
-    p.add_argument(
-        "--accelerate",
-        type=int,
-        default=2,
-        metavar="TOKENS",
-        help="timed decode steps of accelerate's cpu_offload (0: skip the row)",
-    )
+    p.add_argument("--no-accelerate", action="store_true", help="skip accelerate's row")
+    p.add_argument("--accelerate-tokens", type=int, default=2, metavar="N",
+                   help="timed decode steps of accelerate's cpu_offload")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = p.parse_args(argv)
+    if args.accelerate_tokens < 1:
+        p.error("--accelerate-tokens must be at least 1 (--no-accelerate skips the row)")
 
     shape = dict(SHAPES[args.shape])
     for key in ("layers", "experts", "top_k"):
@@ -328,112 +507,65 @@ def main(argv=None) -> int:
                 for k in args.routing.split(",")}  # fmt: skip
     rows, resident = [], {}
 
-    def measure(name: str, handle=None, setup_s: float = 0.0, graph: bool = False,
-                tokens: int | None = None, prefill_too: bool = True) -> None:  # fmt: skip
-        for kind, routing in routings.items():
+    def measure(row: Row) -> None:
+        warmup = args.warmup if row.warmup is None else row.warmup
+        n = args.tokens if row.tokens is None else row.tokens
+        for kind, routing in list(routings.items())[: row.routings]:
             routing.start()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            n = args.tokens if tokens is None else tokens
-            times, logits, st = decode(model, ids[:, : ids.shape[1] - args.tokens + n],
-                                       args.warmup, n, routing, handle, graph)  # fmt: skip
-            ms = statistics.median(times)
+            # the same prompt and the first warmup + n of the resident row's steps
+            times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
+                                       routing, row.handle, row.graph)  # fmt: skip
             per, hit = moved(st, n, weight_bytes)
-            if name.startswith("accelerate"):  # every weight copied at every forward
-                per = weight_bytes
-            add(name, kind, "decode", ms, per, hit, logits, setup_s, graph)
-            if isinstance(handle, to.ExpertStreamHandle) and not graph:
-                rows[-1] |= predicted(handle, routing, resident[(kind, "decode")][0], bw, args)
-            if args.prefill and prefill_too and not graph:
-                ms, st = prefill(model, long, routing, handle)
-                per, hit = moved(st, args.prefill, weight_bytes)
-                if name.startswith("accelerate"):
-                    per = weight_bytes / args.prefill
-                add(name, kind, f"prefill {args.prefill}", ms, per * args.prefill, hit, None,
-                    setup_s)  # fmt: skip
+            add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
+            if isinstance(row.handle, to.ExpertStreamHandle) and not row.graph:
+                rows[-1] |= predicted(row.handle, routing, resident[(kind, "decode")][0], bw, args)
+            if args.prefill and not row.graph:
+                ms, st = prefill(model, long, routing, row.handle, row.prefill_runs)
+                per, hit = moved(st, 1, weight_bytes)
+                add(row, kind, f"prefill {args.prefill}", ms, row.copies or per, hit, None)
             routing.stop()
 
-    def add(name, kind, phase, ms, per, hit, logits, setup_s, graph=False):
+    def add(row: Row, kind, phase, ms, per, hit, logits):
         key = (kind, phase)
-        if name == "resident":
+        if row.name == "resident":
             resident[key] = (ms, logits)
-        if name.endswith("graph all cached"):
+        if row.name.endswith("graph all cached"):
             resident[(kind, "graph")] = (ms, None)
         link = per / (bw * 1e9) * 1e3 if bw == bw else 0.0
-        floor = resident.get((kind, "graph"), (math.nan,))[0] if graph else resident[key][0]
+        floor = resident.get((kind, "graph"), (math.nan,))[0] if row.graph else resident[key][0]
         bound = max(floor, link) if floor == floor else link
-        want = resident[key][1]
+        want = resident[(kind, "decode")][1]  # of the same steps: the first len(logits)
         same = None if logits is None else bool(torch.equal(logits, want[: len(logits)]))
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
-        r = dict(routing=kind, phase=phase, row=name, ms=round(ms, 2), mib=round(per / MIB, 1),
-                 hit=None if hit is None else round(hit, 3), bound_ms=round(bound, 2),
-                 of_bound=round(ms / bound, 3) if bound else None, peak_gib=round(peak, 2),
-                 same_logits=same, setup_s=round(setup_s, 1))  # fmt: skip
+        r = dict(routing=kind, phase=phase, row=row.name, ms=round(ms, 2),
+                 mib=round(per / MIB, 1), hit=None if hit is None else round(hit, 3),
+                 bound_ms=round(bound, 2), x_bound=round(ms / bound, 3) if bound else None,
+                 peak_gib=round(peak, 2), same_logits=same,
+                 setup_s=round(row.setup_s, 1))  # fmt: skip
         rows.append(r)
         print(r, flush=True)
 
-    measure("resident")
-    least = to.minimum_cache_bytes(model)
-    every = expert_bytes * 2  # more than every expert needs: capped
-    graphs = [] if args.no_graph or device.type != "cuda" else [False, True]
-    runs = [(every, "lru", True, False)] if graphs else []  # the graph's floor first
-    for policy in policies:
-        for cache in [least, *[int(c * GIB) for c in caches]]:
-            if not args.no_eager:
-                runs.append((cache, policy, False, False))
-            if graphs:
-                runs.append((cache, policy, True, False))
-    if graphs and caches:
-        runs.append((int(caches[len(caches) // 2] * GIB), policies[0], True, True))
-    # The experts wait on the host between rows (as a model loaded there would): the device
-    # then never holds them and a cache at once (the cache is allocated before they move)
-    experts = [layer.mlp.experts for layer in model.model.layers]
-    for m in experts:
-        m.to("cpu")
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    for cache, policy, graph, prefetch in runs:
-        t0 = time.perf_counter()
-        h = to.stream_experts(model, device, cache_bytes=cache, policy=policy, prefetch=prefetch)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        name = {least: "least", every: "all cached"}.get(cache, f"{cache / GIB:g} GiB")
-        name = f"stream_experts {name} {policy}" + (" graph" if graph else "")
-        name += " prefetch" if prefetch else ""
-        if cache == every:
-            name = "stream_experts graph all cached"
-        measure(name, h, time.perf_counter() - t0, graph=graph)
-        h.remove()
-        del h
-        gc.collect()
-    for m in experts:
-        m.to(device)
-    # stream_weights' remove() copies the model back while its arena is still allocated
-    # (budget + model on the device): one budget at a time, removed before accelerate
-    for budget in budgets:
-        t0 = time.perf_counter()
-        h = to.stream_weights(model, device, budget_bytes=int(budget * GIB))
-        measure(f"stream_weights {budget:g} GiB", h, time.perf_counter() - t0,
-                tokens=max(2, args.tokens // 2))  # fmt: skip
-        h.remove()
-        del h
-        gc.collect()
-    if args.accelerate and device.type == "cuda":  # last: leaves the model offloaded
-        from accelerate import cpu_offload
+    # An untimed decode and prefill first: the first row measured once ran 5-6x slower than
+    # the same row later (benchmarks/log/2026-11-26-runtime-split-and-moe.md)
+    first = next(iter(routings.values()))
+    first.start()
+    decode(model, ids, args.warmup, args.tokens, first, None)
+    if args.prefill:
+        prefill(model, long, first, None, runs=1)
+    first.stop()
+    b = Bench(model, device, args, caches, budgets, policies, expert_bytes, weight_bytes)
+    for builder in ROWS:
+        for row in builder(b):
+            measure(row)
 
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        cpu_offload(model, execution_device=device)
-        measure("accelerate cpu_offload", None, time.perf_counter() - t0,
-                tokens=args.accelerate, prefill_too=True)  # fmt: skip
-
-    print("\n| routing | phase | row | ms | MiB/step | hit rate | bound ms | of bound | peak GiB | "
+    print("\n| routing | phase | row | ms | MiB/step | hit rate | bound ms | x bound | peak GiB | "
           "same logits |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
     for r in rows:
         print(
             f"| {r['routing']} | {r['phase']} | {r['row']} | {r['ms']} | {r['mib']} | "
-            f"{r['hit'] if r['hit'] is not None else '-'} | {r['bound_ms']} | {r['of_bound']} | "
+            f"{r['hit'] if r['hit'] is not None else '-'} | {r['bound_ms']} | {r['x_bound']} | "
             f"{r['peak_gib']} | {'-' if r['same_logits'] is None else r['same_logits']} |"
         )
     print("\nThe planner's prediction (plan_experts, a synthetic routing of the same kind) per "
