@@ -1193,6 +1193,34 @@ class ExpertGraph(Experts):
         self.decode_step(data)
 
 
+class ExpertHost(ExpertGraph):
+    """stream_experts(host_compute=...) on fused experts (Note: [Cold experts on the host]): a
+    small call's misses computed on the host by a drawn policy, rates and token limit, the
+    model called eagerly or through handle.cuda_graph (whose replays never compute on the
+    host). Every inference operation between calls, compared bitwise: on the CPU the host
+    runs the device's kernels."""
+
+    ENGINE = "expert_host"
+
+    @initialize(data=st.data())
+    def setup(self, data):
+        from torchoffload.moe import HostCompute
+
+        self.graph = data.draw(st.booleans(), label="graph")
+        self.host = HostCompute(
+            max_tokens=data.draw(st.integers(1, 6), label="max_tokens"),
+            policy=data.draw(st.sampled_from(["all", "split"]), label="host policy"),
+            link_bytes_per_s=data.draw(st.sampled_from([1.0, 3.0]), label="link rate"),
+            host_bytes_per_s=data.draw(st.sampled_from([1.0, 3.0]), label="host rate"),
+        )
+        ExpertGraph.setup(self, data)
+
+    def apply(self):
+        self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, host_compute=self.host,
+                                        **self.kw)  # fmt: skip
+        self.call = self.handle.cuda_graph(self.off) if self.graph else self.off
+
+
 class Composed:
     """stream_experts' and stream_weights' handles of one model, removed in order."""
 
@@ -1342,6 +1370,7 @@ ENGINES = {
     "cuda_graph": (CudaGraph, 10),
     "stream_experts": (Experts, 15),
     "expert_graph": (ExpertGraph, 10),
+    "expert_host": (ExpertHost, 10),
     "experts_weights": (ExpertsWeights, 10),
     "compile_streamed": (CompiledMachine, 0),
     "package": (Package, 0),

@@ -13,8 +13,9 @@ Modules, bottom up: `_layout` (finding the experts: fused parameters or a list o
 pure byte layout), `_cache` (device slots and the replacement policy), `_routing` (routing
 profiles: the block calls of a run, recorded for the planner), `_store` (the host store and
 the placeholders of the expert tensors), `_runtime` (routing through the cache, copies and
-events), `_forward` (the fused experts' forward and the hooks of a list of experts), `_handle`
-(the public face). The dense parts stay on the device.
+events), `_host` (cold experts computed on the host), `_forward` (the fused experts' forward
+and the hooks of a list of experts), `_handle` (the public face). The dense parts stay on the
+device.
 """
 
 from torchoffload.moe._cache import CachePolicy
@@ -25,6 +26,7 @@ from torchoffload.moe._handle import (
     minimum_cache_bytes,
     stream_experts,
 )
+from torchoffload.moe._host import HostCompute, HostPolicy
 from torchoffload.moe._routing import BlockCall, RoutingProfile, RoutingRecorder
 
 __all__ = [
@@ -33,6 +35,8 @@ __all__ = [
     "ExpertLayerStats",
     "ExpertStats",
     "ExpertStreamHandle",
+    "HostCompute",
+    "HostPolicy",
     "RoutingProfile",
     "RoutingRecorder",
     "minimum_cache_bytes",

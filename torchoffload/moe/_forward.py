@@ -15,6 +15,7 @@ from torch import nn
 from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
 from torchoffload.moe._graphed import graphed_forward
+from torchoffload.moe._host import host_forward
 from torchoffload.moe._layout import ExpertLayer, LayoutKind
 from torchoffload.moe._runtime import ExpertRuntime
 
@@ -56,6 +57,9 @@ class FusedForward(_Entry):
         n = rt.layout.layers[li].experts
         if rt.graphing:  # a captured call: Note: [Routed experts in a CUDA graph]
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
+        if rt.host is not None and rt.host.serves(hidden_states, top_k_index):
+            # a small call, misses on the host: Note: [Cold experts on the host]
+            return host_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
         with rt._lock:
             rt.begin(li, hidden_states.shape[0])
             try:

@@ -16,6 +16,7 @@ from torchoffload._transfer import compute_device
 from torchoffload._validate import check_bool, check_int
 from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._forward import NO_COPY, install
+from torchoffload.moe._host import HostCompute, HostExperts, check_host_layout
 from torchoffload.moe._layout import ExpertLayout, find_experts
 from torchoffload.moe._routing import RoutingRecorder
 from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
@@ -47,11 +48,12 @@ class ExpertLayerStats:
     hits: int  # routed experts found in the device cache
     misses: int  # routed experts copied for their use
     h2d_bytes: int
+    host_computed: int = 0  # routed experts missing from the cache computed on the host
 
     @property
     def uses(self) -> int:
         """Routed experts used: in each call, each expert that at least one token routed to."""
-        return self.hits + self.misses
+        return self.hits + self.misses + self.host_computed
 
     @property
     def hit_rate(self) -> float:
@@ -79,10 +81,11 @@ class ExpertStats:
     unused: int  # experts copied ahead for a use that did not come (a failed block)
     prefetched: int  # experts copied ahead on the next router's prediction (prefetch=True)
     setup_s: float
+    host_computed: int = 0  # misses computed on the host (host_compute), not copied
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.host_computed
         return self.hits / total if total else 1.0
 
     @property
@@ -118,6 +121,13 @@ class ExpertStreamHandle:
     def removed(self) -> bool:
         return self._runtime.removed
 
+    @property
+    def host_compute(self) -> HostCompute | None:
+        """The host compute in force (Note: [Cold experts on the host]), its rates as measured
+        at setup where they were not given; None when off."""
+        host = self._runtime.host
+        return None if host is None else host.config
+
     def cached(self) -> list[tuple[str, int]]:
         """(layer name, expert index) of every expert in the device cache now."""
         rt = self._runtime
@@ -142,6 +152,7 @@ class ExpertStreamHandle:
                     c.hits,
                     c.misses,
                     c.h2d_bytes,
+                    c.host_computed,
                 )  # fmt: skip
                 for layer, c in zip(layout.layers, rt.counters, strict=True)
             )
@@ -168,6 +179,7 @@ class ExpertStreamHandle:
                 unused=sum(c.unused for c in cs),
                 prefetched=sum(c.prefetched for c in cs),
                 setup_s=self._setup_s,
+                host_computed=sum(c.host_computed for c in cs),
             )
 
     def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:
@@ -258,12 +270,12 @@ def stream_experts(
     use_streams: bool = True,
     pin_memory: bool = True,
     prefetch: bool = False,
+    host_compute: bool | str | HostCompute = False,
 ) -> ExpertStreamHandle:
     """Keep ``model``'s experts in pinned host memory and copy to ``device`` only the experts
     each block's router picks that are not in a device cache of ``cache_bytes``.
 
     For inference (call the model under `torch.no_grad()` or `torch.inference_mode()`).
-    Outputs are bitwise identical to the model with every tensor on the device.
 
     Args:
         model: a mixture-of-experts model: fused experts as Hugging Face transformers 5 keeps
@@ -285,8 +297,19 @@ def stream_experts(
             current block's hidden states and copy the experts it predicts into the cache
             while this block computes (Note: [Prefetch by the next router]). Eager calls do
             not prefetch.
+        host_compute: compute cold experts on the host (fused experts only): in an eager block
+            call of a few tokens, routed experts missing from the cache run on the CPU from
+            the host store while the device computes the others, instead of being copied
+            (See Note: [Cold experts on the host]). ``False`` (default): off; ``True``: every
+            such miss; ``"auto"``: the misses split between the host and the link by rates
+            measured at setup; or a `HostCompute`. Their values are then the CPU kernels'
+            (bitwise on a CPU device only); every expert computed on the device is bitwise
+            the resident loop's, and the sum keeps its order. They do not enter the cache.
 
     Returns an `ExpertStreamHandle`: ``stats()``, ``cached()``, ``remove()``.
+
+    Outputs are bitwise identical to the resident model's, except for what ``host_compute``
+    computes on the host.
 
     Outside its forward an expert tensor is a placeholder whose reads and writes are served
     from the host store (``model.state_dict()``, ``p.norm()``, ``p.mul_(2)`` under no_grad),
@@ -298,9 +321,12 @@ def stream_experts(
     check_bool("use_streams", use_streams)
     check_bool("pin_memory", pin_memory)
     check_bool("prefetch", prefetch)
+    host = HostCompute.parse(host_compute)
     config = ExpertConfig(compute_device(device), cache_bytes, CachePolicy.parse(policy),
                           use_streams, pin_memory, prefetch)  # fmt: skip
     layout = find_experts(model)
+    if host is not None:
+        check_host_layout(layout)
     least = layout.least_cache_bytes()
     if cache_bytes < least:
         raise ValueError(
@@ -316,6 +342,8 @@ def stream_experts(
         runtime = ExpertRuntime(layout, config)
     moved: list[tuple[torch.Tensor, torch.device]] = []
     try:
+        if host is not None:  # its rates may be measured now (Note: [Cold experts on the host])
+            runtime.host = HostExperts(runtime, host)
         _move_dense(layout, config.device, moved)
         undo = install(runtime)
     except BaseException:  # out of memory: the model as it was

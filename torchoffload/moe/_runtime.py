@@ -84,6 +84,7 @@ class Counters:
     loads: int = 0  # experts copied
     unused: int = 0  # experts copied for a use that did not come
     prefetched: int = 0  # experts copied ahead on the next router's prediction (graph calls)
+    host_computed: int = 0  # routed experts computed on the host (Note: [Cold experts on the host])
 
 
 class _Block:
@@ -130,6 +131,7 @@ class ExpertRuntime:
         self.tables: Any = None  # DeviceTables, made at the first capture (Note: [Routed
         self.graphing = False  # experts in a CUDA graph]); whether a captured call runs
         self.recorder: Recorder = NO_RECORDER  # a RoutingRecorder while one is open
+        self.host: Any = None  # HostExperts, with host_compute (Note: [Cold experts on the host])
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
@@ -215,6 +217,12 @@ class ExpertRuntime:
             self._fill(li)
         if b.implicit and not b.acquired:
             self.end(li)
+
+    def host_expert(self, li: int, e: int) -> None:
+        """Expert ``e`` of layer ``li`` computes on the host (Note: [Cold experts on the host]):
+        counted and recorded; it takes no slot and is not a use for the cache's policy."""
+        self.recorder.enter(li, e, self.blocks[li].order)
+        self.counters[li].host_computed += 1
 
     def end(self, li: int) -> None:
         """The block is over: unpin what it routed and did not use (or, after an exception,
@@ -345,6 +353,8 @@ class ExpertRuntime:
             if any(b.active for b in self.blocks):
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
+            if self.host is not None:
+                self.host.close()
             self.removed = True
             self.tables = None
             self.cache.release()  # first: the experts may come back to the same device

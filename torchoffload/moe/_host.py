@@ -1,0 +1,469 @@
+"""Cold experts on the host (`stream_experts(host_compute=...)`): in a small block call, a routed
+expert missing from the device cache may compute on the CPU from the host store's bytes, while
+the device computes the other experts and copies the other misses, instead of crossing the link.
+
+Note: [Cold experts on the host]
+Which experts, in a block call of at most ``max_tokens`` tokens (`HostCompute`): among the
+routed experts the cache lacks when the block routes (its *misses*, in expert order), policy
+"all" computes every one on the host; "split" the last ``h`` of ``m``, with ``h`` minimizing
+``max((m - h) * link_s, h * host_s)`` (the fewest among equals), where ``link_s`` is an
+expert's bytes over the link rate and ``host_s`` over the host rate (`split`). The link copies
+misses in expert order, so the last ones would arrive last: those go to the host. The rates
+are given or measured once at setup (`measure`), so the choice is a function of the routing
+and the cache, the same in every run of a handle. Larger blocks copy every miss.
+The stream order, per block call (C: the compute stream, read at the call; D: the D2H copy
+stream; W: the worker thread):
+- The host experts' input rows and routing weights are gathered on C (``hidden_states[
+  token_idx]``, ``top_k_weights[token_idx, top_k_pos, None]``: the resident loop's tensors)
+  and copied by D, after C, into a pinned staging buffer allocated once at setup (exact
+  sizes, each tensor 512-aligned as a fresh allocation), one "stored" event after the last
+  copy (Note: [D2H protocol]). The gathered device tensors stay referenced until the block
+  ends, after "stored" completed.
+- W waits on "stored" (an event synchronize on W; the caller never synchronizes the device),
+  then computes each host expert in expert order with the resident loop's operations
+  (`expert_output`) on the staged rows and the host store's bytes (views of the expert's
+  slices, in their dtype), into the staging's output rows.
+- Meanwhile C computes the device experts in expert order (their copies queued by ``route``
+  before the first one: Note: [Routed experts and the copy stream]). Every output is added
+  into the block's output in expert order (`_InOrder`): a device expert's is held until every
+  expert before it was added; a host expert's once W has finished it (the caller waits on W
+  there, on the host, while C runs what was queued), copied to a tensor allocated on C by a
+  copy queued on C. So the sum runs in the resident loop's order, and the copy of a host
+  result is ordered before the ``index_add`` that reads it by C's own order.
+- The staging is rewritten only after every read of it: W has finished a block's experts
+  before the block returns, and a block's D2H (after C) is ordered after the previous
+  block's result copies (on C), so W writes outputs only after those copies ran.
+- The host store is written only between block calls (Note: [Routed experts and the copy
+  stream]); W reads it only inside one.
+Results: a device expert's output is bitwise the resident loop's and the sum order is its
+order, so only the host experts' values differ, by the CPU kernels' rounding (on a CPU
+device, the same kernels: bitwise). A host-computed expert is not copied, so it does not enter
+the cache, and its use is not counted by the policy ("lfu"): at decode, the cache keeps what
+the link brought. Graph calls (`cuda_graph`) never compute on the host.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from torchoffload._pool import pinned_buffer
+from torchoffload._validate import check_int, check_number
+from torchoffload.moe._layout import ExpertLayout, LayoutKind, round_up
+
+__all__ = [
+    "HostCompute",
+    "HostExperts",
+    "HostPolicy",
+    "check_host_layout",
+    "expert_output",
+    "host_forward",
+    "split",
+]
+
+_ALIGN = 512  # where a staged tensor starts, as a fresh allocation would (caching allocator)
+_MAX_TOKENS = 64  # the staging grows with max_tokens: host compute serves small batches
+_REPEATS = 5  # timed runs of each measurement at setup (the first is a warm-up)
+
+
+class HostPolicy(str, enum.Enum):
+    """Which misses of a small block compute on the host (Note: [Cold experts on the host])."""
+
+    ALL = "all"  # every one
+    SPLIT = "split"  # the last ones, as many as balance the host against the link
+
+    @classmethod
+    def parse(cls, value: object) -> HostPolicy:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"policy must be 'all' or 'split', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class HostCompute:
+    """How `stream_experts` computes cold experts on the host (``host_compute=``; See Note:
+    [Cold experts on the host]).
+
+    In a block call of at most ``max_tokens`` tokens, the routed experts missing from the
+    device cache compute on the CPU from the host store (``policy="all"``), or the last of
+    them, as many as balance the host's time against the link's (``"split"``): an expert
+    costs ``expert_bytes / link_bytes_per_s`` on the link and ``expert_bytes /
+    host_bytes_per_s`` on the host, and the two run at once. A rate left None is measured at
+    setup (the link: copies of an expert into the cache; the host: an expert of
+    ``max_tokens`` rows from the copy of its rows to the host to its output back on the
+    device, the slowest case the policy serves). ``"all"`` uses no rates.
+    """
+
+    max_tokens: int = 4
+    policy: HostPolicy | str = HostPolicy.SPLIT
+    link_bytes_per_s: float | None = None
+    host_bytes_per_s: float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("max_tokens", self.max_tokens, minimum=1, maximum=_MAX_TOKENS)
+        object.__setattr__(self, "policy", HostPolicy.parse(self.policy))
+        for name in ("link_bytes_per_s", "host_bytes_per_s"):
+            if getattr(self, name) is not None:
+                check_number(name, getattr(self, name))
+
+    @classmethod
+    def parse(cls, value: object) -> HostCompute | None:
+        """``host_compute`` as `stream_experts` takes it: False (off), True (every miss of a
+        small block on the host), ``"auto"`` (split by rates measured at setup) or a
+        `HostCompute`."""
+        if value is False:
+            return None
+        if value is True:
+            return cls(policy=HostPolicy.ALL)
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if value == "auto":
+                return cls()
+            raise ValueError(f"host_compute must be False, True, 'auto' or a HostCompute, got "
+                             f"{value!r}")  # fmt: skip
+        raise TypeError(
+            f"host_compute must be False, True, 'auto' or a HostCompute, got {type(value).__name__}"
+        )
+
+    @property
+    def measures(self) -> bool:
+        """Whether setup measures a rate."""
+        return self.policy is HostPolicy.SPLIT and (
+            self.link_bytes_per_s is None or self.host_bytes_per_s is None
+        )
+
+
+def check_host_layout(layout: ExpertLayout) -> None:
+    """Refuse, before anything changes, experts that host compute cannot serve."""
+    for layer in layout.layers:
+        if layer.kind is not LayoutKind.FUSED:
+            raise ValueError(
+                f"host_compute serves fused experts modules (transformers' layout), whose "
+                f"forward stream_experts computes; {layer.name!r} is a ModuleList of expert "
+                "modules, which its block calls and adds up itself. Stream it without "
+                "host_compute"
+            )
+
+
+def split(misses: int, link_s: float, host_s: float) -> int:
+    """How many of a block's ``misses`` the host computes: the ``h`` minimizing ``max((misses -
+    h) * link_s, h * host_s)``, the fewest among equals."""
+    return min(range(misses + 1), key=lambda h: (max((misses - h) * link_s, h * host_s), h))
+
+
+def expert_output(act_fn: Any, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                  current_state: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """One expert's output: the operations of the resident loop (transformers' eager
+    Qwen3MoeExperts), in its order."""
+    gate, up = F.linear(current_state, gate_up_proj).chunk(2, dim=-1)
+    current = act_fn(gate) * up
+    current = F.linear(current, down_proj)
+    return current * weights
+
+
+class HostExperts:
+    """The host side of one runtime's host compute (Note: [Cold experts on the host]): the
+    pinned staging, the worker thread and the policy with its rates (``config``, measured at
+    setup where not given)."""
+
+    def __init__(self, rt: Any, config: HostCompute):
+        layout = rt.layout
+        self.rt = rt
+        self.max_tokens = config.max_tokens
+        # - Staging: a block's host experts hold at most max_tokens * top_k rows, each staged
+        #   as input, routing weight and output, each tensor 512-aligned
+        rows = config.max_tokens * layout.top_k
+        hidden = max(layer.members[0].size[-1] for layer in layout.layers)
+        item = max(4, *(m.dtype.itemsize for layer in layout.layers for m in layer.members))
+        self.nbytes = rows * ((2 * hidden + 1) * item + 3 * _ALIGN)
+        self._buffer = pinned_buffer(self.nbytes + _ALIGN, pin=rt.store.pinned)
+        start = -self._buffer.data_ptr() % _ALIGN
+        self.staging = self._buffer[start : start + self.nbytes]
+        # - The worker: made at the first host expert, shut down by close()
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self.closed = False
+        self.config = config
+        if config.measures:
+            link, host = measure(self, config.max_tokens)
+            self.config = replace(
+                config,
+                link_bytes_per_s=config.link_bytes_per_s or link,
+                host_bytes_per_s=config.host_bytes_per_s or host,
+            )
+
+    def serves(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+        """Whether this block call may compute misses on the host: at most ``max_tokens``
+        tokens."""
+        return (
+            not self.closed
+            and hidden_states.dim() == 2
+            and top_k_index.dim() == 2
+            and hidden_states.shape[0] == top_k_index.shape[0] <= self.max_tokens
+        )
+
+    def choose(self, li: int, misses: list[int], counts: list[int], hidden: int,
+               dtypes: tuple[torch.dtype, torch.dtype]) -> list[int]:  # fmt: skip
+        """The misses (ascending) the host computes, by the policy, as many of the last as
+        the staging holds (``counts``: each expert's tokens; ``dtypes``: of the hidden states
+        and of the routing weights)."""
+        if not misses:
+            return []
+        h = len(misses)
+        cfg = self.config
+        if cfg.policy is HostPolicy.SPLIT:
+            b = self.rt.layout.layers[li].expert_bytes
+            h = split(len(misses), b / cfg.link_bytes_per_s, b / cfg.host_bytes_per_s)
+        room, chosen = self.nbytes, []
+        for e in reversed(misses[len(misses) - h :]):
+            need = sum(n for _, n in _pieces(counts[e], hidden, dtypes))
+            if need > room:
+                break
+            room -= need
+            chosen.append(e)
+        return chosen[::-1]
+
+    def start(self, li: int, act_fn: Any, inputs: list[tuple[int, torch.Tensor, torch.Tensor]],
+              out_dtype: torch.dtype) -> _Job:  # fmt: skip
+        """Copy each ``(expert, rows, routing weights)``'s device tensors to the staging and
+        queue the experts on the worker, in order."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="torchoffload-host-experts"
+            )
+        return _Job(self, li, act_fn, inputs, out_dtype)
+
+    def close(self) -> None:
+        """Stop the worker (no block runs: every job was waited for)."""
+        self.closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+Shaped = tuple[tuple[int, int], int]  # a staged tensor: its shape, its bytes aligned
+
+
+def _pieces(rows: int, hidden: int, dtypes: tuple[torch.dtype, torch.dtype]) -> list[Shaped]:
+    """An expert's staged tensors: input rows, routing weights, output rows (shape, bytes
+    with the alignment)."""
+    x, w = dtypes
+    return [
+        ((rows, hidden), round_up(rows * hidden * x.itemsize, _ALIGN)),
+        ((rows, 1), round_up(rows * w.itemsize, _ALIGN)),
+        ((rows, hidden), round_up(rows * hidden * x.itemsize, _ALIGN)),
+    ]
+
+
+def _view(staging: torch.Tensor, at: int, shape: tuple[int, int],
+          dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    return staging[at : at + shape[0] * shape[1] * dtype.itemsize].view(dtype).view(shape)
+
+
+class _Job:
+    """One block call's host experts in flight (Note: [Cold experts on the host])."""
+
+    def __init__(self, host: HostExperts, li: int, act_fn: Any,
+                 inputs: list[tuple[int, torch.Tensor, torch.Tensor]],
+                 out_dtype: torch.dtype) -> None:  # fmt: skip
+        rt = host.rt
+        self.device = rt.device
+        self.keep = [t for _, x, w in inputs for t in (x, w)]  # until "stored" completed
+        pairs, outs, off = [], [], 0
+        for _, x, w in inputs:
+            (xs, xn), (ws, wn), (shape, on) = _pieces(x.shape[0], x.shape[1], (x.dtype, w.dtype))
+            hx = _view(host.staging, off, xs, x.dtype)
+            hw = _view(host.staging, off + xn, ws, w.dtype)
+            pairs += [(hx, x), (hw, w)]
+            outs.append((hx, hw, off + xn + wn, shape))
+            off += xn + wn + on
+        self.stored, _ = rt.engine.offload_many(pairs)
+        self.futures = [
+            host._pool.submit(_compute, self.stored, act_fn, rt.store, rt.layout.layers[li],
+                              li, e, x, w, host.staging, at, shape, out_dtype)
+            for (e, _, _), (x, w, at, shape) in zip(inputs, outs, strict=True)
+        ]  # fmt: skip
+
+    def done(self, i: int) -> bool:
+        return self.futures[i].done()
+
+    def result(self, i: int) -> torch.Tensor:
+        """Host expert ``i``'s output on the device: waits for the worker, then queues its copy
+        on the compute stream (where the ``index_add`` that reads it runs next)."""
+        out = self.futures[i].result()
+        dst = torch.empty(out.shape, dtype=out.dtype, device=self.device)  # on the compute stream
+        dst.copy_(out, non_blocking=True)
+        return dst
+
+    def close(self) -> None:
+        """Wait for the worker to finish this job (an interrupt does not cut the wait: it is
+        raised after), then drop the device sources, their copies complete."""
+        interrupted = None
+        for f in self.futures:
+            while True:
+                try:
+                    concurrent.futures.wait([f])
+                    break
+                except BaseException as exc:
+                    interrupted = interrupted or exc
+        if self.stored is not None:
+            self.stored.synchronize()  # complete already unless no expert ran
+        self.keep.clear()
+        if interrupted is not None:
+            raise interrupted
+
+
+def _compute(stored: Any, act_fn: Any, store: Any, layer: Any, li: int, e: int,
+             x: torch.Tensor, w: torch.Tensor, staging: torch.Tensor, at: int,
+             shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """On the worker: expert ``e`` of layer ``li`` on the staged rows, from the host store,
+    into the staging's output rows (returned)."""
+    if stored is not None:
+        stored.synchronize()
+    with torch.no_grad():
+        weights = []
+        for m, member in enumerate(layer.members):
+            piece, offset = layer.source(e, m)
+            data = store.source(li, piece, offset, member.nbytes)
+            t = torch.empty(0, dtype=member.dtype)
+            weights.append(t.set_(data.untyped_storage(), data.storage_offset() // t.element_size(),
+                                  member.size, member.stride))  # fmt: skip
+        out = _view(staging, at, shape, dtype)
+        out.copy_(expert_output(act_fn, *weights, x, w).to(dtype))
+    return out
+
+
+class _InOrder:
+    """The block's outputs added in expert order (Note: [Cold experts on the host]): each
+    once every expert before it was added, a host expert's once the worker has finished it."""
+
+    def __init__(self, final: torch.Tensor, job: _Job | None):
+        self.final = final
+        self.job = job
+        self.pending: deque[tuple[torch.Tensor, torch.Tensor | None, int]] = deque()
+
+    def device(self, token_idx: torch.Tensor, current: torch.Tensor) -> None:
+        self.pending.append((token_idx, current, -1))
+        self._flush(wait=False)
+
+    def host(self, token_idx: torch.Tensor, i: int) -> None:
+        self.pending.append((token_idx, None, i))
+        self._flush(wait=False)
+
+    def finish(self) -> None:
+        self._flush(wait=True)
+
+    def _flush(self, wait: bool) -> None:
+        final = self.final
+        while self.pending:
+            token_idx, current, i = self.pending[0]
+            if current is None:
+                if not wait and not self.job.done(i):
+                    return
+                current = self.job.result(i)
+            final.index_add_(0, token_idx, current.to(final.dtype))
+            self.pending.popleft()
+
+
+def host_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The fused experts' forward of a small block call with its chosen misses on the host
+    (Note: [Cold experts on the host]); otherwise `FusedForward.body`'s."""
+    host = rt.host
+    n = rt.layout.layers[li].experts
+    with rt._lock:
+        rt.begin(li, hidden_states.shape[0])
+        job = None
+        try:
+            final_hidden_states = torch.zeros_like(hidden_states)
+            with torch.no_grad():
+                expert_mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+                counts = expert_mask.sum(dim=(-1, -2))[:n].tolist()  # one host sync
+            routed = [e for e, c in enumerate(counts) if c]
+            misses = [e for e in routed if rt.cache.lookup((li, e)) is None]
+            dtypes = (hidden_states.dtype, top_k_weights.dtype)
+            on_host = host.choose(li, misses, counts, hidden_states.shape[1], dtypes)
+            place = {e: i for i, e in enumerate(on_host)}
+            rt.route(li, [e for e in routed if e not in place])
+            inputs, token_of = [], {}
+            for e in on_host:
+                top_k_pos, token_idx = torch.where(expert_mask[e])
+                token_of[e] = token_idx
+                inputs.append((e, hidden_states[token_idx],
+                               top_k_weights[token_idx, top_k_pos, None]))  # fmt: skip
+            if inputs:
+                job = host.start(li, module.act_fn, inputs, final_hidden_states.dtype)
+            adds = _InOrder(final_hidden_states, job)
+            for e in routed:
+                if e in place:
+                    rt.host_expert(li, e)
+                    adds.host(token_of[e], place[e])
+                    continue
+                slot = rt.enter(li, e)
+                gate_up_proj, down_proj = rt.views(li, e, slot)
+                top_k_pos, token_idx = torch.where(expert_mask[e])
+                current = expert_output(module.act_fn, gate_up_proj, down_proj,
+                                        hidden_states[token_idx],
+                                        top_k_weights[token_idx, top_k_pos, None])  # fmt: skip
+                adds.device(token_idx, current)
+                rt.exit(li, e)
+            adds.finish()
+        finally:
+            try:
+                if job is not None:
+                    job.close()
+            finally:
+                rt.end(li)
+    return final_hidden_states
+
+
+def measure(host: HostExperts, tokens: int) -> tuple[float, float]:
+    """(link, host) bytes per second at setup, on the first layer's expert 0: the median of
+    its copies into the cache's first slot (empty at setup), and of `_Job` runs of ``tokens``
+    rows of zeros, each from the copy of its rows to the host to its output on the device."""
+    rt = host.rt
+    layer = rt.layout.layers[0]
+    nbytes = layer.expert_bytes
+    slot = rt.cache.slots[0]
+    data = rt.cache.data
+    pairs = []
+    for m, member in enumerate(layer.members):
+        start = slot.offset + member.region + layer.shift(0, m)
+        piece, offset = layer.source(0, m)
+        pairs.append((data[start : start + member.nbytes],
+                      rt.store.source(0, piece, offset, member.nbytes)))  # fmt: skip
+    dtype = layer.members[0].dtype
+    with torch.inference_mode(False), torch.no_grad():
+        x = torch.zeros(tokens, layer.members[0].size[-1], dtype=dtype, device=rt.device)
+        w = torch.zeros(tokens, 1, dtype=dtype, device=rt.device)
+        link, compute = [], []
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            _complete(rt.engine.load(pairs, []))
+            link.append(time.perf_counter() - t0)
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            job = host.start(0, layer.container.act_fn, [(0, x, w)], dtype)
+            try:
+                job.result(0)
+                _complete(rt.engine.record())
+            finally:
+                job.close()
+            compute.append(time.perf_counter() - t0)
+    return (nbytes / max(statistics.median(link[1:]), 1e-9),
+            nbytes / max(statistics.median(compute[1:]), 1e-9))  # fmt: skip
+
+
+def _complete(event: Any) -> None:
+    if event is not None:
+        event.synchronize()
