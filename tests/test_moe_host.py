@@ -231,6 +231,7 @@ def test_the_worker_reads_its_rows_after_their_copy(wait, monkeypatch):
     h.remove()
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_large_calls_copy_and_graph_calls_do_not_compute_on_the_host():
     ref, model = qwen3(), qwen3()
     h = stream(model, "middle", HostCompute(max_tokens=2, policy="all"))
