@@ -356,3 +356,24 @@ def test_bad_options_are_refused_changing_nothing():
         to.stream_experts(listed, "cpu", cache_bytes=1 << 20, pin_memory=False,
                           host_compute=True)  # fmt: skip
     assert same(snapshot(listed), before) and not hasattr(listed, "_torchoffload_experts")
+
+
+def test_a_failed_measurement_at_setup_changes_nothing(monkeypatch):
+    import threading
+
+    from test_moe import same, snapshot
+
+    def workers():
+        return [t for t in threading.enumerate() if t.name.startswith("torchoffload-host")]
+
+    model = qwen3()
+    before, running = snapshot(model), len(workers())
+
+    def fail(*a):
+        raise ZeroDivisionError("planted")
+
+    monkeypatch.setattr(_host, "_compute", fail)
+    with pytest.raises(ZeroDivisionError, match="planted"):
+        stream(model, "least", "auto")
+    assert len(workers()) == running  # the worker it started was stopped
+    assert same(snapshot(model), before) and not hasattr(model, "_torchoffload_experts")

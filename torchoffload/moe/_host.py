@@ -194,7 +194,11 @@ class HostExperts:
         self.closed = False
         self.config = config
         if config.measures:
-            link, host = measure(self, config.max_tokens)
+            try:
+                link, host = measure(self, config.max_tokens)
+            except BaseException:
+                self.close()  # the worker it started
+                raise
             self.config = replace(
                 config,
                 link_bytes_per_s=config.link_bytes_per_s or link,
