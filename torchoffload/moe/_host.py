@@ -31,10 +31,13 @@ stream; W: the worker thread):
   copy queued on C. So the sum runs in the resident loop's order, and the copy of a host
   result is ordered before the ``index_add`` that reads it by C's own order.
 - The staging is rewritten only after every read of it: W has finished a block's experts
-  before the block returns, and a block's D2H (after C) is ordered after the previous
-  block's result copies (on C), so W writes outputs only after those copies ran.
-- The host store is written only between block calls (Note: [Routed experts and the copy
-  stream]); W reads it only inside one.
+  before the block returns (also when it fails), and the next block's D2H waits on C, where
+  this block's result copies were queued, so that D2H and W's next writes (after its
+  "stored") both come after those copies ran. A held device output is at most a small
+  block's rows: the memory stays bounded.
+- W touches no runtime state (the caller holds the runtime's lock through the block) and
+  reads the host store only inside a block call, which writes of the store are refused in
+  (Note: [Routed experts and the copy stream]).
 Results: a device expert's output is bitwise the resident loop's and the sum order is its
 order, so only the host experts' values differ, by the CPU kernels' rounding (on a CPU
 device, the same kernels: bitwise). A host-computed expert is not copied, so it does not enter
