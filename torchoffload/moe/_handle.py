@@ -227,7 +227,7 @@ class ExpertStreamHandle:
             if rt.removed:
                 return
             _check_not_streamed_over(rt.layout)
-            rt.restore()  # raises, changing nothing, inside a forward
+            _restore(rt)  # raises, changing nothing, inside a forward
             for u in self._undo:
                 u.remove()
             self._undo.clear()
@@ -347,7 +347,7 @@ def stream_experts(
         _move_dense(layout, config.device, moved)
         undo = install(runtime)
     except BaseException:  # out of memory: the model as it was
-        runtime.restore()
+        _restore(runtime)
         _move_back(moved)
         raise
     undo += _hosted.guard_conversions(model, "stream_experts", NO_COPY)
@@ -427,6 +427,13 @@ def _check_not_streamed_over(layout: ExpertLayout, graph: bool = False) -> None:
             f"(first: {name!r}), applied after stream_experts: call that handle's remove() "
             "first, then this one's. Nothing was changed"
         )
+
+
+def _restore(rt: ExpertRuntime) -> None:
+    """`ExpertRuntime.restore`, then the host compute's worker stopped."""
+    rt.restore()
+    if rt.host is not None:
+        rt.host.close()
 
 
 def _move_dense(layout: ExpertLayout, device: torch.device, moved: list) -> None:

@@ -412,8 +412,9 @@ def host_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
                 job = host.start(li, module.act_fn, inputs, final_hidden_states.dtype)
             adds = _InOrder(final_hidden_states, job)
             for e in routed:
-                if e in place:
-                    rt.host_expert(li, e)
+                if e in place:  # counted and recorded; no slot, not a use for the policy
+                    rt.recorder.enter(li, e, rt.blocks[li].order)
+                    rt.counters[li].host_computed += 1
                     adds.host(token_of[e], place[e])
                     continue
                 slot = rt.enter(li, e)

@@ -218,12 +218,6 @@ class ExpertRuntime:
         if b.implicit and not b.acquired:
             self.end(li)
 
-    def host_expert(self, li: int, e: int) -> None:
-        """Expert ``e`` of layer ``li`` computes on the host (Note: [Cold experts on the host]):
-        counted and recorded; it takes no slot and is not a use for the cache's policy."""
-        self.recorder.enter(li, e, self.blocks[li].order)
-        self.counters[li].host_computed += 1
-
     def end(self, li: int) -> None:
         """The block is over: unpin what it routed and did not use (or, after an exception,
         entered and did not exit: "done" is recorded for those, whose kernels may run)."""
@@ -256,8 +250,7 @@ class ExpertRuntime:
                 self.end(i)
 
     def views(self, li: int, e: int, slot: Slot) -> list[torch.Tensor]:
-        """Expert ``e``'s members in ``slot``, as tensors of their geometry."""
-        return member_views(self, li, e, slot)
+        return member_views(self, li, e, slot)  # Expert e's members in the slot, as tensors
 
     def bind_offsets(self, li: int, e: int, slot: Slot) -> list[int]:
         return bind_offsets(self, li, e, slot)  # Byte offsets of expert e's members
@@ -353,8 +346,6 @@ class ExpertRuntime:
             if any(b.active for b in self.blocks):
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
-            if self.host is not None:
-                self.host.close()
             self.removed = True
             self.tables = None
             self.cache.release()  # first: the experts may come back to the same device
