@@ -300,13 +300,36 @@ def test_recorded_routing_holds_the_host_experts():
     h.remove()
 
 
-def test_options():
+def workers():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("torchoffload-host")]
+
+
+def test_options(monkeypatch):
     model = qwen3()
+    running = len(workers())
     h = stream(model, "least", "auto")
     hc = h.host_compute
-    assert hc.policy is HostPolicy.SPLIT and hc.max_tokens == 4
+    assert hc.policy is HostPolicy.SPLIT and hc.max_tokens == 4 and hc.host_threads is None
     assert hc.link_bytes_per_s > 0 and hc.host_bytes_per_s > 0  # measured at setup
+    # Note: [The host experts' worker]: the measurement's worker is stopped
+    assert len(workers()) == running
     h.remove()
+    threads = []
+    compute = _host._compute
+
+    def counted(*a):
+        threads.append(torch.get_num_threads())
+        return compute(*a)
+
+    monkeypatch.setattr(_host, "_compute", counted)
+    h = stream(model, "least", HostCompute(policy="all", host_threads=1))
+    with torch.no_grad():
+        model(ids(1, 1, 0))
+    assert threads and set(threads) == {1} and len(workers()) == running + 1
+    h.remove()
+    assert len(workers()) == running
     h = stream(model, "least", True)
     assert h.host_compute == HostCompute(policy="all")
     h.remove()
@@ -340,6 +363,7 @@ def test_bad_options_are_refused_changing_nothing():
         (dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
         (dict(max_tokens=65), ValueError, "max_tokens must be <= 64"),
         (dict(max_tokens=2.0), TypeError, "max_tokens must be an int"),
+        (dict(host_threads=0), ValueError, "host_threads must be >= 1"),
         (dict(policy="some"), ValueError, "policy must be 'all' or 'split', got 'some'"),
         (dict(link_bytes_per_s=0), ValueError, "link_bytes_per_s must be > 0"),
         (dict(host_bytes_per_s=float("nan")), ValueError, "host_bytes_per_s must be finite"),
@@ -359,12 +383,7 @@ def test_bad_options_are_refused_changing_nothing():
 
 
 def test_a_failed_measurement_at_setup_changes_nothing(monkeypatch):
-    import threading
-
     from test_moe import same, snapshot
-
-    def workers():
-        return [t for t in threading.enumerate() if t.name.startswith("torchoffload-host")]
 
     model = qwen3()
     before, running = snapshot(model), len(workers())

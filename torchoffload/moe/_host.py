@@ -103,16 +103,22 @@ class HostCompute:
     host_bytes_per_s`` on the host, and the two run at once. A rate left None is measured at
     setup (the link: copies of an expert into the cache; the host: an expert of
     ``max_tokens`` rows from the copy of its rows to the host to its output back on the
-    device, the slowest case the policy serves). ``"all"`` uses no rates.
+    device, the slowest case the policy serves). ``"all"`` uses no rates. ``host_threads``:
+    the intra-op threads of the worker that computes them (`torch.set_num_threads` on its
+    thread, Note: [Host threads] in optim/_worker.py); None keeps the process's setting (on a
+    CPU device, the setting under which the results are the device's, bitwise).
     """
 
     max_tokens: int = 4
     policy: HostPolicy | str = HostPolicy.SPLIT
     link_bytes_per_s: float | None = None
     host_bytes_per_s: float | None = None
+    host_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1, maximum=_MAX_TOKENS)
+        if self.host_threads is not None:
+            check_int("host_threads", self.host_threads, minimum=1)
         object.__setattr__(self, "policy", HostPolicy.parse(self.policy))
         for name in ("link_bytes_per_s", "host_bytes_per_s"):
             if getattr(self, name) is not None:
@@ -199,9 +205,8 @@ class HostExperts:
         if config.measures:
             try:
                 link, host = measure(self, config.max_tokens)
-            except BaseException:
-                self.close()  # the worker it started
-                raise
+            finally:  # Note: [The host experts' worker]: started again at the first use
+                self._stop()
             self.config = replace(
                 config,
                 link_bytes_per_s=config.link_bytes_per_s or link,
@@ -244,20 +249,36 @@ class HostExperts:
         """Copy each ``(expert, rows, routing weights)``'s device tensors to the staging and
         queue the experts on the worker, in order."""
         if self._pool is None:
+            n = self.config.host_threads
             self._pool = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="torchoffload-host-experts"
-            )
+                1, thread_name_prefix="torchoffload-host-experts",
+                initializer=None if n is None else torch.set_num_threads, initargs=(n,),
+            )  # fmt: skip
         return _Job(self, li, act_fn, inputs, out_dtype)
 
     def close(self) -> None:
-        """Stop the worker (no block runs: every job was waited for)."""
+        """Stop the worker for good (no block runs: every job was waited for)."""
         self.closed = True
+        self._stop()
+
+    def _stop(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
 
 
 Shaped = tuple[tuple[int, int], int]  # a staged tensor: its shape, its bytes aligned
+
+
+# Note: [The host experts' worker]
+# A thread that has run a parallel CPU op keeps an OpenMP team of its own; while it lives, the
+# CPU ops of every other thread run slower where the teams together outnumber the cores
+# (libgomp then stops spinning between parallel regions: an idle worker that had run one op
+# made a (16, 256) x (256, 512) bf16 product of the main thread 2.6 times slower on a 2-core
+# machine, and nothing did once it was stopped or had one thread). So the worker starts at the
+# first host expert, not at setup (the rates' measurement stops the one it used), and lives
+# until remove(); ``host_threads=1`` gives it a team of one. A GPU run's main thread launches
+# kernels and runs few parallel CPU ops.
 
 
 def _pieces(rows: int, hidden: int, dtypes: tuple[torch.dtype, torch.dtype]) -> list[Shaped]:
