@@ -21,7 +21,10 @@ then prefill:
 - ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
   ``--accelerate-tokens`` timed steps after one warm-up, one timed prefill and the first routing
   only (``--no-accelerate`` skips it; it runs on the CPU too when accelerate is installed).
-Host compute of cold experts will be a builder of its own, after the eager ``stream_experts``.
+- ``stream_experts least P host auto`` / ``host all`` (``--host-compute``): routed-only, eager,
+  a small call's missed experts computed on the host (``host_compute``: split between the host
+  and the link by rates measured at setup, printed; or all of them). Not bitwise on a GPU: those
+  experts round as the CPU's kernels.
 
 Columns: ms per step (decode: per token, the median of ``--tokens`` timed steps after
 ``--warmup``; prefill: one forward of ``--prefill`` tokens, median of 2), MiB copied to the
@@ -361,11 +364,14 @@ def experts_on_host(b: Bench) -> Iterator[None]:
 
 
 def streamed_row(b: Bench, name: str, cache: int, policy: str, graph: bool = False,
-                 prefetch: bool = False) -> Iterator[Row]:  # fmt: skip
+                 prefetch: bool = False, host_compute: Any = False) -> Iterator[Row]:  # fmt: skip
     """One stream_experts row: set up, measured, removed (its pinned store freed)."""
     t0 = time.perf_counter()
-    h = to.stream_experts(b.model, b.device, cache_bytes=cache, policy=policy, prefetch=prefetch)
+    h = to.stream_experts(b.model, b.device, cache_bytes=cache, policy=policy, prefetch=prefetch,
+                          host_compute=host_compute)  # fmt: skip
     empty_cache(b.device)
+    if host_compute is not False:
+        print(f"# {name}: {h.host_compute}", flush=True)
     yield Row(name, h, time.perf_counter() - t0, graph=graph)
     h.remove()
     del h
@@ -392,6 +398,18 @@ def stream_experts_rows(b: Bench) -> Iterator[Row]:
         for policy in b.policies:
             for label, cache in cache_sizes(b):
                 yield from streamed_row(b, f"stream_experts {label} {policy}", cache, policy)
+
+
+def host_compute_rows(b: Bench) -> Iterator[Row]:
+    """stream_experts routed-only, eager, with cold experts on the host: split by measured
+    rates, then all of them (--host-compute)."""
+    if not b.args.host_compute:
+        return
+    with experts_on_host(b):
+        least, policy = to.minimum_cache_bytes(b.model), b.policies[0]
+        for mode, value in (("auto", "auto"), ("all", True)):
+            name = f"stream_experts least {policy} host {mode}"
+            yield from streamed_row(b, name, least, policy, host_compute=value)
 
 
 def graph_rows(b: Bench) -> Iterator[Row]:
@@ -445,9 +463,9 @@ def accelerate_rows(b: Bench) -> Iterator[Row]:
               prefill_runs=1, copies=b.weight_bytes, routings=1)  # fmt: skip
 
 
-# In this order (the module doc says why). Host compute of cold experts: a builder of its own,
-# its rows under experts_on_host, after stream_experts_rows.
-ROWS = [resident_rows, stream_experts_rows, graph_rows, stream_weights_rows, accelerate_rows]
+# In this order (the module doc says why).
+ROWS = [resident_rows, stream_experts_rows, host_compute_rows, graph_rows, stream_weights_rows,
+        accelerate_rows]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -469,6 +487,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-graph", action="store_true", help="skip the cuda_graph rows")
     p.add_argument("--no-eager", action="store_true", help="skip the eager stream_experts rows")
     p.add_argument("--no-accelerate", action="store_true", help="skip accelerate's row")
+    p.add_argument("--host-compute", action="store_true", help="add the host_compute rows")
     p.add_argument("--accelerate-tokens", type=int, default=2, metavar="N",
                    help="timed decode steps of accelerate's cpu_offload")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")

@@ -43,7 +43,7 @@ BACKGROUND = {
     # row too, where it is installed).
     "test_moe_benchmark_smoke": Job((
         "benchmarks/moe.py", "--shape", "small", "--layers", "2", "--prompt", "8",
-        "--warmup", "1", "--tokens", "2", "--prefill", "16", "--caches", "0.01",
+        "--warmup", "1", "--tokens", "2", "--prefill", "16", "--caches", "0.01", "--host-compute",
     ), needs=("transformers",)),
     # Two decoder layers (the default is four): the AOTInductor compile is most of the time,
     # and it grows with the layers; two still stream through a budget below the weights.
@@ -166,6 +166,7 @@ def test_moe_benchmark_smoke():
     if importlib.util.find_spec("accelerate") is not None:  # last, under the first routing only
         assert names.pop().startswith("accelerate ") and rows[-1].count("cpu_offload"), out
     engines = ("resident", "stream_experts least lru", "stream_experts 0.01 GiB lru",
+               "stream_experts least lru host auto", "stream_experts least lru host all",
                "stream_weights 0.1 GiB")  # fmt: skip
     assert names == [name for name in engines for _ in ("uniform", "zipf")], out
     assert all(line.endswith("| True |") for line in rows), out
