@@ -265,6 +265,9 @@ CASES = [
     ("se-streams", lambda: experts(use_streams=None), TypeError, "use_streams"),
     ("se-device", lambda: experts(device="meta"), ValueError, "meta"),
     ("se-no-experts", lambda: experts(model=model()), ValueError, "mixture-of-experts"),
+    ("se-host", lambda: experts(host_compute="on"), ValueError, "host_compute"),
+    ("se-host-type", lambda: experts(host_compute=1), TypeError, "host_compute"),
+    ("se-host-list", lambda: experts(host_compute=True), ValueError, "host_compute serves fused"),
     ("mc-model", lambda: torchoffload.minimum_cache_bytes(nn.Linear), TypeError, "model"),
     # -- stream_parameters
     (
