@@ -910,6 +910,10 @@ class InferenceMachine(RuleBasedStateMachine):
         self.kw = dict(budget_bytes=int(least + frac * max(total - least, 0)),
                        prefetch_depth=depth, unit=unit, resident=resident,
                        use_streams=data.draw(st.booleans(), label="use_streams"))  # fmt: skip
+        self.start()
+
+    def start(self):
+        """Apply the engine; a clear refusal ends the example (nothing changed)."""
         try:
             with refusal_allowed(lambda: values(self.off)):
                 self.apply()
@@ -1079,11 +1083,7 @@ class Experts(InferenceMachine):
         self.kw = dict(cache_bytes=cache - data.draw(st.sampled_from([0, 0, 0, 1]), label="less"),
                        policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
                        use_streams=data.draw(st.booleans(), label="use_streams"))  # fmt: skip
-        try:
-            with refusal_allowed(lambda: values(self.off)):
-                self.apply()
-        except Refused:
-            self.stopped = True
+        self.start()
 
     def apply(self):
         self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
@@ -1159,11 +1159,7 @@ class ExpertGraph(Experts):
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
             prefetch=data.draw(st.booleans(), label="prefetch"),
         )
-        try:
-            with refusal_allowed(lambda: values(self.off)):
-                self.apply()
-        except Refused:
-            self.stopped = True
+        self.start()
 
     def apply(self):
         self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_gpu import qwen3  # tests/ is on sys.path
 
 import torchoffload as to
 from torchoffload import testing
@@ -18,18 +19,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.usefixtures("gpu_deterministic"),
 ]
-
-
-def qwen3(dtype):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        num_experts=16, num_experts_per_tok=4, max_position_embeddings=256,
-        experts_implementation="eager",
-    )  # fmt: skip
-    return transformers.Qwen3MoeForCausalLM(cfg).to(dtype).cuda().eval()
 
 
 def reference(ref_experts, hidden, index, weights, on_host):

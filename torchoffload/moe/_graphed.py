@@ -121,8 +121,7 @@ class DeviceTables:
         dev = rt.device
         self.rt = rt
         self.k = layout.top_k
-        self.slots = len(rt.cache.slots)
-        self.cache_slots = self.slots - self.k  # the rest is the stage
+        self.cache_slots = len(rt.cache.slots) - self.k  # the rest is the stage
         self.keys = layout.total_experts
         self.first = []  # each layer's first key
         n = 0
@@ -130,7 +129,6 @@ class DeviceTables:
             self.first.append(n)
             n += layer.experts
         self.lfu = rt.config.policy is CachePolicy.LFU
-        self.cuda = dev.type == "cuda"
         i64 = dict(dtype=torch.int64, device=dev)
         with torch.inference_mode(False), torch.no_grad():
             self.slot_of = torch.full((self.keys + 1,), -1, **i64)
