@@ -568,6 +568,16 @@ class TrainingMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live() and not self.pending)
     @rule(data=st.data())
+    def backward(self, data):
+        """A plain backward that the next one accumulates into (no accumulating(): how
+        torchao's tests and accelerate accumulate; issue 40)."""
+        x = self.draw_input(data)
+        seed = data.draw(st.integers(0, 99), label="rng")
+        out = self.both(lambda s: self.forward(s, x, seed, False), "plain backward")
+        self.raised = out is None
+
+    @precondition(lambda self: self.live() and not self.pending)
+    @rule(data=st.data())
     def zero_grad(self, data):
         forms = [True] + ([False] if self.op_ok("zero_grad_zeros") else [])
         set_to_none = data.draw(st.sampled_from(forms), label="set_to_none")

@@ -186,7 +186,7 @@ class _Record:
 
 
 def _run(model, args, kwargs, apply, context, make_opt, loss, steps, deterministic) -> _Record:
-    from torchoffload.optim import MovedGradError
+    from torchoffload.optim import MovedGrad
 
     record = _Record({}, [])
     devices = _cuda_devices(model, args, kwargs)
@@ -218,12 +218,13 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
             for name, p in m.named_parameters():
                 if p.grad is None:
                     continue
-                try:
-                    record.tensors["gradient", name, step] = _copy(p.grad)
-                except MovedGradError:
+                if isinstance(p.grad, MovedGrad):  # a read would bring it back: not the
+                    # run the user has (Note: [Reading a moved gradient])
                     why = "gradients: moved to the host by an OffloadedOptimizer during backward"
                     if why not in record.not_compared:
                         record.not_compared.append(why)
+                    continue
+                record.tensors["gradient", name, step] = _copy(p.grad)
             if opt is not None:
                 opt.step()
                 opt.zero_grad()

@@ -77,6 +77,11 @@ def changed_hyper(buckets: list[Bucket], snapshot: list[dict[str, Any]]) -> str 
     return None
 
 
+def changed_in(bucket: Bucket, snapshot: list[dict[str, Any]]) -> bool:
+    """Whether the hyperparameters ``bucket`` was stepped with differ from ``snapshot``."""
+    return bucket.used is not None and changed_hyper([bucket], snapshot) is not None
+
+
 def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (

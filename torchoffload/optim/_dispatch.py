@@ -78,12 +78,8 @@ class GradientDispatch:
         host = self.host
         rec = host.records[host.index[id(param)]]
         with self.lock:
-            if rec.final:
-                raise RuntimeError(
-                    f"parameter {host.no(rec)} got a second final gradient before step(): "
-                    "run every backward but the last of a gradient accumulation inside "
-                    "optimizer.accumulating()"
-                )
+            if rec.final:  # its bucket is still to go: it accumulates on the device
+                return
             rec.final = True
             bucket = host.buckets[rec.entry.bucket]
             bucket.remaining -= 1
@@ -153,6 +149,7 @@ class GradientDispatch:
             if moved:
                 self.inflight.append((event, keep))
                 self.d2h_bytes += moved
+        bucket.d2h_event = event
         self.worker.send(bucket, event)
 
     def drop_copied(self) -> None:

@@ -18,10 +18,10 @@ class MovedGradError(RuntimeError):
 
 _MOVED = (
     "the gradient of this parameter was moved to the host by an OffloadedOptimizer when the "
-    "final backward finished it; call optimizer.step() (or zero_grad()) before the next "
-    "backward, run every backward but the last of an accumulation inside "
-    "optimizer.accumulating(), and clip with OffloadedOptimizer(max_grad_norm=...) instead of "
-    "torch.nn.utils.clip_grad_norm_"
+    "final backward finished it, and cannot come back to the device (its parameter is streamed "
+    "by stream_parameters, or the optimizer was removed): read gradients before that backward, "
+    "run every backward but the last of an accumulation inside optimizer.accumulating(), and "
+    "clip with OffloadedOptimizer(max_grad_norm=...)"
 )
 
 _CONSUMED = (
@@ -55,6 +55,16 @@ _CONSUMED = (
 # `step()`, not moved), so they behave as with torch.optim without a placeholder.
 
 
+# Note: [Reading a moved gradient]
+# Between the final backward and `step()` a loop may read or write the gradients: a norm for
+# logging, `clip_grad_norm_` on the model, `model.to(dtype)` converting them, a hook. torch.optim
+# would hand it the real values, so a `MovedGrad` serves any such operation with them: its
+# bucket is recalled (the worker is waited for, a step it took is undone, the gradients are
+# copied back to the device in stream order after their copy to the host: Note: [A second
+# backward]) and the operation runs on the parameter's gradient, which is a device tensor
+# again. That bucket then goes to the host at `step()`, without the overlap. Only a gradient
+# `step()` consumed (`ConsumedGrad`) or one of a removed optimizer raises.
+
 # Note: [Loss scaling]
 # `torch.amp.GradScaler` unscales and checks every gradient of the optimizer (`unscale_`,
 # also inside `scaler.step`) and skips `optimizer.step()` when one is not finite. Its one
@@ -65,12 +75,10 @@ _CONSUMED = (
 # dtype; gradients still on the device go through the op there) and sets ``found_inf``.
 # So `scaler.step(opt)` steps with the unscaled gradients, or skips the step with nothing
 # written, bitwise as torch.optim; ``max_grad_norm`` clips the unscaled gradients.
-# That needs no bucket stepped before the unscale: a scaled gradient must never be stepped.
-# A scaler is not seen before backward, so until the first `step()` is done (and for good
-# once a scaler was seen), buckets are stepped at `step()`, not as they arrive; with
-# ``overlap=False`` or ``max_grad_norm`` they always are. A scaler first used after steps
-# without one finds buckets stepped during backward: refused, naming ``overlap=False``,
-# but those parameters took that step (an undoable step is issue 40's).
+# A scaled gradient must never be stepped for good: a scaler is not seen before backward, so
+# buckets stepped as they arrived (before the first unscale) are undone by the unscale first
+# (Note: [Steps taken during backward]), and once a scaler was seen buckets are stepped at
+# `step()`, after the unscale, not as they arrive.
 
 
 class _Unscale:
@@ -86,15 +94,15 @@ class _Unscale:
     def run(self, host_step: Any) -> None:
         """On the worker, with its `HostStep` (its ``buckets`` and ``config``)."""
         try:
+            # A step taken with the scaled gradients is undone (Note: [Steps taken during
+            # backward]); one already committed cannot be
+            for bucket in host_step.buckets:
+                host_step.undo(bucket)
             stepped = sum(b.stepped for b in host_step.buckets)
             if stepped:
                 raise RuntimeError(
-                    f"torch.amp.GradScaler: the host had already stepped {stepped} of "
-                    f"{len(host_step.buckets)} buckets with the scaled gradients during backward "
-                    "(no scaler was seen in the first step(), so buckets are stepped as their "
-                    "gradients arrive): those parameters took a step with scaled gradients. "
-                    "Use the scaler from the first step on, or build the OffloadedOptimizer "
-                    "with overlap=False (the host then steps at step() only). See Note: [Loss "
+                    f"torch.amp.GradScaler: {stepped} of {len(host_step.buckets)} buckets were "
+                    "already stepped and committed with the scaled gradients. See Note: [Loss "
                     "scaling]"
                 )
             if any(not host_step.buckets[r.entry.bucket].arrived for r in self.records):
@@ -154,7 +162,39 @@ class MovedGrad(torch.Tensor):
             if len(moved) == sum(type(g) is MovedGrad for g in moved) and len(owners) == 1:
                 _unscale(grads, found_inf, inv_scale)
                 return None
+        # Any other read or write: the gradients come back (Note: [Reading a moved gradient])
+        real = _recalled(args, kwargs)
+        if real is not None:
+            return func(*real[0], **real[1])
         raise MovedGradError(f"{func}: {message}")
+
+
+def _recalled(args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+    """``args`` and ``kwargs`` with each moved gradient replaced by its parameter's gradient
+    brought back to the device; None when one cannot be (consumed by `step()`, its optimizer
+    removed). See Note: [Reading a moved gradient]."""
+    moved = [t for t in _tensors(args, kwargs) if isinstance(t, MovedGrad)]
+    for g in moved:
+        runtime = g._owner[0]() if type(g) is MovedGrad and g._owner is not None else None
+        if runtime is None or runtime.closed:
+            return None
+    if any(g._owner[1].hosted is not None for g in moved):
+        return None  # Note: [A second backward]
+    for g in moved:
+        runtime, rec = g._owner[0](), g._owner[1]
+        if rec.param.grad is g:
+            runtime.recall(runtime.buckets[rec.entry.bucket])
+        if isinstance(rec.param.grad, MovedGrad) or rec.param.grad is None:
+            return None
+
+    def swap(a: Any) -> Any:
+        if isinstance(a, MovedGrad):
+            return a._owner[1].param.grad
+        if isinstance(a, (list, tuple)):
+            return type(a)(swap(b) for b in a)
+        return a
+
+    return [swap(a) for a in args], {k: swap(v) for k, v in (kwargs or {}).items()}
 
 
 def _unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor):

@@ -23,6 +23,7 @@ from torchoffload.optim._params import (
     shared_families,
     storage_families,
 )
+from torchoffload.optim._undo import Undo
 
 # Note: [Host buffers are reused across steps without a sync]
 # A bucket's host buffers receive its gradient (D2H, into the fp32 gradient or, with host
@@ -62,7 +63,8 @@ class Record:
 class Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
                  "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
-                 "done", "upload_event")  # fmt: skip
+                 "done", "upload_event", "undo", "pending", "d2h_event", "taken", "handled",
+                 "gen")  # fmt: skip
 
     def __init__(self, index: int, records: list[Record], optimizer, groups: list[int]):
         self.index = index
@@ -71,6 +73,12 @@ class Bucket:
         self.groups = groups  # the user group of each of the optimizer's groups
         self.trainable = sum(r.trainable for r in records)
         self.done = threading.Event()  # its upload is queued (or it will not be stepped)
+        # The worker is done with its gradients of this dispatch (arrived, maybe stepped)
+        self.handled = threading.Event()
+        self.undo = Undo()  # Note: [Steps taken during backward]
+        # Its dispatches so far: the worker skips a dispatch that a second backward recalled
+        # before the worker took it (Note: [A second backward])
+        self.gen = 0
         self.reset()
 
     def reset(self) -> None:
@@ -83,7 +91,15 @@ class Bucket:
         self.norms: list[torch.Tensor] = []
         self.used: list[dict[str, Any]] | None = None  # hyperparameters, if stepped early
         self.upload_event: Any = None
+        # Stepped before step() said what the step is: its upload waits for step() to commit
+        # it, and it can be undone (Note: [Steps taken during backward])
+        self.pending = False
+        self.d2h_event: Any = None  # its gradients' copy to the host
+        self.taken = False  # the worker took this dispatch from its queue
+        if self.undo.saved:
+            self.undo.drop()
         self.done.clear()
+        self.handled.clear()
 
 
 def host_layout(params: list[torch.Tensor], config: OptimizerOffloadConfig,

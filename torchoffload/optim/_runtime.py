@@ -12,7 +12,6 @@ sequences a step over its parts, each built here from values and handed the othe
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 import weakref
@@ -23,15 +22,14 @@ import torch
 from torchoffload._hosted import MANAGED
 from torchoffload._transfer import copy_engine
 from torchoffload.optim._ahead import StepAhead
-from torchoffload.optim._checks import changed_hyper, refuse_consumed
+from torchoffload.optim._checks import refuse_consumed
 from torchoffload.optim._config import OptimizerOffloadConfig
 from torchoffload.optim._dispatch import GradientDispatch
 from torchoffload.optim._grads import ConsumedGrad, MovedGrad, _Unscale
 from torchoffload.optim._host import Bucket, HostMasters, Record
+from torchoffload.optim._recall import Recalls
 from torchoffload.optim._step import HostStep
 from torchoffload.optim._worker import HostWorker
-
-logger = logging.getLogger(__name__)
 
 
 class HostStepRuntime:
@@ -85,6 +83,9 @@ class HostStepRuntime:
             for r in self.records
             if r.trainable and not r.dtensor
         ]
+        self.recalls = Recalls(self.host, self._lock, self.stepper, self.engine,
+                               self._before_block)  # fmt: skip
+        self._hooks += self.recalls.hook(self, self.records)
         self.kept_on_device: list[torch.Tensor] = []  # the façade's device part's parameters
         self.kept_numbering: list[int] = []  # and their indices, for messages
         self._fresh_checked = False  # this backward's gradients were checked for placeholders
@@ -108,12 +109,18 @@ class HostStepRuntime:
         """Post-accumulate-grad hook. See Note: [When a gradient is final]."""
         if self.dispatch.depth or self.closed:
             return
+        if self.recalls.predicts_accumulation():
+            return
         if self.ahead.running is not None:
             self.settle()
         if not self._fresh_checked:  # the first final gradient of this backward
             self.refuse_consumed("the next backward")
             self._fresh_checked = True
         self.dispatch.final(param)
+
+    def recall(self, bucket: Bucket) -> None:
+        """Bring ``bucket``'s gradients back to the device (Note: [A second backward])."""
+        self.recalls.recall(bucket)
 
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         return self.dispatch.accumulating()
@@ -180,21 +187,16 @@ class HostStepRuntime:
         self.settle()
 
     def discard(self) -> None:
-        """zero_grad(): finish what is in flight (buckets already stepped are uploaded), step
-        nothing more, drop the gradients. After a `step()` still running ahead: nothing."""
+        """zero_grad(): undo what was stepped during backward (Note: [Steps taken during
+        backward]), step nothing, drop the gradients. After a `step()` still running ahead:
+        nothing."""
         if self.ahead.running is not None:
             return
-        stepped = self._end(step_rest=False, called=self._begin(step_rest=False))
-        if stepped:
-            logger.warning(
-                "zero_grad() without step(): %d of %d buckets had already been stepped on the "
-                "host during backward (their gradients were final); those parameters hold their "
-                "new values, the others their old ones", stepped, len(self.buckets),
-            )  # fmt: skip
+        self._end(step_rest=False, called=self._begin(step_rest=False))
 
     def _begin(self, *, step_rest: bool) -> float:
         called = time.perf_counter()
-        snapshot = self.stepper.open_call(called)
+        snapshot = self.stepper.open_call(called, step_rest)
         if step_rest:
             self.dispatch.dispatch_rest()
         self.worker.finish(step_rest, snapshot)
@@ -209,7 +211,6 @@ class HostStepRuntime:
         self.engine.wait(self.stepper.last_upload)
         stepped = sum(b.stepped for b in self.buckets)
         errors, self.stepper.errors = self.stepper.errors, []
-        changed = changed_hyper(self.buckets, self.stepper.snapshot) if step_rest else None
         self._reset_records(consumed=step_rest)
         self.stepper.end_call(keep_times=step_rest)
         if step_rest and not errors:
@@ -227,19 +228,13 @@ class HostStepRuntime:
                 "value, and the failed bucket's masters are read again from the device; its "
                 f"optimizer state is what the optimizer class left when it raised): {exc!r}"
             ) from exc
-        if changed:
-            raise RuntimeError(
-                f"param_groups changed between the final backward and step() ({changed}) "
-                "after some buckets had been stepped on the host during backward with the old "
-                "values: change hyperparameters before backward (an LR scheduler's step() "
-                "after optimizer.step() is fine), or pass overlap=False"
-            )
         return stepped
 
     def _reset_records(self, *, consumed: bool) -> None:
         """After `step()` (``consumed``) a moved gradient becomes a `ConsumedGrad` (Note: [The
         gradient after step()]); after a discard, ``None``."""
         self._fresh_checked = False
+        self.recalls.end_step(consumed)
         for rec in self.records:
             rec.final = False
             if type(rec.param.grad) is MovedGrad:

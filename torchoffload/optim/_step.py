@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from torchoffload.optim._checks import changed_in
 from torchoffload.optim._config import OptimizerOffloadConfig
 from torchoffload.optim._host import Bucket, HostMasters
 from torchoffload.optim._params import hyper, local
@@ -30,13 +31,16 @@ from torchoffload.optim._params import hyper, local
 #
 # Note: [Uploading while backward runs]
 # A bucket's new values are copied into its device parameters on the copy stream after an event
-# recorded on the compute stream when the bucket's gradients became final. Every kernel through
-# which autograd reads a parameter in backward (its gradient formula, a forward recomputed under
-# activation checkpointing) is queued before the parameter's gradient is accumulated, so before
-# that event. Invariant relied on: nothing queued later in backward reads the parameter, i.e.
-# the model does not read parameters in backward outside autograd (a backward hook reading a
-# weight under `no_grad`). `step()` makes the compute stream wait on the last upload, so the
-# next forward reads the new values; no host sync.
+# recorded on the compute stream when the bucket's gradients became final, and only once
+# `step()` has committed its step (Note: [Steps taken during backward]): a forward before
+# `step()` reads the old values, as with torch.optim. When `step()` is called while backward
+# is still queued on the device (the host runs ahead), the copy may still run during backward.
+# Every kernel through which autograd reads a parameter in backward (its gradient formula, a
+# forward recomputed under activation checkpointing) is queued before the parameter's gradient
+# is accumulated, so before that event. Invariant relied on: nothing queued later in backward
+# reads the parameter, i.e. the model does not read parameters in backward outside autograd (a
+# backward hook reading a weight under `no_grad`). `step()` makes the compute stream wait on
+# the last upload, so the next forward reads the new values; no host sync.
 #
 # Note: [The order of the clipping norm]
 # ``clip_grad_norm_`` takes the norm of each gradient (`torch._foreach_norm`, per device and
@@ -78,6 +82,7 @@ class HostStep:
         self.clip_order = clip_order
         # - The current call (reset by `end_call`)
         self.call_time: float | None = None
+        self.call_steps = False  # the call is a step(), not a discard
         self.snapshot: list[dict[str, Any]] | None = None  # hyperparameters at step()
         self.errors: list[tuple[int, BaseException]] = []  # (bucket index or -1, the error)
         self.last_upload: Any = None
@@ -90,16 +95,24 @@ class HostStep:
         self.host_ms_after_call = 0.0
         self.last_host_ms = self.last_host_ms_after_call = 0.0
         self.grad_norm: torch.Tensor | None = None
+        self.clipped = False  # the last clip scaled the gradients
+        self.speculated = 0  # buckets stepped before step() committed or undid them
+        self.undone = 0  # of which undone
 
     def steps_early(self) -> bool:
-        """Whether a bucket is stepped as soon as it arrives (Note: [Loss scaling])."""
+        """Whether a bucket is stepped as soon as it arrives: not while a GradScaler may
+        unscale (Note: [Loss scaling]), nor with ``max_grad_norm`` when the last step clipped
+        (it would likely be undone: Note: [Steps taken during backward])."""
         c = self.config
-        return c.overlap and c.max_grad_norm is None and self.loss_scaling is False
+        clip_expected = c.max_grad_norm is not None and self.clipped
+        return c.overlap and not clip_expected and not self.loss_scaling
 
     # - The call (the caller's thread)
-    def open_call(self, called: float) -> list[dict[str, Any]]:
-        """Start a `step()` (or discard) call made at ``called``; its hyperparameters."""
+    def open_call(self, called: float, steps: bool) -> list[dict[str, Any]]:
+        """Start a `step()` (``steps``) or discard call made at ``called``; its
+        hyperparameters."""
         self.call_time = called
+        self.call_steps = steps
         # Every bucket stepped from now on uses the values of this call (a scheduler may
         # change them while the host still steps ahead). Under the lock: a bucket the worker
         # steps meanwhile reads either this snapshot or the values before it, never values
@@ -142,46 +155,55 @@ class HostStep:
             bucket.failed = exc
             self.errors.append((bucket.index, exc))
         self._account(start)
-        if self.steps_early() and not bucket.failed:
-            self.step(bucket)
+        if not self.steps_early() or bucket.failed:
+            return
+        # Before step() the step is speculative (Note: [Steps taken during backward]); after
+        # it, final unless finish() has to clip first; after zero_grad(), not taken.
+        if self.snapshot is None:
+            self.step(bucket, speculative=True)
+        elif self.call_steps and self.config.max_grad_norm is None:
+            self.step(bucket, speculative=False)
 
     def finish(self, step_rest: bool, snapshot: list[dict[str, Any]]) -> None:
-        """Step what has arrived and is not stepped yet (clipping first), in forward order,
-        with the hyperparameters of the `step()` call; or, when not ``step_rest`` (zero_grad),
-        nothing more."""
+        """Commit or step what has arrived, in forward order, with the hyperparameters of the
+        `step()` call (clipping first): a bucket stepped before is committed (uploaded) when
+        its step is the one this call asks for, else undone and stepped again (Note: [Steps
+        taken during backward]). When not ``step_rest`` (zero_grad): undo what was stepped,
+        step nothing."""
         start = time.perf_counter()
-        todo = [b for b in reversed(self.buckets) if b.arrived and not b.stepped and not b.failed]
-        if step_rest and self.config.max_grad_norm is not None:
-            self._clip()
-        self._account(start)
-        if step_rest:
+        todo = [b for b in reversed(self.buckets) if b.arrived and not b.failed]
+        if not step_rest:
             for bucket in todo:
-                self.step(bucket)
-
-    def _clip(self) -> None:
-        """Scale every host gradient like ``clip_grad_norm_`` over them: the per-tensor norms
-        (computed as buckets arrived) are stacked in ``clip_order`` (Note: [The order of the
-        clipping norm])."""
-        norms: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            with_grad = [r for r in bucket.records if r.has_grad]
-            norms.update({r.entry.index: n for r, n in zip(with_grad, bucket.norms, strict=True)})
-        if not norms:
-            self.grad_norm = torch.tensor(0.0)
+                self.undo(bucket)
+            self._account(start)
             return
-        ordered = [norms[i] for i in sorted(norms, key=self.clip_order.__getitem__)]
-        total = torch.linalg.vector_norm(torch.stack(ordered), self.config.norm_type)
-        self.grad_norm = total
-        masters = []
-        for rec in self.host.records:
-            if rec.has_grad:
-                rec.master.grad = rec.grad
-                masters.append(rec.master)
-        torch.nn.utils.clip_grads_with_norm_(masters, self.config.max_grad_norm, total)
+        if self.config.max_grad_norm is not None:
+            self.grad_norm, self.clipped = clip(self.host, self.config, self.clip_order)
+        if self.config.max_grad_norm is not None and self.clipped:
+            for bucket in todo:
+                self.undo(bucket)  # stepped with the gradients before clipping
+        for bucket in todo:
+            if bucket.pending and changed_in(bucket, snapshot):
+                self.undo(bucket)
+        self._account(start)
+        for bucket in todo:
+            if bucket.pending:
+                self.publish(bucket)
+            elif not bucket.stepped:
+                self.step(bucket, speculative=False)
 
-    def step(self, bucket: Bucket) -> None:
-        """One call of the optimizer class over the bucket, then the upload of its new values.
-        See Note: [Uploading while backward runs]."""
+    def undo(self, bucket: Bucket) -> None:
+        """Undo the bucket's speculative step (nothing when it has none)."""
+        if not bucket.pending:
+            return
+        bucket.undo.restore(bucket.optimizer)
+        bucket.pending = bucket.stepped = False
+        bucket.used = None
+        self.undone += 1
+
+    def step(self, bucket: Bucket, *, speculative: bool) -> None:
+        """One call of the optimizer class over the bucket; then, unless ``speculative``, the
+        upload of its new values (Note: [Steps taken during backward])."""
         start = time.perf_counter()
         try:
             optimizer = bucket.optimizer
@@ -193,41 +215,74 @@ class HostStep:
                 zip(optimizer.param_groups, bucket.groups, strict=True)
             ):
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
+            if speculative:
+                bucket.undo.save(optimizer)
             for rec in bucket.records:
                 rec.master.grad = rec.grad if rec.has_grad else None
-            optimizer.step()
-            pairs = []
-            with torch.no_grad():
+            try:
+                optimizer.step()
+            finally:
                 for rec in bucket.records:
                     rec.master.grad = None
-                    if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
-                        rec.hosted.before_write()
-                        rec.hosted.host.copy_(rec.master)
-                        rec.synced = (rec.hosted.version, -2)
-                    elif rec.has_grad:
-                        if rec.staging is not None:
-                            rec.staging.copy_(rec.master)
-                        pairs.append((local(rec.param).detach(), rec.master
-                                      if rec.staging is None else rec.staging))  # fmt: skip
             bucket.stepped = True
-            if pairs:
-                bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
-                self.last_upload = bucket.upload_event
-                self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
-                # Every parameter of a storage written here, the unwritten ones included
-                # (Note: [Parameters that share a storage])
-                written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
-                for rec in bucket.records:
-                    if rec.family in written:
-                        p = local(rec.param)
-                        rec.synced = (p._version, p.data_ptr())
+            if speculative:
+                bucket.pending = True
+                self.speculated += 1
+            else:
+                self._publish(bucket)
         except BaseException as exc:
-            bucket.failed = exc
-            self.errors.append((bucket.index, exc))
-            for rec in bucket.records:  # not uploaded: the master follows the device again
-                rec.synced = (-1, -1)
+            if speculative and bucket.undo.saved:  # as if never stepped
+                bucket.undo.restore(bucket.optimizer)
+                bucket.pending = bucket.stepped = False
+            self._fail(bucket, exc)
+        if not bucket.pending:
+            bucket.done.set()
+        self._account(start)
+
+    def publish(self, bucket: Bucket) -> None:
+        """Commit a speculative step: upload its new values."""
+        start = time.perf_counter()
+        try:
+            bucket.undo.drop()
+            bucket.pending = False
+            self._publish(bucket)
+        except BaseException as exc:
+            self._fail(bucket, exc)
         bucket.done.set()
         self._account(start)
+
+    def _fail(self, bucket: Bucket, exc: BaseException) -> None:
+        bucket.failed = exc
+        self.errors.append((bucket.index, exc))
+        for rec in bucket.records:  # not uploaded: the master follows the device again
+            rec.synced = (-1, -1)
+
+    def _publish(self, bucket: Bucket) -> None:
+        """Upload the bucket's new values (a streamed parameter's: into its host store). See
+        Note: [Uploading while backward runs]."""
+        pairs = []
+        with torch.no_grad():
+            for rec in bucket.records:
+                if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
+                    rec.hosted.before_write()
+                    rec.hosted.host.copy_(rec.master)
+                    rec.synced = (rec.hosted.version, -2)
+                elif rec.has_grad:
+                    if rec.staging is not None:
+                        rec.staging.copy_(rec.master)
+                    pairs.append((local(rec.param).detach(), rec.master
+                                  if rec.staging is None else rec.staging))  # fmt: skip
+        if pairs:
+            bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
+            self.last_upload = bucket.upload_event
+            self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
+            # Every parameter of a storage written here, the unwritten ones included
+            # (Note: [Parameters that share a storage])
+            written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
+            for rec in bucket.records:
+                if rec.family in written:
+                    p = local(rec.param)
+                    rec.synced = (p._version, p.data_ptr())
 
     def _account(self, start: float) -> None:
         end = time.perf_counter()
@@ -235,3 +290,30 @@ class HostStep:
         called = self.call_time
         if called is not None and end > called:
             self.host_ms_after_call += (end - max(start, called)) * 1e3
+
+
+def clip(host: HostMasters, config: OptimizerOffloadConfig,
+         clip_order: list[int]) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """Scale every host gradient like ``clip_grad_norm_`` over them: the per-tensor norms
+    (computed as buckets arrived) are stacked in ``clip_order`` (Note: [The order of the
+    clipping norm]). The total norm, and whether it changed a gradient (a coefficient below
+    1; one of exactly 1 changes no bit and is skipped: Note: [Steps taken during backward])."""
+    norms: dict[int, torch.Tensor] = {}
+    for bucket in host.buckets:
+        with_grad = [r for r in bucket.records if r.has_grad]
+        norms.update({r.entry.index: n for r, n in zip(with_grad, bucket.norms, strict=True)})
+    if not norms:
+        return torch.tensor(0.0), False
+    ordered = [norms[i] for i in sorted(norms, key=clip_order.__getitem__)]
+    total = torch.linalg.vector_norm(torch.stack(ordered), config.norm_type)
+    coefficient = config.max_grad_norm / (total + 1e-6)
+    if not (bool(coefficient < 1.0) or not bool(torch.isfinite(coefficient))):
+        return total, False
+    masters = [r.master for r in host.records if r.has_grad]
+    for rec in host.records:
+        if rec.has_grad:
+            rec.master.grad = rec.grad
+    torch.nn.utils.clip_grads_with_norm_(masters, config.max_grad_norm, total)
+    for m in masters:
+        m.grad = None
+    return total, True

@@ -58,7 +58,7 @@ class HostWorker:
     # - The caller's threads
     def send(self, bucket: Bucket, event: Any) -> None:
         """The bucket's gradients are on the host once ``event`` (None: now) completes."""
-        self._queue.put(("bucket", bucket, event))
+        self._queue.put(("bucket", bucket, event, bucket.gen))
 
     def unscale(self, job: _Unscale) -> None:
         """Run ``job`` after the buckets queued before it (Note: [Loss scaling])."""
@@ -104,15 +104,22 @@ class HostWorker:
                 if item[0] == "stop":
                     return
                 if item[0] == "bucket":
-                    ready[item[1].index] = (item[1], item[2])
+                    ready[item[1].index] = (item[1], item[2], item[3])
                 elif item[0] == "unscale":
                     jobs.append(item[1])
                 else:
                     finish = item
             try:
                 if ready:  # Note: [The order of the host step]
-                    copied = [i for i, (_, e) in ready.items() if completed(e)]
-                    stepper.arrive(*ready.pop(max(copied) if copied else min(ready)))
+                    copied = [i for i, (_, e, _) in ready.items() if completed(e)]
+                    bucket, event, gen = ready.pop(max(copied) if copied else min(ready))
+                    with stepper.lock:  # recalled before it was taken: Note: [A second
+                        taken = bucket.taken = gen == bucket.gen  # backward]
+                    if taken:
+                        try:
+                            stepper.arrive(bucket, event)
+                        finally:
+                            bucket.handled.set()
                     continue
                 if jobs:
                     jobs.pop(0).run(stepper)

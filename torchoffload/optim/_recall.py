@@ -1,0 +1,135 @@
+"""The backwards of a step: how many the loop runs before `step()` (all but the last are
+predicted to accumulate), and a bucket's gradients brought back to the device when a later
+backward, or a read, needs them after they left (Note: [A second backward])."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torchoffload.optim._grads import MovedGrad, MovedGradError
+from torchoffload.optim._host import Bucket, HostMasters, Record
+from torchoffload.optim._params import local
+from torchoffload.optim._step import HostStep
+
+# Note: [A second backward]
+# torch.optim accumulates every backward before `step()` into ``param.grad``; a loop that
+# accumulates without `accumulating()` (torchao's tests, accelerate, Trainer) looks, at its
+# first backward, like one whose backward is final, and its gradients leave the device. When a
+# later backward is about to accumulate into a moved gradient (a tensor hook on the parameter
+# runs before autograd's accumulation), the bucket is recalled:
+# - under the runtime's lock its dispatch number (``gen``) moves on: a dispatch the worker has
+#   not taken yet is skipped when it comes to it; one it has taken is waited for (the worker is
+#   done with the bucket's host buffers then);
+# - a step taken with those gradients is undone (Note: [Steps taken during backward]);
+# - the gradients are copied back into fresh device tensors of the parameter's dtype (allocated
+#   on the compute stream, copied after the event of their copy to the host, the compute
+#   stream waiting on the copy) and become ``param.grad``; autograd then adds the new gradient
+#   to them as it would have, bitwise;
+# - the bucket starts over: it goes to the host when its gradients are final again, or at
+#   `step()`.
+# So the result is torch.optim's whatever the loop does, at the price of the copies back and a
+# wait for the worker. To not pay it at every step, the runtime counts the backwards outside
+# `accumulating()` between two `step()` calls and treats all but the last of the count seen in
+# the last step as accumulating (their gradients stay on the device): an accumulation loop
+# pays it once, in its first step, and again only when its count changes.
+
+
+class Recalls:
+    """Counts the backwards of a step and recalls buckets for ``host``'s runtime. ``lock``
+    is the runtime's; ``before_block`` runs right before waiting for the worker."""
+
+    def __init__(
+        self,
+        host: HostMasters,
+        lock: threading.Lock,
+        stepper: HostStep,
+        engine: Any,
+        before_block: Callable[[], None],
+    ):
+        self.host = host
+        self.lock = lock
+        self.stepper = stepper
+        self.engine = engine
+        self.before_block = before_block
+        # Backwards outside `accumulating()` in this step, and in the last one
+        self.backwards = 0
+        self.expected = 1
+        self._in_backward = False
+        self.recalled = 0  # buckets brought back
+
+    def hook(self, runtime: Any, records: list[Record]) -> list[Any]:
+        """A tensor hook on each trainable parameter, run before autograd accumulates into
+        its gradient (``runtime``, weakly: a hook must not keep it alive)."""
+        owner = runtime.dispatch.owner
+        return [
+            r.param.register_hook(functools.partial(_incoming, owner, r))
+            for r in records
+            if r.trainable and not r.dtensor
+        ]
+
+    def predicts_accumulation(self) -> bool:
+        """Called by each final gradient outside `accumulating()`: counts this backward, and
+        says whether it is predicted to be followed by another before `step()`."""
+        if not self._in_backward:  # the first gradient of this backward
+            self._in_backward = True
+            self.backwards += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        return self.backwards < self.expected
+
+    def _backward_end(self) -> None:
+        self._in_backward = False
+
+    def end_step(self, consumed: bool) -> None:
+        """`step()` (``consumed``) or `zero_grad()`: the count starts over."""
+        if consumed:
+            self.expected = max(1, self.backwards)
+        self.backwards = 0
+
+    def recall(self, bucket: Bucket) -> None:
+        """Bring ``bucket``'s gradients back to the device and undo its step, if taken."""
+        for rec in bucket.records:
+            if rec.has_grad and rec.hosted is not None:
+                raise MovedGradError(
+                    f"parameter {self.host.no(rec)} is streamed by stream_parameters: its "
+                    "gradient left the device in the final backward and cannot come back to be "
+                    "read or accumulated into before step(); run every backward but the last "
+                    "inside optimizer.accumulating(), and read gradients before that backward"
+                )
+        with self.lock:
+            taken = bucket.taken
+            bucket.gen += 1  # the worker skips the dispatch if it has not taken it yet
+        if taken:
+            self.before_block()
+            bucket.handled.wait()
+        self.stepper.undo(bucket)
+        pairs = []
+        for rec in bucket.records:
+            rec.final = False
+            if not rec.has_grad:
+                continue
+            dst = torch.empty_like(local(rec.param), memory_format=torch.preserve_format)
+            # Before the worker took it with host conversions, the staging buffer holds it
+            src = rec.staging if (rec.staging is not None and not taken) else rec.grad
+            pairs.append((rec, dst, src))
+        event = self.engine.load([(d, s) for _, d, s in pairs], after=[bucket.d2h_event])
+        self.engine.wait(event)
+        for rec, dst, _ in pairs:
+            rec.param.grad = dst
+        bucket.reset()
+        self.recalled += 1
+
+
+def _incoming(owner: Any, rec: Record, grad: torch.Tensor) -> None:
+    """Autograd is about to accumulate into ``rec``'s gradient: one that left the device in
+    an earlier backward of this step comes back first."""
+    runtime = owner()
+    g = rec.param.grad
+    if runtime is None or runtime.closed or type(g) is not MovedGrad or g._owner is None:
+        return
+    if g._owner[0]() is runtime:
+        runtime.recall(runtime.buckets[rec.entry.bucket])
