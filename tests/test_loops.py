@@ -1,0 +1,156 @@
+"""The training loops people use, with `OffloadedOptimizer` as the optimizer and nothing else
+changed (issue 40): an accelerate `Accelerator` loop (accumulation, `clip_grad_norm_`, a
+scheduler) and Hugging Face `Trainer` with its defaults (clipping at 1.0, gradient
+accumulation, an LR scheduler, ``grad_norm`` logging, checkpoint save and resume).
+
+Each runs twice from the same seed: with ``torch.optim.AdamW`` over the fp32 CPU parameters
+(the reference: the plain class stepping fp32 host tensors) and with `OffloadedOptimizer` of
+the same class; losses, logged gradient norms and weights must be equal bit for bit.
+Skipped when accelerate or transformers is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import torchoffload as to
+
+accelerate = pytest.importorskip("accelerate")
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 64
+
+
+def llama(seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """A fixed corpus of random token rows (labels = inputs: causal LM)."""
+
+    def __init__(self, n=16, seq=12):
+        g = torch.Generator().manual_seed(7)
+        self.rows = torch.randint(0, VOCAB, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def optimizer(kind, model, **kw):
+    if kind == "plain":
+        return torch.optim.AdamW(model.parameters(), **kw)
+    return to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, bucket_bytes=4096, **kw)
+
+
+# - accelerate
+def accelerate_loop(kind, steps=4, accumulation=2, max_norm=0.5):
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    set_seed(0)
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    model = llama()
+    opt = optimizer(kind, model, lr=3e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    losses, norms = [], []
+    model.train()
+    for i, batch in enumerate(loader):
+        if i >= steps * accumulation:
+            break
+        with acc.accumulate(model):
+            loss = model(**batch).loss
+            acc.backward(loss)
+            losses.append(loss.detach())
+            if acc.sync_gradients:
+                norms.append(acc.clip_grad_norm_(model.parameters(), max_norm))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    out = (losses, norms, weights(acc.unwrap_model(model)))
+    if kind == "offloaded":
+        opt.optimizer.remove()
+    acc.free_memory()
+    return out
+
+
+def test_an_accelerate_loop_trains_bitwise_as_the_plain_optimizer():
+    plain = accelerate_loop("plain")
+    offloaded = accelerate_loop("offloaded")
+    assert len(plain[0]) == len(offloaded[0]) == 8
+    for a, b in zip(plain[0], offloaded[0], strict=True):
+        assert torch.equal(a, b)
+    assert len(plain[1]) == 4
+    for a, b in zip(plain[1], offloaded[1], strict=True):
+        assert torch.equal(a, b)
+    assert any(float(n) > 0.5 for n in plain[1])  # clipping happened in some steps
+    assert_equal(plain[2], offloaded[2])
+
+
+# - Hugging Face Trainer
+def trainer(kind, out_dir, max_steps=4, resume=None, save_steps=2):
+    args = transformers.TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=max_steps, learning_rate=3e-3, weight_decay=0.1, logging_steps=1,
+        save_steps=save_steps, save_strategy="steps", use_cpu=True, report_to=[], seed=0,
+        data_seed=0, dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="linear",
+        warmup_steps=1,
+    )  # fmt: skip
+    model = llama()
+    opt = optimizer(kind, model, lr=3e-3, weight_decay=0.1)
+    t = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                             optimizers=(opt, None))  # fmt: skip
+    t.train(resume_from_checkpoint=resume)
+    logs = [(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
+    if kind == "offloaded":
+        opt.remove()
+    return logs, weights(model)
+
+
+def test_trainer_with_its_defaults_trains_bitwise_as_the_plain_optimizer(tmp_path):
+    """Clipping at 1.0 (the default), accumulation over 2 micro-batches, a linear schedule
+    with warmup, grad_norm logged every step."""
+    plain = trainer("plain", tmp_path / "plain")
+    offloaded = trainer("offloaded", tmp_path / "offloaded")
+    assert len(plain[0]) == 4
+    assert plain[0] == offloaded[0]  # losses and gradient norms, as logged
+    assert all(math.isfinite(n) for _, n in plain[0])
+    assert_equal(plain[1], offloaded[1])
+
+
+def test_trainer_resumes_from_its_checkpoint_bitwise(tmp_path):
+    """Trainer saves the optimizer's state_dict at step 2; a new Trainer with a new
+    OffloadedOptimizer resumes from it and ends where the plain optimizer's resumed run ends
+    (Trainer's own resume is not bitwise its uninterrupted run: the data order differs, with
+    the plain optimizer too)."""
+    runs = {}
+    for kind in ("plain", "offloaded"):
+        trainer(kind, tmp_path / kind, max_steps=2)
+        checkpoint = tmp_path / kind / "checkpoint-2"
+        assert (checkpoint / "optimizer.pt").exists()
+        runs[kind] = trainer(kind, tmp_path / kind, max_steps=4, resume=str(checkpoint))
+    assert len(runs["plain"][0]) == 4
+    assert runs["plain"][0] == runs["offloaded"][0]
+    assert_equal(runs["plain"][1], runs["offloaded"][1])
