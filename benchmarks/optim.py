@@ -89,7 +89,8 @@ def forward(model, x, forward_context=None):
         return model(input_ids=x, labels=x).loss
 
 
-def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context=None):
+def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context=None,
+          before_step=None):  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
     times, fb, st, losses = [], [], [], []
@@ -105,6 +106,8 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
         if sync_between:
             torch.cuda.synchronize()
         t1 = time.perf_counter()
+        if before_step is not None:
+            before_step(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
@@ -173,6 +176,7 @@ def row_offload(
     bucket_mib: int | None = None,
     fraction: float = 1.0,
     acts: bool = False,
+    clip: str | None = None,
 ):
     import torchoffload as to
 
@@ -186,9 +190,14 @@ def row_offload(
         model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
         convert_on=convert_on, bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
-        offload_fraction=fraction,
+        offload_fraction=fraction, max_grad_norm=1.0 if clip == "config" else None,
     )  # fmt: skip
     setup = time.perf_counter() - t
+    norms = []  # clip == "model": clip_grad_norm_ on the model between backward and step()
+
+    def clip_on_model(m):
+        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+
     # Where the worker's time goes (this benchmark's instrumentation, not the library's): the
     # optimizer class's step per bucket, and queueing each bucket's upload.
     spent = {"class_step": 0.0, "upload_queue": 0.0}
@@ -208,8 +217,37 @@ def row_offload(
         bucket.optimizer.step = timed(bucket.optimizer.step, "class_step")
     rt.engine.load = timed(rt.engine.load, "upload_queue")
     ctx = to.offload_activations() if acts else None  # what checkpointing saves: layer inputs
-    out = train(args, model, opt, sync_between=False, on_step=lambda: spent.update(
-        class_step=0.0, upload_queue=0.0), forward_context=ctx)  # fmt: skip
+    counts = {}
+
+    def on_step():
+        spent.update(class_step=0.0, upload_queue=0.0)
+        counts.update(speculated=rt.stepper.speculated, undone=rt.stepper.undone,
+                      recalled=rt.recalls.recalled)  # fmt: skip
+
+    clipped = []
+    if clip == "config":  # whether each step clipped
+        finish = rt.stepper.finish
+
+        def finish_and_record(step_rest, snapshot):
+            finish(step_rest, snapshot)
+            if step_rest:
+                clipped.append(rt.stepper.clipped)
+
+        rt.stepper.finish = finish_and_record
+    out = train(args, model, opt, sync_between=False, on_step=on_step, forward_context=ctx,
+                before_step=clip_on_model if clip == "model" else None)  # fmt: skip
+    if clip == "model":
+        clipped = [bool(n > 1.0) for n in norms]
+    if clip is not None:
+        out.update(clip=clip, clipped_steps=sum(clipped[1:]), of_steps=len(clipped[1:]))
+    # Buckets stepped during backward, undone, recalled, per timed step (Note: [Steps taken
+    # during backward])
+    out.update(
+        speculated=(rt.stepper.speculated - counts["speculated"]) / args.steps,
+        undone=(rt.stepper.undone - counts["undone"]) / args.steps,
+        recalled=(rt.recalls.recalled - counts["recalled"]) / args.steps,
+        buckets=len(rt.buckets),
+    )  # fmt: skip
     if ctx is not None:
         out.update(act_offloaded_gib=ctx.stats().offloaded_bytes / GiB / (args.steps + 1))
     out.update({f"{k}_ms": v / args.steps * 1e3 for k, v in spent.items()})
@@ -380,6 +418,8 @@ ROWS = {
     "offload": lambda a: row_offload(a, True),
     "offload-host-converts": lambda a: row_offload(a, True, convert_on="host"),
     "offload-at-step": lambda a: row_offload(a, False),
+    "offload-clip": lambda a: row_offload(a, True, clip="config"),
+    "offload-clip-model": lambda a: row_offload(a, True, clip="model"),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-params-acts": lambda a: row_offload(a, True, params=True, acts=True),
@@ -525,6 +565,13 @@ def report(args, results) -> None:
     for name, r in results.items():
         if "act_offloaded_gib" in r:
             print(f"{name}: activations offloaded {r['act_offloaded_gib']:.2f} GiB a step")
+    for name, r in results.items():
+        if "speculated" in r:
+            clip = (f", clipped in {r['clipped_steps']} of {r['of_steps']} timed steps "
+                    f"({r['clip']})" if "clip" in r else "")  # fmt: skip
+            print(f"{name}: buckets per step of {r['buckets']}: stepped during backward "
+                  f"{r['speculated']:.1f}, undone {r['undone']:.1f}, recalled "
+                  f"{r['recalled']:.1f}{clip}")  # fmt: skip
     for name, r in results.items():
         if "losses" in r:
             print(f"{name} losses: {r['losses']}")
