@@ -284,3 +284,36 @@ def test_zero_grad_set_to_none_false_steps_unused_parameters_with_zeros(ahead):
                 assert (p.grad is None) == (q.grad is None), step
                 assert p.grad is None or torch.equal(p.grad, q.grad), step
     opt.remove()
+
+
+@pytest.mark.parametrize("read", ["clip_grad_norm_", "second backward"])
+def test_recalled_gradients_are_not_overwritten_by_kernels_still_queued(read):
+    """Issue 40: gradients brought back to the device after they left (a read, a second
+    backward: Note: [A second backward]) land in fresh blocks of the compute stream, whose
+    queued kernels may still write them under their old owner: the copy back waits for the
+    compute stream. Here the compute stream is held back by a sleep, then NaN fills of
+    tensors of the gradients' sizes are queued and freed, right before the read."""
+    a = gpt(torch.bfloat16)
+    twin = copy.deepcopy(a)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-3,
+                                bucket_bytes=1 << 20)  # fmt: skip
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    x = tokens(0)
+    for step in range(2):
+        a(x).float().square().mean().backward()
+        twin(x).float().square().mean().backward()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of compute-stream work
+        junk = [torch.empty_like(p).fill_(float("nan")) for p in a.parameters()]
+        del junk  # freed blocks, still to be written by the queued fills
+        if read == "clip_grad_norm_":
+            norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 1e9)
+            assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e9))
+        else:
+            a(x).float().square().mean().backward()
+            twin(x).float().square().mean().backward()
+        for p, q in zip(a.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), step
+        opt.zero_grad()
+        ref.zero_grad()
+    assert opt._runtime.recalls.recalled > 0
+    opt.remove()

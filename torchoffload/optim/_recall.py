@@ -27,9 +27,13 @@ from torchoffload.optim._step import HostStep
 #   done with the bucket's host buffers then);
 # - a step taken with those gradients is undone (Note: [Steps taken during backward]);
 # - the gradients are copied back into fresh device tensors of the parameter's dtype (allocated
-#   on the compute stream, copied after the event of their copy to the host, the compute
-#   stream waiting on the copy) and become ``param.grad``; autograd then adds the new gradient
-#   to them as it would have, bitwise;
+#   on the compute stream, copied after both the event of their copy to the host and an event
+#   recorded on the compute stream after the allocation, the compute stream waiting on the
+#   copy) and become ``param.grad``; autograd then adds the new gradient to them as it would
+#   have, bitwise. The compute-stream event is needed because the host runs ahead: a fresh
+#   block may still be in use by kernels queued earlier under its previous owner, and the copy
+#   stream would otherwise write into it under them (NaN losses on an H200, Llama-3.2-3B
+#   shape, when `clip_grad_norm_` recalled every bucket right after backward returned);
 # - the bucket starts over: it goes to the host when its gradients are final again, or at
 #   `step()`.
 # So the result is torch.optim's whatever the loop does, at the price of the copies back and a
@@ -116,7 +120,11 @@ class Recalls:
             # Before the worker took it with host conversions, the staging buffer holds it
             src = rec.staging if (rec.staging is not None and not taken) else rec.grad
             pairs.append((rec, dst, src))
-        event = self.engine.load([(d, s) for _, d, s in pairs], after=[bucket.d2h_event])
+        # After the copy to the host, and after the compute stream's work so far: the
+        # destinations are fresh blocks of the compute stream, which its queued kernels may
+        # still be using under their old owner (the host runs ahead of the device)
+        after = [bucket.d2h_event, self.engine.record()]
+        event = self.engine.load([(d, s) for _, d, s in pairs], after=after)
         self.engine.wait(event)
         for rec, dst, _ in pairs:
             rec.param.grad = dst
