@@ -22,6 +22,8 @@ $(DEV_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9" "hypothesis==6.170.17"
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed.
 	$(PY) -m pip install --quiet transformers || echo "transformers not installed: its tests skip"
+	# Trainer and accelerate loops (tests/test_loops.py, examples/train_loops.py)
+	$(PY) -m pip install --quiet accelerate || echo "accelerate not installed: its tests skip"
 	$(PY) -m pip install --quiet matplotlib || echo "matplotlib not installed: plot tests skip"
 	touch $(DEV_STAMP)
 

@@ -32,6 +32,8 @@ BACKGROUND = {
         "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2",
         "--intermediate", "512", "--vocab", "2048", "--seq", "64",
     ), needs=("transformers",)),
+    "test_train_loops_bitwise_on_cpu": Job(("examples/train_loops.py", "--steps", "3"),
+                                           needs=("transformers", "accelerate")),
     # The AOTI decode benchmark at its smoke shape: a package whose program writes its KV
     # caches in place, replayed by cuda_graph with the caches held (tokens checked); the same
     # for compile_streamed's program, its weights read from the file into a model on meta.
@@ -98,6 +100,14 @@ def test_generate_moe():
     assert misses > 0 and "16 of 16 cache slots used" in line, out  # a quarter of 64: it streamed
     table = [line.split()[0] for line in out.splitlines() if line.endswith(" n/a")]  # CPU
     assert table == ["resident", "stream_experts"], out
+
+
+def test_train_loops_bitwise_on_cpu():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = script_output("test_train_loops_bitwise_on_cpu")
+    assert "trainer: bitwise equal: True" in out
+    assert "accelerate: bitwise equal: True" in out
 
 
 def test_train_offloaded_optimizer_bitwise_on_cpu():

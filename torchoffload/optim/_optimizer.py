@@ -47,9 +47,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     computes on those fp32 host tensors). A parameter that is not fp32 keeps an fp32 master
     copy on the host, and receives the master rounded to its dtype after each step.
 
-    During the final backward each gradient leaves the device as soon as it is final and
-    ``param.grad`` then holds a `MovedGrad` that raises when read, until `step()`. Clip with
-    ``max_grad_norm`` (the config), not ``clip_grad_norm_`` on the model. LR schedulers,
+    During backward each gradient leaves the device as soon as it is final and the host steps
+    its bucket meanwhile. Those steps are speculative (Note: [Steps taken during backward]):
+    their new values reach the device parameters only when `step()` commits them, and they are
+    undone exactly when the loop does what they did not foresee, so every loop ends each step
+    bitwise where torch.optim ends it. Until `step()`, ``param.grad`` holds a `MovedGrad`; an
+    operation on it (``clip_grad_norm_`` on the model, a norm for logging, a second backward
+    without `accumulating()`, as accelerate and Hugging Face ``Trainer`` accumulate) brings the
+    gradients back to the device and runs on them (Notes: [Reading a moved gradient], [A
+    second backward]): exact, but that bucket loses the overlap. ``max_grad_norm`` (the
+    config) clips on the host instead. LR schedulers,
     `state_dict`/`load_state_dict` (in the plain class's format, plus ``"master_params"`` for
     parameters that are not fp32), `zero_grad` in both forms and step hooks work as with the
     plain class. `step()` consumes the gradients (they left the device): afterwards
@@ -57,9 +64,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
     that does not is refused before anything changes (Note: [The gradient after step()]).
     `torch.amp.GradScaler` works as with the plain class (``scaler.step(opt)``, ``unscale_``):
-    the host unscales and checks the moved gradients before any is stepped, so until a first
-    `step()` without a scaler is done the host steps at `step()`, not during backward (Note:
-    [Loss scaling]).
+    the host unscales and checks the moved gradients, steps taken with the scaled gradients
+    are undone first, and once a scaler was seen the host steps at `step()` (Note: [Loss
+    scaling]).
 
     ``params``: parameters (or param groups) of one device; ``config``: an
     `OptimizerOffloadConfig`, whose fields may also be passed by keyword; ``model``: the
@@ -164,8 +171,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         those a `step()` consumed. With ``set_to_none=False`` every parameter that has a
         gradient for torch.optim gets zeros on the device instead, as with torch.optim: the
         next backward accumulates into them and a parameter it does not use is stepped with
-        a zero gradient (Note: [The gradient after step()]). Buckets that the host stepped
-        during backward keep their new values (a warning says so)."""
+        a zero gradient (Note: [The gradient after step()]). Steps the host took during
+        backward are undone: without `step()` nothing changes, as with torch.optim."""
         rt = self._live()
         params = [p for group in self.param_groups for p in group["params"]]
         if not set_to_none and any(p in HOSTED for p in params):
