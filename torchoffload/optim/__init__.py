@@ -16,20 +16,26 @@ and its queue), `_dispatch` (gradients leaving the device), `_ahead` (``step_ahe
 `_runtime` (`HostStepRuntime`, which sequences a step over those), `_device` (the part stepped
 on the device with ``offload_fraction`` < 1), `_build` (the constructor's checks and
 placement), `_state` (the state dict and stats), `_optimizer` (the public face, a
-`torch.optim.Optimizer`).
+`torch.optim.Optimizer`). Beside them, optimizer classes with low-precision state, for the
+host step or any other: `_lowbit` (8-bit moments, bf16 rounding) and `_adamw`
+(`LowPrecisionAdamW`, `AdamW8bit`).
 """
 
+from torchoffload.optim._adamw import AdamW8bit, Bf16Rounding, LowPrecisionAdamW
 from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._grads import ConsumedGrad, MovedGrad, MovedGradError
 from torchoffload.optim._layout import (
     HostLayout,
     default_bucket_bytes,
+    host_bytes_per_param,
     host_state_bytes,
     plan_layout,
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
 
 __all__ = [
+    "AdamW8bit",
+    "Bf16Rounding",
     "ConsumedGrad",
     "HostLayout",
     "MovedGrad",
@@ -37,7 +43,9 @@ __all__ = [
     "OffloadedOptimizer",
     "OptimizerOffloadConfig",
     "OptimizerStats",
+    "LowPrecisionAdamW",
     "default_bucket_bytes",
+    "host_bytes_per_param",
     "host_state_bytes",
     "plan_layout",
 ]

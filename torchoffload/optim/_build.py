@@ -51,8 +51,15 @@ def config_of(config: Any, kwargs: dict[str, Any]) -> OptimizerOffloadConfig:
     return config
 
 
-def check_supported(config: OptimizerOffloadConfig, params: list[torch.Tensor], model: Any) -> None:
-    """Refuse the combinations of ``config``, parameters and ``model`` not supported (yet)."""
+def check_supported(
+    config: OptimizerOffloadConfig,
+    params: list[torch.Tensor],
+    model: Any,
+    optimizer_class: type | None = None,
+) -> None:
+    """Refuse the combinations of ``config``, parameters, ``model`` and ``optimizer_class``
+    not supported (yet)."""
+    check_master_dtype(config, params, optimizer_class)
     if model is not None and not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if config.step_ahead and model is None:
@@ -83,6 +90,45 @@ def check_supported(config: OptimizerOffloadConfig, params: list[torch.Tensor], 
             why = "max_grad_norm (the norm would span host and device gradients)"
         if why is not None:
             raise ValueError(f"offload_fraction < 1: not supported yet with {why}")
+
+
+def check_master_dtype(
+    config: OptimizerOffloadConfig, params: list[torch.Tensor], optimizer_class: type | None
+) -> None:
+    """Refuse what ``master_dtype=torch.bfloat16`` cannot take: float16 parameters, no
+    bfloat16 one, an optimizer class that does not say it steps bf16 masters without losing
+    updates, and what is not supported with it yet."""
+    if config.master_dtype == torch.float32:
+        return
+    mode = "master_dtype=torch.bfloat16"
+    for i, p in enumerate(params):
+        if p.dtype == torch.float16:
+            raise ValueError(
+                f"{mode}: parameter {i} is torch.float16, whose range needs an fp32 master; "
+                "use master_dtype=torch.float32, or convert the model to bfloat16"
+            )
+    if not any(p.dtype == torch.bfloat16 for p in params):
+        raise ValueError(
+            f"{mode}: no parameter is bfloat16 (a float32 parameter keeps its fp32 master); "
+            "convert the model to bfloat16 first"
+        )
+    if optimizer_class is not None and not getattr(optimizer_class, "supports_bf16_master", False):
+        raise ValueError(
+            f"{mode}: {optimizer_class.__name__} would step the bf16 masters in bf16 and lose "
+            "the updates smaller than half a bf16 step (torch.optim classes round to nearest "
+            "and keep bf16 state); use torchoffload.optim.AdamW8bit or LowPrecisionAdamW "
+            "(stochastic rounding or a compensation term), or a class that sets "
+            "supports_bf16_master = True. See Note: [Updating a bf16 parameter]"
+        )
+    if config.offload_fraction < 1.0:
+        raise ValueError(f"{mode}: not supported yet with offload_fraction < 1")
+    trainable = {p.dtype for p in params if p.requires_grad}
+    if config.max_grad_norm is not None and len(trainable) > 1:
+        raise ValueError(
+            f"{mode}: max_grad_norm is not supported yet over parameters of several dtypes "
+            f"({sorted(str(d) for d in trainable)}): clip_grad_norm_ sums their norms grouped "
+            "by dtype, the host in parameter order"
+        )
 
 
 def param_groups_of(params: Any) -> list[dict[str, Any]]:

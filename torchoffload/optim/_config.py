@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from torchoffload._validate import check_bool, check_int, check_number
 
 
@@ -49,6 +51,16 @@ class OptimizerOffloadConfig:
       the first op that reads a parameter still being stepped waits for it (Note: [Stepping
       ahead]). Parameters must not be read outside that forward before the next `step()`,
       `synchronize()` or any other call of the optimizer, which all finish the step.
+    - ``master_dtype``: the dtype of the host master of a bfloat16 parameter.
+      ``torch.float32`` (the default): an fp32 master, rounded to the parameter after each
+      step. ``torch.bfloat16``: the parameter's own bits are its master (2 bytes a parameter
+      on the host instead of 4, its host gradient too, and bf16 crosses the link both ways
+      with no conversion anywhere); the optimizer class then steps bf16 tensors, so it must
+      keep the updates that bf16 rounding would lose, and say so with a class attribute
+      ``supports_bf16_master = True`` (`LowPrecisionAdamW`, `AdamW8bit`: stochastic rounding
+      or a compensation term, Note: [Updating a bf16 parameter]). float32 parameters keep
+      their fp32 masters; float16 parameters are refused. Not supported yet with
+      ``offload_fraction`` < 1, nor with ``max_grad_norm`` over parameters of several dtypes.
     """
 
     bucket_bytes: int | None = None
@@ -61,8 +73,13 @@ class OptimizerOffloadConfig:
     step_ahead: bool = False
     convert_on: str = "device"
     offload_fraction: float = 1.0
+    master_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        if self.master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"master_dtype must be torch.float32 or torch.bfloat16, got {self.master_dtype!r}"
+            )
         check_number("offload_fraction", self.offload_fraction, maximum=1.0)
         if self.convert_on not in ("device", "host"):
             raise ValueError(f"convert_on must be 'device' or 'host', got {self.convert_on!r}")

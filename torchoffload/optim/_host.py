@@ -45,8 +45,8 @@ class Record:
         self.param = param
         self.dtensor = is_dtensor(param)  # FSDP2 / TP: the host holds the local shard
         self.trainable = param.requires_grad
-        self.master = master  # fp32 host values the optimizer steps
-        self.grad = grad  # fp32 host gradient
+        self.master = master  # host values the optimizer steps (fp32, or the bf16 parameter's)
+        self.grad = grad  # host gradient, of the master's dtype
         # host buffer of the parameter's dtype (conversions on the host), or None: the copies
         # convert (Note: [Where the conversions run])
         self.staging = staging
@@ -113,7 +113,8 @@ def host_layout(params: list[torch.Tensor], config: OptimizerOffloadConfig,
         total = sum(torch.Size(s).numel() * t.itemsize for (s, t), p in trainable
                     if p.requires_grad)  # fmt: skip
         bucket_bytes = default_bucket_bytes(total)
-    return plan_layout(shapes, bucket_bytes, staging=config.convert_on == "host", families=families)
+    return plan_layout(shapes, bucket_bytes, staging=config.convert_on == "host",
+                       families=families, master_dtype=config.master_dtype)  # fmt: skip
 
 
 class HostMasters:
@@ -167,9 +168,9 @@ class HostMasters:
         return self.numbering[rec.entry.index]
 
     def _record(self, entry: Entry, param: torch.Tensor) -> Record:
-        n, shape = entry.numel, entry.shape
-        master = self._master_buf[entry.master : entry.master + 4 * n].view(torch.float32)
-        grad = self._grad_buf[entry.grad : entry.grad + 4 * n].view(torch.float32)
+        n, shape, own = entry.numel, entry.shape, entry.master_dtype
+        master = self._master_buf[entry.master : entry.master + own.itemsize * n].view(own)
+        grad = self._grad_buf[entry.grad : entry.grad + own.itemsize * n].view(own)
         staging = None
         if entry.staging >= 0:
             nbytes = n * entry.dtype.itemsize

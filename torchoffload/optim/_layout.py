@@ -3,9 +3,10 @@ into buckets: pure functions of the parameters' shapes and dtypes.
 
 Per parameter the host holds, in exact-size buffers allocated once:
 - ``master``: the fp32 values the optimizer steps (also the source of the upload, which the
-  copy converts on the device: Note: [Copies that convert] in _transfer.py);
-- ``grad``: the fp32 gradient the optimizer reads (the target of the download, converted on
-  the device);
+  copy converts on the device: Note: [Copies that convert] in _transfer.py); with
+  ``master_dtype=torch.bfloat16``, a bf16 parameter's master is bf16, its own bits;
+- ``grad``: the gradient the optimizer reads, of the master's dtype (the target of the
+  download, converted on the device when the parameter's dtype differs);
 - ``staging``: only with conversions on the host (``staging=True``), for a parameter that is
   not fp32, a buffer of its own dtype that first receives its gradient from the device and
   then, after the step, its new value for the device.
@@ -31,7 +32,8 @@ _ALIGN = 64  # bytes: every host tensor starts on a cache line
 @dataclass(frozen=True)
 class Entry:
     """One parameter's place: ``index`` in the optimizer's parameter order, its ``bucket``,
-    and byte offsets into the master, grad and staging buffers (staging -1: none)."""
+    byte offsets into the master, grad and staging buffers (staging -1: none), and the dtype
+    of its master and gradient."""
 
     index: int
     bucket: int
@@ -41,6 +43,7 @@ class Entry:
     master: int
     grad: int
     staging: int
+    master_dtype: torch.dtype = torch.float32
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,13 @@ def plan_layout(
     staging: bool = False,
     *,
     families: list[int] | None = None,
+    master_dtype: torch.dtype = torch.float32,
 ) -> HostLayout:
     """The host layout of parameters given as ``(shape, dtype)`` in the optimizer's order;
-    ``staging``: a staging buffer for each parameter that is not fp32 (host conversions);
-    ``families``: for each parameter, a key shared by the parameters that must be in one
-    bucket (views of one storage), placed with the last of them."""
+    ``staging``: a staging buffer for each parameter whose dtype is not its master's (host
+    conversions); ``families``: for each parameter, a key shared by the parameters that must
+    be in one bucket (views of one storage), placed with the last of them; ``master_dtype``:
+    the master of a parameter of that dtype is of it (bf16), every other master fp32."""
     sizes = [(torch.Size(s).numel(), dtype) for s, dtype in shapes]
     family: dict[int, list[int]] = {}
     for i, key in enumerate(range(len(sizes)) if families is None else families):
@@ -105,13 +110,14 @@ def plan_layout(
     entries = []
     master = grad = staged = 0
     for i, ((shape, dtype), (numel, _)) in enumerate(zip(shapes, sizes, strict=True)):
+        own = dtype if dtype == master_dtype else torch.float32
         stage = -1
-        if staging and dtype != torch.float32:
+        if staging and dtype != own:
             stage = staged
             staged = _round_up(staged + numel * dtype.itemsize, _ALIGN)
-        entries.append(Entry(i, bucket_of[i], tuple(shape), dtype, numel, master, grad, stage))
-        master = _round_up(master + numel * 4, _ALIGN)
-        grad = _round_up(grad + numel * 4, _ALIGN)
+        entries.append(Entry(i, bucket_of[i], tuple(shape), dtype, numel, master, grad, stage, own))
+        master = _round_up(master + numel * own.itemsize, _ALIGN)
+        grad = _round_up(grad + numel * own.itemsize, _ALIGN)
     return HostLayout(tuple(entries), tuple(tuple(b) for b in buckets), master, grad, staged)
 
 
@@ -123,3 +129,44 @@ def host_state_bytes(
     ``state_floats`` fp32 values of optimizer state per element."""
     staging = nbytes if convert_on == "host" and nbytes != 4 * numel else 0
     return numel * 4 * (2 + state_floats) + staging
+
+
+def host_bytes_per_param(
+    param_dtype: torch.dtype = torch.bfloat16,
+    *,
+    master_dtype: torch.dtype = torch.float32,
+    state_bits: int = 32,
+    bf16_rounding: str = "stochastic",
+    state_tensors: int = 2,
+    convert_on: str = "device",
+) -> float:
+    """Host bytes an `OffloadedOptimizer` spends per trainable element of a parameter of
+    ``param_dtype``: its master and gradient (fp32; with ``master_dtype=torch.bfloat16`` a
+    bf16 parameter's are bf16), a staging copy with ``convert_on="host"`` when the parameter's
+    dtype is not its master's, and ``state_tensors`` moments (AdamW: 2) of ``state_bits`` (32:
+    4 bytes; 8: 1 + 4/256, `AdamW8bit`: Note: [8-bit optimizer state]), plus the compensation
+    term of a bf16 master with ``bf16_rounding="kahan"``. For large tensors: a tensor below
+    4096 elements keeps fp32 moments, and each host tensor is aligned to 64 bytes.
+
+    The planner takes it (``plan(..., host_bytes_per_param=...)``). For bf16 parameters with
+    AdamW: 16 bytes with fp32 masters and moments, 10.03 with 8-bit moments, 12 with bf16
+    masters (stochastic rounding) and fp32 moments, 6.03 with bf16 masters and 8-bit moments,
+    8.03 with a Kahan term besides."""
+    from torchoffload.optim._adamw import Bf16Rounding
+
+    if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
+    if master_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}"
+        )
+    if state_bits not in (8, 32) or isinstance(state_bits, bool):
+        raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
+    if convert_on not in ("device", "host"):
+        raise ValueError(f"convert_on must be 'device' or 'host', got {convert_on!r}")
+    rounding = Bf16Rounding.parse(bf16_rounding)
+    own = param_dtype if param_dtype == master_dtype else torch.float32
+    staging = param_dtype.itemsize if convert_on == "host" and param_dtype != own else 0
+    compensation = 2 if own == torch.bfloat16 and rounding is Bf16Rounding.KAHAN else 0
+    moment = 4.0 if state_bits == 32 else 1 + 4 / 256
+    return 2 * own.itemsize + staging + compensation + state_tensors * moment

@@ -89,7 +89,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         groups = param_groups_of(params)
         flat = [p for g in groups for p in g["params"]]
         device = check_params(flat)
-        check_supported(config, flat, model)
+        check_supported(config, flat, model, optimizer_class)
         # The class's defaults, and its own check of the keyword arguments.
         probe = optimizer_class([torch.zeros(1, requires_grad=True)], **kwargs)
         self._building = True

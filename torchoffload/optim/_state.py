@@ -39,7 +39,7 @@ def state_dict_of(
             s = bucket.optimizer.state.get(rec.master)
             if s:
                 state[gidx[rec.entry.index]] = s
-            if rec.entry.dtype != torch.float32:
+            if rec.master.dtype != rec.entry.dtype:  # not the parameter's own bits
                 masters[gidx[rec.entry.index]] = rec.master
     if dev is not None:
         for k, master in enumerate(dev.masters):

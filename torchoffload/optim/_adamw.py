@@ -1,0 +1,344 @@
+"""AdamW with low-precision state: `LowPrecisionAdamW` (moments in fp32 or 8 bits, bf16
+parameters written by stochastic rounding or with a compensation term) and `AdamW8bit` (the
+same, 8-bit moments by default). Plain `torch.optim.Optimizer` classes, for any device: stepped
+on the host by an `OffloadedOptimizer`, or on their own."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from torchoffload._validate import check_int, check_number
+from torchoffload.optim._lowbit import (
+    BLOCK,
+    CHUNK,
+    blocks_of,
+    dequantize,
+    padded,
+    quantize_,
+    round_compensated_,
+    round_key,
+    round_stochastic_,
+)
+
+_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (name, signed map)
+
+
+class Bf16Rounding(str, enum.Enum):
+    """How a bf16 parameter takes its new value (Note: [Updating a bf16 parameter])."""
+
+    STOCHASTIC = "stochastic"
+    KAHAN = "kahan"  # a bf16 compensation term in the state
+    NEAREST = "nearest"  # loses updates below half a bf16 step: for comparison
+
+    @classmethod
+    def parse(cls, value: object) -> Bf16Rounding:
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(c.value) for c in cls)
+            raise ValueError(f"bf16_rounding must be one of {choices}, got {value!r}") from None
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+    """AdamW (`torch.optim.AdamW`'s update: decoupled weight decay, bias-corrected moments)
+    for float32 and bfloat16 parameters, with low-precision state:
+
+    - ``state_bits``: the two moments in fp32 (32: 8 bytes a parameter) or 8 bits (8: 2.03
+      bytes a parameter, blockwise with an fp32 scale per 256 values, as bitsandbytes' and
+      torchao's 8-bit AdamW: Note: [8-bit optimizer state]). Parameters of fewer than
+      ``min_8bit_numel`` elements keep fp32 moments either way.
+    - ``bf16_rounding``: how a bfloat16 parameter takes its new value, computed in fp32 (Note:
+      [Updating a bf16 parameter]): ``"stochastic"`` (reproducible, from ``seed``; no extra
+      bytes), ``"kahan"`` (a bf16 compensation term, 2 bytes a parameter) or ``"nearest"``
+      (loses the updates below half a bf16 step; for comparison). float32 parameters are
+      stepped in fp32: with ``state_bits=32`` bitwise `torch.optim.AdamW` (single-tensor).
+
+    Every option is also a param-group key. A parameter's moments take their format at its
+    first step; `load_state_dict` takes this class's state dicts and `torch.optim.AdamW`'s,
+    converting the moments to the format of this optimizer's groups. The step is elementwise
+    per parameter, so its bits do not depend on the order or grouping of the parameters, the
+    thread count or the device's chunking: `OffloadedOptimizer(params, LowPrecisionAdamW,
+    master_dtype=torch.bfloat16)` steps bf16 host masters bitwise as this class on plain
+    tensors does (``supports_bf16_master``).
+    """
+
+    # An OffloadedOptimizer may give this class bf16 masters (master_dtype=torch.bfloat16)
+    supports_bf16_master = True
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_bits: int = 32,
+        bf16_rounding: str = "stochastic",
+        seed: int = 0,
+        min_8bit_numel: int = 4096,
+    ):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, state_bits=state_bits,
+            bf16_rounding=bf16_rounding, seed=seed, min_8bit_numel=min_8bit_numel,
+        )  # fmt: skip
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        try:
+            _check_group(self.param_groups[-1])
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:  # refuse before anything changes
+            for p in group["params"]:
+                _check_param(p, p.grad)
+        for group in self.param_groups:
+            hyper = _Hyper(group)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    _init_state(p, state, hyper)
+                state["step"] += 1
+                _step_param(p, p.grad, state, hyper)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of `torch.optim.AdamW`. Each state tensor keeps
+        its dtype (torch.optim would cast it to the parameter's), and the moments are
+        converted to the format of the loaded group (8-bit or fp32) for the parameter. Checked
+        whole before anything changes."""
+        saved, saved_groups = state_dict["state"], state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
+                f"{len(self.param_groups)}"
+            )
+        adopted: dict[torch.Tensor, dict[str, Any]] = {}
+        for k, (theirs, mine) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            for flag in ("amsgrad", "maximize"):
+                if theirs.get(flag):
+                    raise ValueError(
+                        f"loaded group {k} has {flag}=True, which LowPrecisionAdamW does not "
+                        "implement"
+                    )
+            if len(theirs["params"]) != len(mine["params"]):
+                raise ValueError(
+                    f"loaded group {k} has {len(theirs['params'])} parameters, this "
+                    f"optimizer's {len(mine['params'])}"
+                )
+            merged = {**self.defaults, **theirs, "params": []}
+            _check_group(merged)
+            hyper = _Hyper(merged)
+            for i, p in zip(theirs["params"], mine["params"], strict=True):
+                if i in saved:
+                    adopted[p] = _adopt(p, saved[i], hyper, i)
+        super().load_state_dict({**state_dict, "state": {}})
+        for group in self.param_groups:  # keys a torch.optim.AdamW state dict lacks
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            _check_group(group)
+        for p, state in adopted.items():
+            self.state[p] = state
+
+
+class AdamW8bit(LowPrecisionAdamW):
+    """`LowPrecisionAdamW` with 8-bit moments by default (``state_bits=8``): 2.03 bytes a
+    parameter of state against AdamW's 8 (Note: [8-bit optimizer state])."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        state_bits: int = 8,
+        bf16_rounding: str = "stochastic",
+        seed: int = 0,
+        min_8bit_numel: int = 4096,
+    ):
+        super().__init__(
+            params, lr, betas, eps, weight_decay, state_bits=state_bits,
+            bf16_rounding=bf16_rounding, seed=seed, min_8bit_numel=min_8bit_numel,
+        )  # fmt: skip
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    lr = group["lr"]
+    if not (isinstance(lr, torch.Tensor) and lr.numel() == 1):
+        check_number("lr", lr, positive=False)
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+    for k, beta in enumerate(betas):
+        check_number(f"betas[{k}]", beta, positive=False, maximum=1.0)
+        if beta == 1.0:
+            raise ValueError(f"betas[{k}] must be < 1, got {beta!r}")
+    check_number("eps", group["eps"], positive=False)
+    check_number("weight_decay", group["weight_decay"], positive=False)
+    if group["state_bits"] not in (8, 32) or isinstance(group["state_bits"], bool):
+        raise ValueError(f"state_bits must be 8 or 32, got {group['state_bits']!r}")
+    group["bf16_rounding"] = Bf16Rounding.parse(group["bf16_rounding"]).value
+    check_int("seed", group["seed"], minimum=0)
+    check_int("min_8bit_numel", group["min_8bit_numel"], minimum=0)
+    for i, p in enumerate(group["params"]):
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"params: parameter {i} is {p.dtype}; LowPrecisionAdamW steps float32 and "
+                "bfloat16 parameters (keep float32 masters of float16 parameters)"
+            )
+
+
+def _check_param(p: torch.Tensor, grad: torch.Tensor | None) -> None:
+    if p.dtype not in (torch.float32, torch.bfloat16):
+        raise RuntimeError(
+            f"a parameter is now {p.dtype}; LowPrecisionAdamW steps float32 and bfloat16 parameters"
+        )
+    if grad is not None and (grad.is_sparse or grad.layout != torch.strided):
+        raise RuntimeError("LowPrecisionAdamW does not support sparse gradients")
+    if grad is not None and (grad.dtype != p.dtype or grad.shape != p.shape):
+        raise RuntimeError(
+            f"a gradient is {grad.dtype} {tuple(grad.shape)}, its parameter {p.dtype} "
+            f"{tuple(p.shape)}"
+        )
+
+
+class _Hyper:
+    """A group's values, as the step reads them."""
+
+    __slots__ = ("lr", "beta1", "beta2", "eps", "weight_decay", "state_bits", "rounding",
+                 "seed", "min_8bit_numel")  # fmt: skip
+
+    def __init__(self, group: dict[str, Any]):
+        lr = group["lr"]
+        self.lr = float(lr.item() if isinstance(lr, torch.Tensor) else lr)
+        self.beta1, self.beta2 = (float(b) for b in group["betas"])
+        self.eps = float(group["eps"])
+        self.weight_decay = float(group["weight_decay"])
+        self.state_bits = group["state_bits"]
+        self.rounding = Bf16Rounding.parse(group["bf16_rounding"])
+        self.seed = group["seed"]
+        self.min_8bit_numel = group["min_8bit_numel"]
+
+    def quantizes(self, p: torch.Tensor) -> bool:
+        return self.state_bits == 8 and p.numel() >= self.min_8bit_numel
+
+
+def _init_state(p: torch.Tensor, state: dict[str, Any], hyper: _Hyper) -> None:
+    state["step"] = torch.tensor(0.0)
+    for name, _ in _MOMENTS:
+        if hyper.quantizes(p):
+            n = blocks_of(p.numel())
+            state[f"{name}_codes"] = torch.zeros(n * BLOCK, dtype=torch.uint8, device=p.device)
+            state[f"{name}_scales"] = torch.zeros(n, dtype=torch.float32, device=p.device)
+        else:
+            state[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+
+
+def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _Hyper) -> None:
+    """One AdamW step of ``p``, chunk by chunk, in fp32: `torch.optim.AdamW`'s single-tensor
+    update, on dequantized moments and (bf16) an fp32 copy of the parameter."""
+    work = p if p.is_contiguous() else p.contiguous()
+    flat, g = work.view(-1), grad.reshape(-1)
+    step = float(state["step"])
+    step_size = h.lr / (1 - h.beta1**step)
+    bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
+    bf16 = p.dtype == torch.bfloat16
+    rounding = h.rounding if bf16 else None
+    compensation = None
+    if rounding is Bf16Rounding.KAHAN:
+        if "compensation" not in state:
+            state["compensation"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+        compensation = state["compensation"].view(-1)
+    key = round_key(h.seed, int(step)) if rounding is Bf16Rounding.STOCHASTIC else 0
+    quantized = "exp_avg_codes" in state
+    for lo in range(0, flat.numel(), CHUNK):
+        hi = min(lo + CHUNK, flat.numel())
+        x = flat[lo:hi].float() if bf16 else flat[lo:hi]  # fp32: in place, as torch
+        if compensation is not None:
+            x.add_(compensation[lo:hi])
+        gc = g[lo:hi].float()
+        if quantized:
+            blocks = slice(lo // BLOCK, blocks_of(hi))
+            codes = slice(blocks.start * BLOCK, blocks.stop * BLOCK)
+            whole = [dequantize(state[f"{n}_codes"][codes], state[f"{n}_scales"][blocks], s)
+                     for n, s in _MOMENTS]  # fmt: skip
+            m, v = (t[: hi - lo] for t in whole)
+        else:
+            m, v = (state[n].view(-1)[lo:hi] for n, _ in _MOMENTS)
+        if h.weight_decay != 0:
+            x.mul_(1 - h.lr * h.weight_decay)
+        m.lerp_(gc, 1 - h.beta1)
+        v.mul_(h.beta2).addcmul_(gc, gc, value=1 - h.beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
+        x.addcdiv_(m, denom, value=-step_size)
+        if quantized:
+            for (n, signed), t in zip(_MOMENTS, whole, strict=True):
+                t[hi - lo :] = 0  # the padding of a last short block
+                quantize_(state[f"{n}_codes"][codes], state[f"{n}_scales"][blocks], t, signed)
+        if rounding is Bf16Rounding.STOCHASTIC:
+            round_stochastic_(flat[lo:hi], x, key, lo)
+        elif rounding is Bf16Rounding.KAHAN:
+            round_compensated_(flat[lo:hi], compensation[lo:hi], x)
+        elif bf16:
+            flat[lo:hi].copy_(x)
+    if work is not p:
+        p.copy_(work)
+
+
+def _adopt(p: torch.Tensor, saved: dict[str, Any], hyper: _Hyper, index: Any) -> dict[str, Any]:
+    """A saved state (this class's or `torch.optim.AdamW`'s) for ``p``, its moments in the
+    format ``hyper`` gives ``p``, on ``p``'s device; tensors keep their dtypes otherwise."""
+    step = saved.get("step", 0.0)
+    state: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).clone()}
+    n = p.numel()
+    for name, signed in _MOMENTS:
+        if f"{name}_codes" in saved:
+            codes = saved[f"{name}_codes"].to(p.device)
+            scales = saved[f"{name}_scales"].to(p.device)
+            if (codes.dtype, codes.numel(), scales.numel()) != (torch.uint8, blocks_of(n) * BLOCK,
+                                                                blocks_of(n)):  # fmt: skip
+                raise ValueError(f"state of parameter {index}: {name}_codes does not fit it")
+            if hyper.quantizes(p):
+                state[f"{name}_codes"], state[f"{name}_scales"] = codes, scales
+                continue
+            values = dequantize(codes, scales, signed)[:n]
+        elif name in saved:
+            values = saved[name].to(p.device, torch.float32)
+            if values.numel() != n:
+                raise ValueError(f"state of parameter {index}: {name} does not fit it")
+            values = values.reshape(-1)
+        else:
+            raise ValueError(f"state of parameter {index} has no {name}")
+        if hyper.quantizes(p):
+            nb = blocks_of(n)
+            codes = torch.empty(nb * BLOCK, dtype=torch.uint8, device=p.device)
+            scales = torch.empty(nb, dtype=torch.float32, device=p.device)
+            for lo in range(0, n, CHUNK):
+                hi = min(lo + CHUNK, n)
+                blocks = slice(lo // BLOCK, blocks_of(hi))
+                chunk = padded(values[lo:hi].contiguous())
+                quantize_(codes[blocks.start * BLOCK : blocks.stop * BLOCK], scales[blocks],
+                          chunk, signed)  # fmt: skip
+            state[f"{name}_codes"], state[f"{name}_scales"] = codes, scales
+        else:
+            state[name] = values.reshape(p.shape).contiguous()
+    if "compensation" in saved and p.dtype == torch.bfloat16:
+        state["compensation"] = saved["compensation"].to(p.device, torch.bfloat16)
+    return state
