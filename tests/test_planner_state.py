@@ -320,3 +320,27 @@ def test_the_plotted_timelines_are_the_placed_ones(profile, placement):
     base, planned = plan.memory_timelines()
     assert max(planned) <= plan.predicted.peak_bytes
     assert max(base) <= plan.baseline.peak_bytes
+
+
+def test_low_precision_host_state_is_counted_at_its_bytes_per_parameter(profile):
+    """`host_bytes_per_param` (bf16 masters and 8-bit AdamW moments: 6.03 bytes a parameter
+    against 16) lets all of the state on the host meet a host budget that fp32 state cannot."""
+    from torchoffload.optim import host_bytes_per_param
+
+    per = host_bytes_per_param(torch.bfloat16, master_dtype=torch.bfloat16, state_bits=8)
+    numel = profile.trainable_numel
+    assert host_optimizer_bytes(profile) == 16 * numel  # bf16 parameters, AdamW, fp32 masters
+    assert host_optimizer_bytes(profile, 0.5, per) == int(numel * 0.5 * per)
+    host_budget = 10 * numel  # between the two
+    with pytest.raises(InfeasibleBudgetError, match="fp32 master weights") as info:
+        plan_from_profile(profile, None, hardware=HW, optimizer_state="host",
+                          offload_fraction=1.0, host_budget_bytes=host_budget)  # fmt: skip
+    assert "of host memory" in str(info.value)
+    plan = plan_from_profile(profile, None, hardware=HW, optimizer_state="host",
+                             offload_fraction=1.0, host_budget_bytes=host_budget,
+                             host_bytes_per_param=per)  # fmt: skip
+    assert plan.host_bytes_per_param == per and plan.offload_fraction == 1.0
+    assert host_optimizer_bytes(profile, 1.0, per) <= plan.host_bytes <= host_budget
+    assert "masters, gradients and state at 6.03 bytes a parameter" in str(plan)
+    with pytest.raises(ValueError, match="host_bytes_per_param must be > 0"):
+        plan_from_profile(profile, None, hardware=HW, host_bytes_per_param=0.0)

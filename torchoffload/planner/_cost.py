@@ -480,12 +480,18 @@ def param_working_bytes(profile: Profile, prefetch: int = 1) -> int:
     return min(profile.param_bytes, outside + (2 + prefetch) * largest)
 
 
-def host_optimizer_bytes(profile: Profile, host_fraction: float = 1.0) -> int:
+def host_optimizer_bytes(
+    profile: Profile, host_fraction: float = 1.0, bytes_per_param: float | None = None
+) -> int:
     """Host bytes of an `OffloadedOptimizer` over the profile's trainable parameters (its host
-    part's, ``host_fraction`` of them)."""
+    part's, ``host_fraction`` of them): ``bytes_per_param`` each (`host_bytes_per_param` of
+    its options: bf16 masters, 8-bit moments), or by default fp32 masters and gradients and
+    the traced optimizer state in fp32."""
     numel, nbytes = profile.trainable_numel, profile.trainable_bytes
     if not numel:
         return 0
+    if bytes_per_param is not None:
+        return int(numel * host_fraction * bytes_per_param)
     return host_state_bytes(
         int(numel * host_fraction), int(nbytes * host_fraction), _state_floats(profile)
     )

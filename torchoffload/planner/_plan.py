@@ -85,6 +85,9 @@ class Plan:
     parameter_budget_bytes: int = 0  # the device budget of the streamed parameters
     # with the optimizer state on the host: the fraction there (OffloadedOptimizer's)
     offload_fraction: float = 1.0
+    # host bytes per trainable parameter of the optimizer on the host (None: fp32 masters and
+    # gradients, the traced state in fp32; `torchoffload.optim.host_bytes_per_param`)
+    host_bytes_per_param: float | None = None
 
     def __post_init__(self) -> None:
         if self.parameters not in ("device", "host"):
@@ -253,6 +256,7 @@ def plan_from_profile(
     host_budget_bytes: int | None = None,
     parameters: str = "auto",
     offload_fraction: float | str = "auto",
+    host_bytes_per_param: float | None = None,
 ) -> Plan:
     """Choose decisions for a traced (or synthetic) profile: per layer, keep, offload or
     recompute; where the optimizer state lives (``optimizer_state``: "device", "host" or
@@ -264,9 +268,14 @@ def plan_from_profile(
     fits, see Note: [A fraction of the state on the host]; 1.0 where the optimizer needs it
     whole, as with ``max_grad_norm`` or DTensor parameters). ``host_budget_bytes``: host
     memory the plan may use (the optimizer's host copies, the parameters' host store and the
-    offloaded activations; default: this host's physical memory). Raises
+    offloaded activations; default: this host's physical memory). ``host_bytes_per_param``:
+    the host bytes of the optimizer on the host per trainable parameter, for low-precision
+    host state (`torchoffload.optim.host_bytes_per_param`: 6.03 for bf16 masters and 8-bit
+    AdamW moments; None: fp32 masters and gradients and the traced state in fp32). Raises
     `InfeasibleBudgetError`, naming the least peak and what it is made of, when nothing fits."""
     hw = hardware or Hardware()
+    if host_bytes_per_param is not None:
+        check_number("host_bytes_per_param", host_bytes_per_param)
     where = OptimizerState.parse(optimizer_state)
     _check_parameters(parameters, where)
     fractions = _fractions(offload_fraction)
@@ -313,7 +322,7 @@ def plan_from_profile(
                           host_params=params, host_fraction=fraction)  # fmt: skip
         decisions, pred, baseline, floor = _choose(profile, model, limit)
         host_need = (
-            (host_optimizer_bytes(profile, fraction) if host else 0)
+            (host_optimizer_bytes(profile, fraction, host_bytes_per_param) if host else 0)
             + (profile.param_bytes if params else 0)
             + pred.offloaded_bytes
         )
@@ -330,7 +339,9 @@ def plan_from_profile(
         fits = [t for t in tried if t[1]]  # fits the device: returned with a warning
     if not fits:
         raise InfeasibleBudgetError(
-            _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin)
+            _refusal(
+                profile, hw, budget_bytes, host_budget_bytes, tried, margin, host_bytes_per_param
+            )  # fmt: skip
         )
     # the fastest; among equals, the least on the device
     (host, params, fraction), decisions, pred, baseline, _, host_need = min(
@@ -361,6 +372,7 @@ def plan_from_profile(
         parameters="host" if params else "device",
         parameter_budget_bytes=param_working_bytes(profile) if params else 0,
         offload_fraction=fraction if host else 1.0,
+        host_bytes_per_param=host_bytes_per_param,
     )
 
 
@@ -388,9 +400,11 @@ def _check_parameters(parameters: object, where: OptimizerState) -> None:
         )
 
 
-def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin) -> str:
+def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin, per_param) -> str:
     g = _human
     p = profile
+    held = g(host_optimizer_bytes(p, 1.0, per_param))
+    kind = "fp32 " if per_param is None else ""
     parts = []
     for (host, params, fraction), decisions, _, _, floor, host_need in tried:
         if fraction < 1.0:  # a part on the device: between the whole on the host and none
@@ -400,19 +414,14 @@ def _refusal(profile, hw, budget_bytes, host_budget_bytes, tried, margin) -> str
                 f"with the parameters streamed from the host (and the optimizer state there) "
                 f"it needs at least {g(floor)} on the device, and {g(host_need)} of host "
                 f"memory: the parameters' store {g(p.param_bytes)}"
-                + (
-                    f" and {g(host_optimizer_bytes(p))} for the fp32 master weights, gradients "
-                    "and state"
-                    if host
-                    else ""
-                )
+                + (f" and {held} for the {kind}master weights, gradients and state" if host else "")
             )
         elif host:
             what = (
                 f"with the optimizer state on the host (gradients leave the device as backward "
                 f"finishes them) it needs at least {g(floor)} on the device, where the "
-                f"parameters alone take {g(p.param_bytes)}, and {g(host_optimizer_bytes(p))} "
-                "of host memory for the fp32 master weights, gradients and state"
+                f"parameters alone take {g(p.param_bytes)}, and {held} of host memory for "
+                f"the {kind}master weights, gradients and state"
             )
         else:
             what = (
@@ -468,12 +477,13 @@ def plan(
     host_budget_bytes: int | None = None,
     parameters: str = "auto",
     offload_fraction: float | str = "auto",
+    host_bytes_per_param: float | None = None,
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
     within ``budget_bytes`` at the least predicted step time, and where the optimizer state
-    lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``, ``offload_fraction``:
-    see `plan_from_profile`).
+    lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``, ``offload_fraction``,
+    ``host_bytes_per_param``: see `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
     the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
@@ -504,7 +514,7 @@ def plan(
         profile, budget_bytes, hardware=hw, prefetch_layers=prefetch_layers,
         defer_layers=defer_layers, optimizer_state=optimizer_state,
         host_budget_bytes=host_budget_bytes, parameters=parameters,
-        offload_fraction=offload_fraction,
+        offload_fraction=offload_fraction, host_bytes_per_param=host_bytes_per_param,
     )  # fmt: skip
 
 

@@ -43,23 +43,27 @@ def describe(plan: Plan) -> str:
             f"{layer.bwd_flops / 1e9:>10.1f}  {decision}"
         )
     b, q = plan.baseline, plan.predicted
+    per = plan.host_bytes_per_param
+    state = "fp32 masters, gradients and state"
+    if per is not None:
+        state = f"masters, gradients and state at {per:.2f} bytes a parameter"
     if plan.parameters == "host":
         where = (
             f"where state lives: parameters in pinned host memory, streamed per layer for "
             f"forward and again for backward (stream_parameters, device budget "
             f"{plan.parameter_budget_bytes / gib:.2f} {unit} of {p.param_bytes / gib:.2f}); "
             f"gradients and optimizer state on the host (OffloadedOptimizer: gradients leave "
-            f"the device as backward finishes them; fp32 masters, gradients and state "
-            f"{host_optimizer_bytes(p) / 2**30:.2f} GiB of host memory, the parameters' host "
-            f"store {p.param_bytes / 2**30:.2f} GiB)"
+            f"the device as backward finishes them; {state} "
+            f"{host_optimizer_bytes(p, 1.0, per) / 2**30:.2f} GiB of host memory, the "
+            f"parameters' host store {p.param_bytes / 2**30:.2f} GiB)"
         )
     elif plan.optimizer_state == "host" and plan.offload_fraction < 1.0:
         f = plan.offload_fraction
         where = (
             f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
             f"{f:.0%} of the gradients and optimizer state on the host, those backward "
-            f"finishes first (OffloadedOptimizer(offload_fraction={f}): fp32 masters, "
-            f"gradients and state {host_optimizer_bytes(p, f) / 2**30:.2f} GiB of host "
+            f"finishes first (OffloadedOptimizer(offload_fraction={f}): {state} "
+            f"{host_optimizer_bytes(p, f, per) / 2**30:.2f} GiB of host "
             f"memory); the rest on the device, stepped there after backward (fp32 masters "
             f"and state {device_part_bytes(p, f) / gib:.2f} {unit}, and its gradients)"
         )
@@ -67,8 +71,8 @@ def describe(plan: Plan) -> str:
         where = (
             f"where state lives: parameters on the device ({p.param_bytes / gib:.2f} {unit}); "
             f"gradients and optimizer state on the host (OffloadedOptimizer: gradients leave "
-            f"the device as backward finishes them; fp32 masters, gradients and state "
-            f"{host_optimizer_bytes(p) / 2**30:.2f} GiB of host memory)"
+            f"the device as backward finishes them; {state} "
+            f"{host_optimizer_bytes(p, 1.0, per) / 2**30:.2f} GiB of host memory)"
         )
     else:
         where = (
