@@ -228,8 +228,7 @@ def test_same_seed_same_bits_whatever_the_threads_chunks_and_order(monkeypatch):
         one_thread, _ = _run()
     finally:
         torch.set_num_threads(threads)
-    monkeypatch.setattr(lowbit, "CHUNK", 4 * lowbit.BLOCK)
-    monkeypatch.setattr("torchoffload.optim._adamw.CHUNK", 4 * lowbit.BLOCK)
+    monkeypatch.setattr(lowbit, "chunk_elements", lambda: 4 * lowbit.BLOCK)
     small_chunks, _ = _run()
     reversed_order, _ = _run(order=-1)
     for other in (one_thread, small_chunks, reversed_order):

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from torchoffload._validate import check_int, check_number
+from torchoffload.optim import _lowbit
 from torchoffload.optim._lowbit import (
     BLOCK,
-    CHUNK,
     blocks_of,
     dequantize,
     padded,
@@ -268,8 +268,9 @@ def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _
         compensation = state["compensation"].view(-1)
     key = round_key(h.seed, int(step)) if rounding is Bf16Rounding.STOCHASTIC else 0
     quantized = "exp_avg_codes" in state
-    for lo in range(0, flat.numel(), CHUNK):
-        hi = min(lo + CHUNK, flat.numel())
+    chunk = _lowbit.chunk_elements()
+    for lo in range(0, flat.numel(), chunk):
+        hi = min(lo + chunk, flat.numel())
         x = flat[lo:hi].float() if bf16 else flat[lo:hi]  # fp32: in place, as torch
         if compensation is not None:
             x.add_(compensation[lo:hi])
@@ -330,8 +331,9 @@ def _adopt(p: torch.Tensor, saved: dict[str, Any], hyper: _Hyper, index: Any) ->
             nb = blocks_of(n)
             codes = torch.empty(nb * BLOCK, dtype=torch.uint8, device=p.device)
             scales = torch.empty(nb, dtype=torch.float32, device=p.device)
-            for lo in range(0, n, CHUNK):
-                hi = min(lo + CHUNK, n)
+            chunk = _lowbit.chunk_elements()
+            for lo in range(0, n, chunk):
+                hi = min(lo + chunk, n)
                 blocks = slice(lo // BLOCK, blocks_of(hi))
                 chunk = padded(values[lo:hi].contiguous())
                 quantize_(codes[blocks.start * BLOCK : blocks.stop * BLOCK], scales[blocks],

@@ -50,9 +50,16 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 256  # elements per block of 8-bit state, each with an fp32 scale
-# Elements per chunk of the step: a multiple of BLOCK, its temporaries (a few fp32 copies, a
-# few MiB each) stay near the cache, and large enough for intra-op threads to split it
-CHUNK = 1 << 20
+CHUNK = 1 << 20  # the most elements a chunk of the step takes
+
+
+def chunk_elements() -> int:
+    """Elements per chunk of the step: 64 Ki (a multiple of BLOCK) per intra-op thread, at
+    least 4 and at most CHUNK in all, so that each thread's share of the step's dozen fp32
+    temporaries stays near its cache (on a 2-core CPU, 256 Ki took a step of `AdamW8bit` on
+    bf16 parameters 20% less time than 1 Mi). The bits do not depend on it."""
+    return min(CHUNK, max(4, torch.get_num_threads()) * (1 << 16))
+
 
 _lock = threading.Lock()
 _tables: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
