@@ -519,3 +519,30 @@ def test_bf16_masters_refuse_what_they_cannot_take_before_anything_changes():
     opt = to.OffloadedOptimizer(partly.parameters(), AdamW8bit, master_dtype=BF16)
     assert [r.master.dtype for r in opt._runtime.records] == [BF16] * 4 + [torch.float32] * 2
     opt.remove()
+
+
+def test_bf16_masters_of_streamed_parameters_are_stepped_in_the_host_store_bitwise():
+    from torchoffload.models import GPT, GPTConfig
+
+    cfg = GPTConfig(hidden=64, layers=2, heads=4, vocab=64, max_seq=16)
+
+    def gpt():
+        torch.manual_seed(0)
+        return GPT(cfg).to(BF16)
+
+    def tokens(i):
+        return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(i))
+
+    resident, streamed = gpt(), gpt()
+    handle = to.stream_parameters(streamed, budget_bytes=1 << 20)
+    opts = [to.OffloadedOptimizer(m.parameters(), AdamW8bit, lr=1e-3, master_dtype=BF16)
+            for m in (resident, streamed)]  # fmt: skip
+    for i in range(3):
+        for m, opt in zip((resident, streamed), opts, strict=True):
+            m.loss(tokens(i)).backward()
+            opt.step()
+            opt.zero_grad()
+    for opt in opts:
+        opt.remove()
+    handle.remove()
+    assert same_params(resident, streamed)
