@@ -320,6 +320,24 @@ def test_bad_input_is_refused_before_anything_changes():
     sd["param_groups"][0]["amsgrad"] = True
     with pytest.raises(ValueError, match="amsgrad=True"):
         AdamW8bit([torch.ones(8, requires_grad=True)]).load_state_dict(sd)
+    adam = torch.optim.Adam([torch.ones(8, requires_grad=True)], weight_decay=0.1).state_dict()
+    with pytest.raises(ValueError, match="is Adam's"):
+        AdamW8bit([torch.ones(8, requires_grad=True)]).load_state_dict(adam)
+
+
+def test_leaving_kahan_adds_the_compensation_in_once_and_drops_it():
+    params, opt = _run(bf16_rounding="kahan")
+    state = opt.state[params[0]]
+    kept = state["compensation"].float().clone()
+    before = params[0].detach().float() + kept
+    assert bool((kept != 0).any())
+    opt.param_groups[0]["bf16_rounding"] = "nearest"
+    opt.param_groups[0]["lr"] = 0.0  # the step changes nothing but the rounding
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert "compensation" not in state
+    assert torch.equal(params[0].detach(), before.to(BF16))
 
 
 # - OffloadedOptimizer with them

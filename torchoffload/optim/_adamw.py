@@ -59,11 +59,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
     Every option is also a param-group key. A parameter's moments take their format at its
     first step; `load_state_dict` takes this class's state dicts and `torch.optim.AdamW`'s,
-    converting the moments to the format of this optimizer's groups. The step is elementwise
-    per parameter, so its bits do not depend on the order or grouping of the parameters, the
-    thread count or the device's chunking: `OffloadedOptimizer(params, LowPrecisionAdamW,
-    master_dtype=torch.bfloat16)` steps bf16 host masters bitwise as this class on plain
-    tensors does (``supports_bf16_master``).
+    converting the moments to the format of the loaded groups (whose values replace this
+    optimizer's, as in torch.optim). The step is elementwise per parameter, so its bits do not
+    depend on the order or grouping of the parameters, the thread count or the chunking:
+    `OffloadedOptimizer(params, LowPrecisionAdamW, master_dtype=torch.bfloat16)` steps bf16
+    host masters bitwise as this class on plain tensors does (``supports_bf16_master``).
     """
 
     # An OffloadedOptimizer may give this class bf16 masters (master_dtype=torch.bfloat16)
@@ -102,11 +102,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:  # refuse before anything changes
+        hypers = [_Hyper(group) for group in self.param_groups]  # refuse before anything
+        for group in self.param_groups:  # changes
             for p in group["params"]:
                 _check_param(p, p.grad)
-        for group in self.param_groups:
-            hyper = _Hyper(group)
+        for group, hyper in zip(self.param_groups, hypers, strict=True):
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -136,6 +136,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                         f"loaded group {k} has {flag}=True, which LowPrecisionAdamW does not "
                         "implement"
                     )
+            if theirs.get("decoupled_weight_decay") is False and theirs.get("weight_decay"):
+                raise ValueError(
+                    f"loaded group {k} is Adam's (weight decay added to the gradient), not AdamW's"
+                )
             if len(theirs["params"]) != len(mine["params"]):
                 raise ValueError(
                     f"loaded group {k} has {len(theirs['params'])} parameters, this "
@@ -261,11 +265,11 @@ def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _
     bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
     bf16 = p.dtype == torch.bfloat16
     rounding = h.rounding if bf16 else None
-    compensation = None
-    if rounding is Bf16Rounding.KAHAN:
-        if "compensation" not in state:
-            state["compensation"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
-        compensation = state["compensation"].view(-1)
+    # the compensation of a Kahan step: kept with "kahan", else added in once and dropped
+    kept = state.get("compensation") if bf16 else None
+    if rounding is Bf16Rounding.KAHAN and kept is None:
+        kept = state["compensation"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+    compensation = None if kept is None else kept.view(-1)
     key = round_key(h.seed, int(step)) if rounding is Bf16Rounding.STOCHASTIC else 0
     quantized = "exp_avg_codes" in state
     chunk = _lowbit.chunk_elements()
@@ -299,6 +303,8 @@ def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _
             round_compensated_(flat[lo:hi], compensation[lo:hi], x)
         elif bf16:
             flat[lo:hi].copy_(x)
+    if kept is not None and rounding is not Bf16Rounding.KAHAN:
+        del state["compensation"]
     if work is not p:
         p.copy_(work)
 
