@@ -292,29 +292,7 @@ def plan_from_profile(
         host_budget_bytes = physical_memory()
     else:
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
-    # (optimizer state on the host, parameters on the host)
-    placements = {
-        OptimizerState.AUTO: [(False, False), (True, False)],
-        OptimizerState.DEVICE: [(False, False)],
-        OptimizerState.HOST: [(True, False)],
-    }[where]  # fmt: skip
-    if not profile.trainable_numel or not profile.optimizer_bytes:
-        placements = [(False, False)]  # no optimizer state counted: nothing to place
-    # Trainable streamed parameters are stepped in the host store by an OffloadedOptimizer:
-    # they go to the host with the optimizer state (or when none is trainable).
-    stepped = bool(profile.trainable_numel and profile.optimizer_bytes)
-    streamable = stepped or not profile.trainable_numel
-    if parameters == "host":
-        if not streamable:
-            raise ValueError(
-                "parameters='host': the profile counts no optimizer state for its trainable "
-                "parameters (traced with optimizer='none'); streamed trainable parameters are "
-                "stepped on the host by an OffloadedOptimizer: trace with optimizer='adamw' or "
-                "'sgd' (--optimizer on the command line)"
-            )
-        placements = [(stepped, True)]
-    # "auto": parameters go to the host only when nothing else fits (tried last, if needed)
-    auto = parameters == "auto" and where != OptimizerState.DEVICE and streamable
+    placements, stepped, auto = _placements(profile, where, parameters)
     tried = []
 
     def attempt(host: bool, params: bool, fraction: float = 1.0) -> None:
@@ -374,6 +352,37 @@ def plan_from_profile(
         offload_fraction=fraction if host else 1.0,
         host_bytes_per_param=host_bytes_per_param,
     )
+
+
+def _placements(
+    profile: Profile, where: OptimizerState, parameters: str
+) -> tuple[list[tuple[bool, bool]], bool, bool]:
+    """The placements to try, each (optimizer state on the host, parameters on the host);
+    whether the trainable parameters are stepped (their state is counted); and whether
+    parameters go to the host when nothing else fits (``parameters="auto"``)."""
+    placements = {
+        OptimizerState.AUTO: [(False, False), (True, False)],
+        OptimizerState.DEVICE: [(False, False)],
+        OptimizerState.HOST: [(True, False)],
+    }[where]  # fmt: skip
+    if not profile.trainable_numel or not profile.optimizer_bytes:
+        placements = [(False, False)]  # no optimizer state counted: nothing to place
+    # Trainable streamed parameters are stepped in the host store by an OffloadedOptimizer:
+    # they go to the host with the optimizer state (or when none is trainable).
+    stepped = bool(profile.trainable_numel and profile.optimizer_bytes)
+    streamable = stepped or not profile.trainable_numel
+    if parameters == "host":
+        if not streamable:
+            raise ValueError(
+                "parameters='host': the profile counts no optimizer state for its trainable "
+                "parameters (traced with optimizer='none'); streamed trainable parameters are "
+                "stepped on the host by an OffloadedOptimizer: trace with optimizer='adamw' or "
+                "'sgd' (--optimizer on the command line)"
+            )
+        placements = [(stepped, True)]
+    # "auto": parameters go to the host only when nothing else fits (tried last, if needed)
+    auto = parameters == "auto" and where != OptimizerState.DEVICE and streamable
+    return placements, stepped, auto
 
 
 def _fractions(offload_fraction: object) -> tuple[float, ...]:
