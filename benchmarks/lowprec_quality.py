@@ -23,7 +23,8 @@ linear warm-up then cosine decay to 10% of ``--lr``, gradients clipped to norm 1
 
 Printed: the held-out loss (nats a token) at checkpoints, the final training loss (mean of the
 last 10% of steps), the final held-out gap to ``fp32``, host bytes a parameter and the median
-host step (ms). ``--json`` writes the raw curves.
+host step (ms). ``--json`` writes the raw curves. Bytes a parameter are without the copies
+aside that ``overlap`` may keep (`host_bytes_per_param(overlap=False)`).
 
 ``--speed-params N`` instead times one host step of each way over N parameters (bf16, in
 tensors of 64 M elements, random gradients), on this host's threads: ns a parameter (median of
@@ -132,6 +133,7 @@ def run(name: str, args, train: torch.Tensor, held_out: list[torch.Tensor]) -> d
     tail = losses[-max(args.steps // 10, 1) :]
     state_bits = 8 if cls is AdamW8bit else 32
     per = host_bytes_per_param(BF16, master_dtype=master_dtype, state_bits=state_bits,
+                               overlap=False,
                                **({} if cls is torch.optim.AdamW else options))  # fmt: skip
     return dict(
         curve=curve, train=sum(tail) / len(tail), losses=losses, bytes=per,
@@ -173,7 +175,8 @@ def speed(args) -> None:
         ns = sorted(times)[len(times) // 2] / args.speed_params * 1e9
         bits = 8 if cls is AdamW8bit else 32
         rounding = {k: v for k, v in options.items() if k == "bf16_rounding"}
-        per = host_bytes_per_param(BF16, master_dtype=master_dtype, state_bits=bits, **rounding)
+        per = host_bytes_per_param(BF16, master_dtype=master_dtype, state_bits=bits,
+                                   overlap=False, **rounding)  # fmt: skip
         print(f"{name:<28} {per:>7.2f} {ns:>9.2f} {ns * 8.03:>15.1f}", flush=True)
         del params, opt
 

@@ -327,7 +327,8 @@ def test_low_precision_host_state_is_counted_at_its_bytes_per_parameter(profile)
     against 16) lets all of the state on the host meet a host budget that fp32 state cannot."""
     from torchoffload.optim import host_bytes_per_param
 
-    per = host_bytes_per_param(torch.bfloat16, master_dtype=torch.bfloat16, state_bits=8)
+    per = host_bytes_per_param(torch.bfloat16, master_dtype=torch.bfloat16, state_bits=8,
+                               overlap=False)  # fmt: skip
     numel = profile.trainable_numel
     assert host_optimizer_bytes(profile) == 16 * numel  # bf16 parameters, AdamW, fp32 masters
     assert host_optimizer_bytes(profile, 0.5, per) == int(numel * 0.5 * per)

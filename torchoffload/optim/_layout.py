@@ -139,27 +139,30 @@ def host_bytes_per_param(
     bf16_rounding: str = "stochastic",
     state_tensors: int = 2,
     convert_on: str = "device",
+    overlap: bool = True,
 ) -> float:
     """Host bytes an `OffloadedOptimizer` spends per trainable element of a parameter of
     ``param_dtype``: its master and gradient (fp32; with ``master_dtype=torch.bfloat16`` a
     bf16 parameter's are bf16), a staging copy with ``convert_on="host"`` when the parameter's
     dtype is not its master's, and ``state_tensors`` moments (AdamW: 2) of ``state_bits`` (32:
     4 bytes; 8: 1 + 4/256, `AdamW8bit`: Note: [8-bit optimizer state]), plus the compensation
-    term of a bf16 master with ``bf16_rounding="kahan"``. For large tensors: a tensor below
-    4096 elements keeps fp32 moments, and each host tensor is aligned to 64 bytes.
+    term of a bf16 master with ``bf16_rounding="kahan"``. With ``overlap`` (the optimizer's
+    default) a bucket stepped during backward also keeps a copy of its master and state, to
+    undo that step if the loop asks for another (Note: [Steps taken during backward]): counted
+    here for every parameter, the most it takes. For large tensors: a tensor below 4096
+    elements keeps fp32 moments, and each host tensor is aligned to 64 bytes.
 
     The planner takes it (``plan(..., host_bytes_per_param=...)``). For bf16 parameters with
-    AdamW: 16 bytes with fp32 masters and moments, 10.03 with 8-bit moments, 12 with bf16
-    masters (stochastic rounding) and fp32 moments, 6.03 with bf16 masters and 8-bit moments,
-    8.03 with a Kahan term besides."""
+    AdamW, without ``overlap`` (with it): 16 bytes (28) with fp32 masters and moments, 10.03
+    (16.06) with 8-bit moments, 12 (22) with bf16 masters (stochastic rounding) and fp32
+    moments, 6.03 (10.06) with bf16 masters and 8-bit moments, 8.03 (14.06) with a Kahan term
+    besides."""
     from torchoffload.optim._adamw import Bf16Rounding
 
     if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
     if master_dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}"
-        )
+        raise ValueError(f"master_dtype must be torch.float32 or bfloat16, got {master_dtype}")
     if state_bits not in (8, 32) or isinstance(state_bits, bool):
         raise ValueError(f"state_bits must be 8 or 32, got {state_bits!r}")
     if convert_on not in ("device", "host"):
@@ -169,4 +172,6 @@ def host_bytes_per_param(
     staging = param_dtype.itemsize if convert_on == "host" and param_dtype != own else 0
     compensation = 2 if own == torch.bfloat16 and rounding is Bf16Rounding.KAHAN else 0
     moment = 4.0 if state_bits == 32 else 1 + 4 / 256
-    return 2 * own.itemsize + staging + compensation + state_tensors * moment
+    master_and_state = own.itemsize + compensation + state_tensors * moment
+    aside = master_and_state if overlap else 0
+    return master_and_state + own.itemsize + staging + aside
