@@ -177,6 +177,7 @@ def row_offload(
     fraction: float = 1.0,
     acts: bool = False,
     clip: str | None = None,
+    lowbit: bool = False,
 ):
     import torchoffload as to
 
@@ -186,8 +187,12 @@ def row_offload(
     if params:  # parameters streamed from the host store, stepped there
         handle = to.stream_parameters(model, int(args.param_budget_gib * GiB))
         torch.cuda.empty_cache()
+    # lowbit: bf16 masters and 8-bit moments (torchoffload.optim.AdamW8bit, stochastic
+    # rounding): 6 bytes a parameter on the host instead of 16
+    cls, kw = ((to.optim.AdamW8bit, dict(master_dtype=torch.bfloat16)) if lowbit
+               else (torch.optim.AdamW, dict(fused=True)))  # fmt: skip
     opt = to.OffloadedOptimizer(
-        model.parameters(), torch.optim.AdamW, lr=1e-5, fused=True, overlap=overlap,
+        model.parameters(), cls, lr=1e-5, **kw, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
         convert_on=convert_on, bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
         offload_fraction=fraction, max_grad_norm=1.0 if clip == "config" else None,
@@ -419,6 +424,7 @@ ROWS = {
     "offload-host-converts": lambda a: row_offload(a, True, convert_on="host"),
     "offload-at-step": lambda a: row_offload(a, False),
     "offload-clip": lambda a: row_offload(a, True, clip="config"),
+    "offload-8bit": lambda a: row_offload(a, True, lowbit=True),
     "offload-clip-model": lambda a: row_offload(a, True, clip="model"),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-params": lambda a: row_offload(a, True, params=True),
