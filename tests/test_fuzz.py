@@ -824,6 +824,20 @@ class Optimizer(TrainingMachine):
         if self.off.sched is not None:
             self.off.sched.optimizer = self.off.opt
 
+    @precondition(lambda self: self.ENGINE == "optimizer" and self.live() and not self.pending)
+    @rule(data=st.data())
+    def freeze(self, data):
+        """requires_grad turned off or on after the optimizer was built (freezing a layer,
+        BitFit): torch.optim steps whatever has a gradient (issue 40)."""
+        names = [n for n, _ in self.ref.model.named_parameters()]
+        name = data.draw(st.sampled_from(names), label="parameter")
+        on = data.draw(st.booleans(), label="requires_grad")
+
+        def fn(side):
+            side.model.get_parameter(name).requires_grad_(on)
+
+        self.both(fn, f"requires_grad_({on}) {name}")
+
 
 class StreamParameters(Optimizer):
     """stream_parameters with an OffloadedOptimizer, against the resident model and

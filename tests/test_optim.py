@@ -1146,6 +1146,32 @@ def test_an_interrupt_during_step_finishes_the_step_then_raises():
         assert same_params(a, ref.twin), i
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_requires_grad_changed_after_the_build_is_stepped_as_torch_optim(overlap, dtype):
+    """Issue 40: freezing a layer after the optimizer was built (no gradient: not stepped) and
+    unfreezing one frozen at the build (BitFit, gradual unfreezing: stepped once it has a
+    gradient), bitwise the plain class (Note: [requires_grad changed after the build])."""
+    a = model(dtype)
+    a[2].weight.requires_grad_(False)  # frozen at the build
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, weight_decay=0.1,
+                                bucket_bytes=2048, overlap=overlap)  # fmt: skip
+    changes = {2: [(0, False)], 4: [(2, True)], 6: [(0, True), (4, False)]}
+    for i in range(8):
+        for layer, on in changes.get(i, []):
+            for m in (a, ref.twin):
+                m[layer].weight.requires_grad_(on)
+        loss_of(a, batch(i, dtype)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.backward(batch(i, dtype))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    assert same_state(opt, ref)
+    opt.remove()
+
+
 def test_misuse_between_backward_and_step_is_refused():
     a = model()
     a[0].weight.requires_grad_(False)
@@ -1155,10 +1181,16 @@ def test_misuse_between_backward_and_step_is_refused():
         opt.state_dict()
     opt.step()
     opt.zero_grad()
-    a[0].weight.requires_grad_(True)  # unfrozen after the optimizer was built
+    opt.remove()
+    a = model()
+    a[0].weight.requires_grad_(False)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.SGD, lr=0.1, offload_fraction=0.5)
+    a[0].weight.requires_grad_(True)  # unfrozen after the build, with a device part
+    before = copy.deepcopy(a)
     with pytest.raises(RuntimeError, match="requires_grad was False"):
         loss_of(a, batch(1)).backward()
         opt.step()
+    assert same_params(a, before)  # refused before anything changed
 
 
 def test_writes_through_data_are_read_again_on_request():

@@ -17,7 +17,12 @@ from torchoffload.optim._params import local
 def check_record(host: HostMasters, rec: Record) -> None:
     """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
     p = local(rec.param)
-    if rec.param.requires_grad != rec.trainable:
+    # Frozen or unfrozen since the build: stepped as torch.optim steps it, when it has a
+    # gradient (Note: [requires_grad changed after the build]); not yet for streamed and
+    # DTensor parameters, whose gradients reach the optimizer another way, nor with a device
+    # part (offload_fraction < 1), which refuses it
+    fixed = rec.hosted is not None or rec.dtensor or host.requires_grad_fixed
+    if rec.param.requires_grad != rec.trainable and fixed:
         raise RuntimeError(
             f"parameter {host.no(rec)}: requires_grad was {rec.trainable} when the "
             f"optimizer was built and is {rec.param.requires_grad} now: build the "

@@ -38,6 +38,24 @@ from torchoffload.optim._worker import HostWorker, completed
 # copies into them).
 
 
+# Note: [requires_grad changed after the build]
+# torch.optim steps every parameter of its groups that has a gradient, whatever its
+# requires_grad was when the optimizer was built: a layer frozen later (no gradient) is not
+# stepped, one unfrozen later (BitFit, gradual unfreezing) is. Here a parameter's hooks are put
+# on it at the build, only if it required a gradient then, and a bucket goes to the host once
+# every such parameter's gradient is final. So:
+# - one frozen since: no gradient comes, its bucket never counts down to zero and goes at
+#   `step()`; a gradient it still holds is stepped, as torch.optim does;
+# - one unfrozen since has no hook that says when its gradient is final: its bucket does not go
+#   during backward (it would take that gradient unfinished), only at `step()`.
+# Both are exact; those buckets lose the overlap until the optimizer is built again.
+
+
+def _unhooked(bucket: Bucket) -> bool:
+    """A parameter of ``bucket`` requires a gradient now but did not at the build."""
+    return any(r.param.requires_grad and not r.trainable for r in bucket.records)
+
+
 class GradientDispatch:
     """Sends ``host``'s buckets to ``worker`` as their gradients become final. ``lock`` is the
     runtime's; ``owner``, a weak reference to the runtime, is what a `MovedGrad` serves
@@ -83,7 +101,7 @@ class GradientDispatch:
             rec.final = True
             bucket = host.buckets[rec.entry.bucket]
             bucket.remaining -= 1
-            go = bucket.remaining == 0 and not bucket.dispatched
+            go = bucket.remaining == 0 and not bucket.dispatched and not _unhooked(bucket)
             if go:
                 bucket.dispatched = True
         if go:

@@ -136,6 +136,9 @@ class HostMasters:
     ):
         self.device = device
         self.numbering = numbering
+        # A change of requires_grad since the build is refused (a device part: Note:
+        # [requires_grad changed after the build])
+        self.requires_grad_fixed = False
         families = storage_families(params)
         self.shared = shared_families(families)  # families of several parameters
         self.layout = layout = host_layout(params, config, families)

@@ -117,6 +117,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )  # fmt: skip
         if self._device is not None:
             self._runtime.kept_on_device = self._device.params
+            self._runtime.host.requires_grad_fixed = True
             self._runtime.kept_numbering = self._device.index
             for p in self._device.params:
                 MANAGED[p] = self._runtime
@@ -147,6 +148,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if dev is None:
             rt.step()
             return
+        dev.check()  # its refusals come before the host part commits anything
         # Queued on the compute stream once the host part's last buckets are on their way
         # (their copies do not wait for it), while the host finishes its own.
         hyper_now = [hyper(g) for g in self.param_groups]
