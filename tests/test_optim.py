@@ -1380,10 +1380,13 @@ def test_offload_fraction_refusals():
     # Messages name parameters in the optimizer's order, for the host part too.
     b = model()
     opt = to.OffloadedOptimizer(b.parameters(), torch.optim.AdamW, offload_fraction=0.5)
+    first_step_without_a_scaler(b, opt)
     b[4].bias.requires_grad_(False)  # parameter 5, stepped on the host
+    before = copy.deepcopy(b)
     with pytest.raises(RuntimeError, match="parameter 5: requires_grad was True"):
         loss_of(b, batch(0)).backward()
         opt.step()
+    assert same_params(b, before)  # refused before any bucket was stepped for good
     opt.remove()
 
 

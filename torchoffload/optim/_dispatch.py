@@ -107,6 +107,14 @@ class GradientDispatch:
         if go:
             self._dispatch_or_unmark(bucket)
 
+    def check_rest(self) -> None:
+        """Refuse what `dispatch_rest` would refuse, before `step()` opens its call (a bucket
+        sent after that is stepped for good: a refusal half-way would leave some stepped)."""
+        for bucket in self.host.buckets:
+            if not bucket.dispatched:
+                for rec in bucket.records:
+                    check_record(self.host, rec)
+
     def dispatch_rest(self) -> None:
         """`step()`: send the buckets not sent yet, in forward order (Note: [The order of the
         host step])."""

@@ -131,6 +131,7 @@ class HostStepRuntime:
         for the worker (the device part of an ``offload_fraction`` split steps there)."""
         self.settle()
         self.refuse_consumed("step()")
+        self.dispatch.check_rest()
         called = self._begin(step_rest=True)
         if between is not None:
             between()
