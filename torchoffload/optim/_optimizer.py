@@ -58,7 +58,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     second backward]): exact, but that bucket loses the overlap. ``max_grad_norm`` (the
     config) clips on the host instead. LR schedulers, `state_dict`/`load_state_dict` (in the
     plain class's format, plus ``"master_params"`` for parameters whose fp32 master is not the
-    parameter itself), `zero_grad` in both forms and step hooks work as with the plain class. `step()` consumes the gradients (they left the device): afterwards
+    parameter itself), `zero_grad` in both forms and step hooks work as with the plain class.
+    `step()` consumes the gradients (they left the device): afterwards
     ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
     calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
     that does not is refused before anything changes (Note: [The gradient after step()]).
@@ -210,9 +211,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
         the fp32 master of every parameter that is not fp32, by index (none for a bf16
-        parameter with ``master_dtype=torch.bfloat16``: its master is its own bits). A parameter changed in
-        place since the last step has its master read again first, as the next step would:
-        the masters round to the parameters as they are now."""
+        parameter with ``master_dtype=torch.bfloat16``: its master is its own bits). A
+        parameter changed in place since the last step has its master read again first, as the
+        next step would: the masters round to the parameters as they are now."""
         self._live().check_idle("state_dict()")
         return state_dict_of(self._runtime, self._device, self._host_index, self.param_groups)
 
