@@ -179,11 +179,8 @@ class HostStep:
             return
         if self.config.max_grad_norm is not None:
             self.grad_norm, self.clipped = clip(self.host, self.config, self.clip_order)
-        if self.config.max_grad_norm is not None and self.clipped:
-            for bucket in todo:
-                self.undo(bucket)  # stepped with the gradients before clipping
-        for bucket in todo:
-            if bucket.pending and changed_in(bucket, snapshot):
+        for bucket in todo:  # stepped with the gradients before clipping, or other values
+            if bucket.pending and (self.clipped or changed_in(bucket, snapshot)):
                 self.undo(bucket)
         self._account(start)
         for bucket in todo:
