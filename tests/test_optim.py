@@ -1368,7 +1368,9 @@ def test_offload_fraction_refusals():
     with pytest.raises(ValueError, match="already managed"):  # a device-part parameter too
         to.OffloadedOptimizer([a[0].weight], torch.optim.AdamW)
     a[0].weight.requires_grad_(False)
-    loss_of(a, batch(0)).backward()
+    with pytest.raises(RuntimeError, match="parameter 0: requires_grad was True"):
+        loss_of(a, batch(0)).backward()  # before it accumulates anything
+    assert all(p.grad is None for p in a.parameters())
     with pytest.raises(RuntimeError, match="parameter 0: requires_grad was True"):
         opt.step()
     opt.remove()
@@ -1383,6 +1385,50 @@ def test_offload_fraction_refusals():
         loss_of(b, batch(0)).backward()
         opt.step()
     assert same_params(b, before)  # refused before any bucket was stepped for good
+    opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.25])
+def test_a_backward_the_step_would_refuse_is_refused_before_it_accumulates(fraction):
+    """Note: [Refused before a backward accumulates]: no gradient of the refused backward is
+    left behind, the device part's included; torch.autograd.grad is not refused."""
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.Adagrad, lr=0.1,
+                                offload_fraction=fraction)  # fmt: skip
+    a.to(torch.float64)
+    x = batch(0, torch.float64)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="after converting the model"):
+            loss_of(a, x).backward()
+        assert all(p.grad is None for p in a.parameters())
+    grads = torch.autograd.grad(loss_of(a, x), list(a.parameters()))
+    assert all(g.dtype == torch.float64 for g in grads)
+    assert all(p.grad is None for p in a.parameters())
+    with pytest.raises(RuntimeError, match="after converting the model"):
+        opt.step()
+    opt.remove()
+    loss_of(a, x).backward()  # a plain model again
+    assert all(p.grad is not None for p in a.parameters())
+
+
+def test_a_device_part_parameter_frozen_at_the_build_with_a_gradient_is_refused():
+    """torch.optim steps a frozen parameter that has a gradient (zeros kept by
+    zero_grad(set_to_none=False)); the device part keeps no fp32 master for a bf16 parameter
+    frozen at the build, so the step is refused, before anything changes (found by the
+    differential fuzzer)."""
+    a = model(torch.bfloat16)
+    loss_of(a, batch(0, torch.bfloat16)).backward()
+    a[0].weight.requires_grad_(False)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                offload_fraction=0.5)  # fmt: skip
+    assert any(p is a[0].weight for p in opt._device.params)
+    before = copy.deepcopy(a)
+    with pytest.raises(RuntimeError, match="parameter 0 was frozen when the optimizer was built"):
+        opt.step()
+    assert same_params(a, before)
+    a[0].weight.grad = None
+    opt.step()
+    assert torch.equal(a[0].weight, before[0].weight)
     opt.remove()
 
 

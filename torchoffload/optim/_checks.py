@@ -13,9 +13,40 @@ from torchoffload.optim._grads import ConsumedGrad
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._params import local
 
+# Note: [Refused before a backward accumulates]
+# A backward on a parameter the step would refuse (converted, moved, frozen or unfrozen where
+# that is refused, no longer streamed) is refused before autograd accumulates any gradient of
+# this optimizer, not at the first final gradient: by then autograd has accumulated into other
+# parameters' gradients (a device part's, a layer that came earlier in backward), and the
+# refused backward would leave them half of a step (found by the differential fuzzer: a model
+# converted to float64 with ``offload_fraction=0.25``, the next backward's gradients off by
+# 0.34). Every trainable parameter of the optimizer, the device part's included, has a tensor
+# hook, which autograd runs before it accumulates; the first hook of each backward that
+# accumulates checks every parameter's metadata (`refusal`: no values read, no copy) and
+# raises. `torch.autograd.grad`, which returns gradients without accumulating them, is not
+# checked (`accumulates`).
+
 
 def check_record(host: HostMasters, rec: Record) -> None:
     """Refuse a parameter whose dtype or shape changed; re-read one changed outside."""
+    message = refusal(host, rec)
+    if message is not None:
+        raise RuntimeError(message)
+    if rec.hosted is not None:
+        if rec.synced[0] != rec.hosted.version:
+            host.refresh(rec)
+        return
+    p = local(rec.param)
+    if (p._version, p.data_ptr()) != rec.synced:
+        # Changed outside the optimizer (load_state_dict, an in-place init): its master
+        # follows. A blocking copy, only after such a change.
+        host.moved(rec)
+
+
+def refusal(host: HostMasters, rec: Record) -> str | None:
+    """Why the host step refuses ``rec``'s parameter as it is now (None: it does not). Reads
+    nothing but metadata: also run at the start of each backward (Note: [Refused before a
+    backward accumulates])."""
     p = local(rec.param)
     # Frozen or unfrozen since the build: stepped as torch.optim steps it, when it has a
     # gradient (Note: [requires_grad changed after the build]); not yet for streamed and
@@ -23,35 +54,30 @@ def check_record(host: HostMasters, rec: Record) -> None:
     # part (offload_fraction < 1), which refuses it
     fixed = rec.hosted is not None or rec.dtensor or host.requires_grad_fixed
     if rec.param.requires_grad != rec.trainable and fixed:
-        raise RuntimeError(
+        return (
             f"parameter {host.no(rec)}: requires_grad was {rec.trainable} when the "
             f"optimizer was built and is {rec.param.requires_grad} now: build the "
             "OffloadedOptimizer after freezing or unfreezing parameters"
         )
     if rec.hosted is not None:
         if HOSTED.get(rec.param) is not rec.hosted:
-            raise RuntimeError(
+            return (
                 f"parameter {host.no(rec)} is no longer streamed by the "
                 "stream_parameters handle it was streamed by when the optimizer was built"
             )
-        if rec.synced[0] != rec.hosted.version:
-            host.refresh(rec)
-        return
+        return None
     if p.device != host.device:
-        raise RuntimeError(
+        return (
             f"parameter {host.no(rec)} is now on {p.device}, was on {host.device} when "
             "the optimizer was built"
         )
     if p.dtype != rec.entry.dtype or tuple(p.shape) != rec.entry.shape:
-        raise RuntimeError(
+        return (
             f"parameter {host.no(rec)} is now {p.dtype} {tuple(p.shape)}, was "
             f"{rec.entry.dtype} {rec.entry.shape} when the optimizer was built: build "
             "the OffloadedOptimizer after converting the model"
         )
-    if (p._version, p.data_ptr()) != rec.synced:
-        # Changed outside the optimizer (load_state_dict, an in-place init): its master
-        # follows. A blocking copy, only after such a change.
-        host.moved(rec)
+    return None
 
 
 def refuse_consumed(every: list[tuple[int, torch.Tensor]], what: str) -> None:

@@ -74,21 +74,37 @@ class DeviceStep:
     def check(self) -> None:
         """Refuse what the host part refuses (Note: [When a gradient is final] and `_check`);
         re-read a master whose parameter was changed outside the optimizer."""
+        message = self.refusal()
+        if message is not None:
+            raise RuntimeError(message)
+        for k, p in enumerate(self.params):
+            if not self.trainable[k] and self.masters[k] is p and p.dtype != torch.float32 \
+                    and p.grad is not None:  # fmt: skip
+                raise RuntimeError(
+                    f"parameter {self.index[k]} was frozen when the optimizer was built and has "
+                    "a gradient now (zero_grad(set_to_none=False) keeps one): torch.optim "
+                    f"would step it, on an fp32 master that this optimizer keeps only for "
+                    f"parameters trainable at the build; set its .grad to None first"
+                )
+        self.follow()
+
+    def refusal(self) -> str | None:
+        """Why a step would be refused now (None: it would not); metadata only."""
         for k, p in enumerate(self.params):
             if p.requires_grad != self.trainable[k]:
-                raise RuntimeError(
+                return (
                     f"parameter {self.index[k]}: requires_grad was {self.trainable[k]} when the "
                     f"optimizer was built and is {p.requires_grad} now: build the "
                     "OffloadedOptimizer after freezing or unfreezing parameters"
                 )
             if (p.dtype, tuple(p.shape), p.device) != self.built[k]:
                 dtype, shape, device = self.built[k]
-                raise RuntimeError(
+                return (
                     f"parameter {self.index[k]} is now {p.dtype} {tuple(p.shape)} on "
                     f"{p.device}, was {dtype} {shape} on {device} when the optimizer was built: "
                     "build the OffloadedOptimizer after converting the model"
                 )
-        self.follow()
+        return None
 
     def follow(self) -> None:
         """Re-read the master of every parameter changed in place since it was last read or

@@ -119,6 +119,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._runtime.kept_on_device = self._device.params
             self._runtime.host.requires_grad_fixed = True
             self._runtime.kept_numbering = self._device.index
+            self._runtime.recalls.device_refusal = self._device.refusal
+            self._runtime.hook_kept()
             for p in self._device.params:
                 MANAGED[p] = self._runtime
         self._finalizer = weakref.finalize(self, self._runtime.close)

@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
+from torchoffload.optim._checks import refusal
 from torchoffload.optim._grads import MovedGrad, MovedGradError
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._params import local
@@ -65,6 +67,10 @@ class Recalls:
         self.expected = 1
         self._in_backward = False
         self.recalled = 0  # buckets brought back
+        # This backward was checked before it accumulated (Note: [Refused before a backward
+        # accumulates]); the device part's refusals (the façade's)
+        self._checked = False
+        self.device_refusal: Callable[[], str | None] | None = None
 
     def hook(self, runtime: Any, records: list[Record]) -> list[Any]:
         """A tensor hook on each trainable parameter, run before autograd accumulates into
@@ -75,6 +81,31 @@ class Recalls:
             for r in records
             if r.trainable and not r.dtensor
         ]
+
+    def hook_kept(self, runtime: Any, params: list[torch.Tensor]) -> list[Any]:
+        """The tensor hook of each trainable parameter of the device part (``params``)."""
+        owner = runtime.dispatch.owner
+        return [p.register_hook(functools.partial(_incoming_kept, owner, p))
+                for p in params if p.requires_grad]  # fmt: skip
+
+    def before_accumulate(self, param: torch.Tensor) -> None:
+        """A tensor hook of ``param``, before autograd accumulates its gradient: the first
+        of each accumulating backward refuses a parameter the step would refuse (Note:
+        [Refused before a backward accumulates])."""
+        if self._checked or not accumulates(param):
+            return
+        for rec in self.host.records:
+            message = refusal(self.host, rec)
+            if message is not None:
+                raise RuntimeError(message)
+        message = self.device_refusal() if self.device_refusal is not None else None
+        if message is not None:
+            raise RuntimeError(message)
+        self._checked = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._checked_done)
+
+    def _checked_done(self) -> None:
+        self._checked = False
 
     def predicts_accumulation(self) -> bool:
         """Called by each final gradient outside `accumulating()`: counts this backward, and
@@ -133,11 +164,32 @@ class Recalls:
 
 
 def _incoming(owner: Any, rec: Record, grad: torch.Tensor) -> None:
-    """Autograd is about to accumulate into ``rec``'s gradient: one that left the device in
-    an earlier backward of this step comes back first."""
+    """Autograd is about to accumulate into ``rec``'s gradient: the backward is checked first
+    (Note: [Refused before a backward accumulates]), and a gradient that left the device in an
+    earlier backward of this step comes back."""
     runtime = owner()
+    if runtime is None or runtime.closed:
+        return
+    runtime.recalls.before_accumulate(rec.param)
     g = rec.param.grad
-    if runtime is None or runtime.closed or type(g) is not MovedGrad or g._owner is None:
+    if type(g) is not MovedGrad or g._owner is None:
         return
     if g._owner[0]() is runtime:
         runtime.recall(runtime.buckets[rec.entry.bucket])
+
+
+def _incoming_kept(owner: Any, param: torch.Tensor, grad: torch.Tensor) -> None:
+    """The tensor hook of a device part's parameter: the backward is checked before autograd
+    accumulates (Note: [Refused before a backward accumulates])."""
+    runtime = owner()
+    if runtime is not None and not runtime.closed:
+        runtime.recalls.before_accumulate(param)
+
+
+def accumulates(param: torch.Tensor) -> bool:
+    """In a tensor hook of ``param`` (a leaf): whether this backward accumulates into its
+    ``.grad`` (False under `torch.autograd.grad`, which returns the gradients instead)."""
+    try:
+        return torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError:  # "currently running autograd.grad()"
+        return False

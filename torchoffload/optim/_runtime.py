@@ -118,6 +118,11 @@ class HostStepRuntime:
             self._fresh_checked = True
         self.dispatch.final(param)
 
+    def hook_kept(self) -> None:
+        """Check each backward before it accumulates into the device part's gradients too
+        (Note: [Refused before a backward accumulates])."""
+        self._hooks += self.recalls.hook_kept(self, self.kept_on_device)
+
     def recall(self, bucket: Bucket) -> None:
         """Bring ``bucket``'s gradients back to the device (Note: [A second backward])."""
         self.recalls.recall(bucket)
