@@ -15,6 +15,10 @@ Rows, each in its own process (host and device memory start clean):
   ``-bucket512``: buckets of 32/128/512 MiB of parameters instead of the
   default (about 50 buckets). ``offload-at-step``: with ``overlap=False``;
   ``offload-ahead``: with ``step_ahead=True`` (the host step also overlaps the next forward);
+  ``offload-clip``/``offload-clip-ahead``: with ``max_grad_norm=--clip-norm`` (the host
+  clips), without and with ``step_ahead``; ``offload-clip-model``: `clip_grad_norm_` on the
+  model between backward and `step()`; ``*-switch``: the interpreter's GIL switch interval
+  set to ``--switch-ms`` (`sys.setswitchinterval`) in the row's process;
   ``offload-half``/``offload-ahead-half``: ``offload_fraction=0.5`` (half the parameter bytes
   stepped on the host, the first half on the GPU with fp32 masters and state there);
   ``offload-f75``: ``offload_fraction=0.75``.
@@ -124,7 +128,8 @@ def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context
         return sorted(xs)[len(xs) // 2] * 1e3 if sync_between else None
 
     return dict(
-        step_ms=med * 1e3, fwd_bwd_ms=median_ms(fb), opt_ms=median_ms(st),
+        step_ms=med * 1e3, mean_ms=sum(times) / len(times) * 1e3, fwd_bwd_ms=median_ms(fb),
+        opt_ms=median_ms(st),
         tokens_s=args.batch * args.seq / med,
         peak_gib=torch.cuda.max_memory_allocated() / GiB, host_gib=host_rss(), losses=losses,
         gpu=gpu,
@@ -178,8 +183,12 @@ def row_offload(
     acts: bool = False,
     clip: str | None = None,
     lowbit: bool = False,
+    switch_ms: float | None = None,
 ):
     import torchoffload as to
+
+    if switch_ms is not None:  # the interpreter's GIL switch interval (default 5 ms)
+        sys.setswitchinterval(switch_ms / 1e3)
 
     model = llama(args)
     t = time.perf_counter()
@@ -195,13 +204,13 @@ def row_offload(
         model.parameters(), cls, lr=1e-5, **kw, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
         convert_on=convert_on, bucket_bytes=None if bucket_mib is None else bucket_mib << 20,
-        offload_fraction=fraction, max_grad_norm=1.0 if clip == "config" else None,
+        offload_fraction=fraction, max_grad_norm=args.clip_norm if clip == "config" else None,
     )  # fmt: skip
     setup = time.perf_counter() - t
     norms = []  # clip == "model": clip_grad_norm_ on the model between backward and step()
 
     def clip_on_model(m):
-        norms.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), args.clip_norm)))
 
     # Where the worker's time goes (this benchmark's instrumentation, not the library's): the
     # optimizer class's step per bucket, and queueing each bucket's upload.
@@ -237,14 +246,16 @@ def row_offload(
             finish(step_rest, snapshot)
             if step_rest:
                 clipped.append(rt.stepper.clipped)
+                norms.append(float(rt.stepper.grad_norm))
 
         rt.stepper.finish = finish_and_record
     out = train(args, model, opt, sync_between=False, on_step=on_step, forward_context=ctx,
                 before_step=clip_on_model if clip == "model" else None)  # fmt: skip
     if clip == "model":
-        clipped = [bool(n > 1.0) for n in norms]
+        clipped = [bool(n > args.clip_norm) for n in norms]
     if clip is not None:
-        out.update(clip=clip, clipped_steps=sum(clipped[1:]), of_steps=len(clipped[1:]))
+        out.update(clip=clip, clipped_steps=sum(clipped[1:]), of_steps=len(clipped[1:]),
+                   norms=norms)  # fmt: skip
     # Buckets stepped during backward, undone, recalled, per timed step (Note: [Steps taken
     # during backward])
     out.update(
@@ -427,6 +438,12 @@ ROWS = {
     "offload-8bit": lambda a: row_offload(a, True, lowbit=True),
     "offload-clip-model": lambda a: row_offload(a, True, clip="model"),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
+    "offload-clip-ahead": lambda a: row_offload(a, True, ahead=True, clip="config"),
+    "offload-switch": lambda a: row_offload(a, True, switch_ms=a.switch_ms),
+    "offload-ahead-switch": lambda a: row_offload(a, True, ahead=True, switch_ms=a.switch_ms),
+    "offload-clip-ahead-switch": lambda a: row_offload(
+        a, True, ahead=True, clip="config", switch_ms=a.switch_ms
+    ),
     "offload-params": lambda a: row_offload(a, True, params=True),
     "offload-params-acts": lambda a: row_offload(a, True, params=True, acts=True),
     "offload-acts": lambda a: row_offload(a, True, acts=True),
@@ -481,6 +498,14 @@ def main() -> None:
         "--profile", action="store_true",
         help="also GPU kernel and copy time per step (torch.profiler), per row",
     )  # fmt: skip
+    p.add_argument("--clip-norm", type=float, default=1.0,
+                   help="max_grad_norm of the clip rows")  # fmt: skip
+    p.add_argument(
+        "--switch-ms",
+        type=float,
+        default=0.5,
+        help="*-switch rows: sys.setswitchinterval, in ms (Python's default: 5)",
+    )
     p.add_argument("--param-budget-gib", type=float, default=2.0,
                    help="offload-params: device budget of the streamed parameters")  # fmt: skip
     args = p.parse_args()
@@ -574,7 +599,9 @@ def report(args, results) -> None:
     for name, r in results.items():
         if "speculated" in r:
             clip = (f", clipped in {r['clipped_steps']} of {r['of_steps']} timed steps "
-                    f"({r['clip']})" if "clip" in r else "")  # fmt: skip
+                    f"({r['clip']}, max_grad_norm {args.clip_norm}; mean step "
+                    f"{r['mean_ms']:.0f} ms; norms {[round(n, 3) for n in r['norms']]})"
+                    if "clip" in r else "")  # fmt: skip
             print(f"{name}: buckets per step of {r['buckets']}: stepped during backward "
                   f"{r['speculated']:.1f}, undone {r['undone']:.1f}, recalled "
                   f"{r['recalled']:.1f}{clip}")  # fmt: skip

@@ -317,3 +317,31 @@ def test_recalled_gradients_are_not_overwritten_by_kernels_still_queued(read):
         ref.zero_grad()
     assert opt._runtime.recalls.recalled > 0
     opt.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+def test_clip_grad_norm_on_the_model_is_the_plain_loop_bitwise(dtype, overlap):
+    """Issue 40: `clip_grad_norm_(model.parameters())` between backward and `step()` reads the
+    moved gradients on the device (Note: [Reading a moved gradient]): the norm and every step
+    are the plain loop's, which clips the twin's device gradients, with clipping active in
+    even steps and inactive in odd ones."""
+    a = gpt(dtype)
+    twin = copy.deepcopy(a)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-3, overlap=overlap,
+                                bucket_bytes=1 << 20)  # fmt: skip
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-3)
+    for step in range(4):
+        x = tokens(step)
+        a(x).float().square().mean().backward()
+        twin(x).float().square().mean().backward()
+        max_norm = 1e-3 if step % 2 == 0 else 1e9
+        norm = torch.nn.utils.clip_grad_norm_(a.parameters(), max_norm)
+        assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm))
+        assert (float(norm) > max_norm) == (step % 2 == 0)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        for p, q in zip(a.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q), step
+    opt.remove()
