@@ -441,6 +441,7 @@ ROWS = {
     "offload-clip-ahead": lambda a: row_offload(a, True, ahead=True, clip="config"),
     "offload-switch": lambda a: row_offload(a, True, switch_ms=a.switch_ms),
     "offload-ahead-switch": lambda a: row_offload(a, True, ahead=True, switch_ms=a.switch_ms),
+    "offload-clip-switch": lambda a: row_offload(a, True, clip="config", switch_ms=a.switch_ms),
     "offload-clip-ahead-switch": lambda a: row_offload(
         a, True, ahead=True, clip="config", switch_ms=a.switch_ms
     ),

@@ -588,7 +588,7 @@ def test_zero_grad_set_to_none_false_is_refused_for_streamed_parameters():
     torch.manual_seed(0)
     m = GPT(GPTConfig(hidden=32, layers=2, heads=4, vocab=64, max_seq=16))
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
-    handle = to.stream_parameters(m, 10 << 20, unit="blocks")
+    handle = to.stream_parameters(m, 10 << 20, unit="blocks", device="cpu")
     opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2)
     m.loss(x).backward()
     opt.step()

@@ -107,6 +107,8 @@ class _Unscale:
                 )
             if any(not host_step.buckets[r.entry.bucket].arrived for r in self.records):
                 raise RuntimeError("GradScaler: a moved gradient never reached the host")
+            for bucket in host_step.buckets:  # norms still reading the gradients written here
+                host_step.norms.results(bucket.norms)
             found = torch.zeros((), dtype=torch.float32)
             grads = [r.grad for r in self.records]
             with torch.no_grad():
@@ -119,7 +121,7 @@ class _Unscale:
                         bucket = host_step.buckets[b]
                         with_grad = [r.grad for r in bucket.records if r.has_grad]
                         norm_type = host_step.config.norm_type
-                        bucket.norms = list(torch._foreach_norm(with_grad, norm_type))
+                        bucket.norms = host_step.norms.start(with_grad, norm_type)
             self.found = bool(found.item())
         except BaseException as exc:
             self.error = exc

@@ -88,7 +88,8 @@ class Bucket:
         self.stepped = False
         self.failed: BaseException | None = None
         self.final_event: Any = None
-        self.norms: list[torch.Tensor] = []
+        # Its gradients' norms (futures: Note: [Gradient norms on a pool])
+        self.norms: list[Any] = []
         self.used: list[dict[str, Any]] | None = None  # hyperparameters, if stepped early
         self.upload_event: Any = None
         # Stepped before step() said what the step is: its upload waits for step() to commit

@@ -84,6 +84,7 @@ class HostWorker:
     def stop(self) -> None:
         self._queue.put(("stop",))
         self._thread.join()
+        self.stepper.norms.close()
 
     # - The worker's thread
     def _work(self) -> None:
