@@ -94,12 +94,14 @@ def forward(model, x, forward_context=None):
 
 
 def train(args, model, opt, *, sync_between: bool, on_step=None, forward_context=None,
-          before_step=None):  # fmt: skip
+          before_step=None, every_step=None):  # fmt: skip
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(0, args.vocab, (args.batch, args.seq), device="cuda", generator=g)
     times, fb, st, losses = [], [], [], []
     for step in range(args.steps + 1):
         torch.cuda.synchronize()
+        if every_step is not None:
+            every_step()
         if step == 1:
             torch.cuda.reset_peak_memory_stats()
             if on_step is not None:
@@ -230,8 +232,44 @@ def row_offload(
     for bucket in rt.buckets:
         bucket.optimizer.step = timed(bucket.optimizer.step, "class_step")
     rt.engine.load = timed(rt.engine.load, "upload_queue")
+    # The worker's timeline of each step (ms since its forward began): what it did before and
+    # after step() was called
+    events = []  # (what, start, end)
+    begun = {"t0": time.perf_counter(), "called": None}
+
+    def traced(fn, what):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                events.append((what(*a, **k) if callable(what) else what, t, time.perf_counter()))
+
+        return wrapper
+
+    rt.stepper.arrive = traced(rt.stepper.arrive, "arrive")
+    rt.stepper.step = traced(rt.stepper.step,
+                             lambda b, speculative: "spec" if speculative else "step")  # fmt: skip
+    rt.stepper.publish = traced(rt.stepper.publish, "publish")
+    from torchoffload.optim._undo import Undo  # a class with slots: patched on the class
+
+    Undo.save = traced(Undo.save, "save")
+    timelines = []
+    step_call = opt.step
+
+    def step_and_mark(*a, **k):
+        begun["called"] = time.perf_counter()
+        return step_call(*a, **k)
+
+    opt.step = step_and_mark
     ctx = to.offload_activations() if acts else None  # what checkpointing saves: layer inputs
     counts = {}
+
+    def every_step():
+        if begun["called"] is not None:
+            timelines.append(timeline(events, begun["t0"], begun["called"]))
+        events.clear()
+        begun["t0"] = time.perf_counter()
 
     def on_step():
         spent.update(class_step=0.0, upload_queue=0.0)
@@ -250,7 +288,9 @@ def row_offload(
 
         rt.stepper.finish = finish_and_record
     out = train(args, model, opt, sync_between=False, on_step=on_step, forward_context=ctx,
-                before_step=clip_on_model if clip == "model" else None)  # fmt: skip
+                before_step=clip_on_model if clip == "model" else None,
+                every_step=every_step)  # fmt: skip
+    every_step()  # the last step's timeline
     if clip == "model":
         clipped = [bool(n > args.clip_norm) for n in norms]
     if clip is not None:
@@ -267,6 +307,7 @@ def row_offload(
     if ctx is not None:
         out.update(act_offloaded_gib=ctx.stats().offloaded_bytes / GiB / (args.steps + 1))
     out.update({f"{k}_ms": v / args.steps * 1e3 for k, v in spent.items()})
+    out.update(timelines=timelines[-3:])
     s = opt.stats()
     out.update(
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
@@ -279,6 +320,21 @@ def row_offload(
             param_h2d_gb=ps.h2d_bytes / 1e9, param_peak_gib=ps.peak_loaded_bytes / GiB,
             over_budget=ps.over_budget, on_demand=ps.on_demand, prefetched=ps.prefetched,
         )  # fmt: skip
+    return out
+
+
+def timeline(events, t0, called):
+    """A step's worker events summed by kind and by phase (before or after `step()` was
+    called): count, ms of work, and the first start and last end, in ms since the forward."""
+    ms = lambda t: round((t - t0) * 1e3)  # noqa: E731
+    out = {"called": ms(called)}
+    for what in sorted({e[0] for e in events}):
+        for phase, keep in (("before", lambda s: s < called), ("after", lambda s: s >= called)):
+            xs = [e for e in events if e[0] == what and keep(e[1])]
+            if xs:
+                out[f"{what} {phase}"] = (len(xs), round(sum(b - a for _, a, b in xs) * 1e3),
+                                          ms(min(a for _, a, _ in xs)),
+                                          ms(max(b for _, _, b in xs)))  # fmt: skip
     return out
 
 
@@ -606,6 +662,10 @@ def report(args, results) -> None:
             print(f"{name}: buckets per step of {r['buckets']}: stepped during backward "
                   f"{r['speculated']:.1f}, undone {r['undone']:.1f}, recalled "
                   f"{r['recalled']:.1f}{clip}")  # fmt: skip
+    for name, r in results.items():
+        for tl in r.get("timelines", []):
+            print(f"{name} timeline (what phase: n, work ms, first start, last end; ms since "
+                  f"the forward began): {tl}")  # fmt: skip
     for name, r in results.items():
         if "losses" in r:
             print(f"{name} losses: {r['losses']}")
