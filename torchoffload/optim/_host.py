@@ -64,7 +64,7 @@ class Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
                  "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
                  "done", "upload_event", "undo", "pending", "d2h_event", "taken", "handled",
-                 "gen")  # fmt: skip
+                 "gen", "steps")  # fmt: skip
 
     def __init__(self, index: int, records: list[Record], optimizer, groups: list[int]):
         self.index = index
@@ -79,6 +79,7 @@ class Bucket:
         # Its dispatches so far: the worker skips a dispatch that a second backward recalled
         # before the worker took it (Note: [A second backward])
         self.gen = 0
+        self.steps = 0  # times its optimizer class was called (Note: [Copies aside made ahead])
         self.reset()
 
     def reset(self) -> None:

@@ -153,8 +153,7 @@ class HostStepRuntime:
     def unscale(self, records: list[Record], inv_scale: torch.Tensor) -> bool:
         """GradScaler's unscale of moved gradients (Note: [Loss scaling]): on the host, once
         they have arrived, before any of them is stepped; whether one was not finite."""
-        # From now on no bucket is stepped as it arrives; the job, run by the worker after
-        # the buckets queued before it, sees whether one was (no step is running then).
+        # No bucket is stepped as it arrives from now on (the job sees whether one was)
         self.stepper.loss_scaling = True
         job = _Unscale(records, inv_scale.detach().to("cpu", torch.float32))
         self.worker.unscale(job)
@@ -167,6 +166,7 @@ class HostStepRuntime:
         """Refuse ``what`` while this step's buckets are on their way (after the final
         backward, before step() or zero_grad())."""
         self.settle()
+        self.worker.pause_preparing()  # the caller reads or replaces the state
         if any(b.dispatched for b in self.buckets):
             raise RuntimeError(
                 f"{what} between the final backward and step(): the host is stepping this "
@@ -219,6 +219,7 @@ class HostStepRuntime:
         errors, self.stepper.errors = self.stepper.errors, []
         self._reset_records(consumed=step_rest)
         self.stepper.end_call(keep_times=step_rest)
+        self.worker.idle()
         if step_rest and not errors:
             self.steps += 1
             if self.stepper.loss_scaling is None:

@@ -109,6 +109,10 @@ class HostStep:
         self.speculated = 0  # buckets stepped before step() committed or undid them
         self.undone = 0  # of which undone
         self.norms = NormPool(config.host_threads)  # Note: [Gradient norms on a pool]
+        # Buckets stepped during the last step's backward, copied aside ahead of the next
+        # (Note: [Copies aside made ahead]); how many such copies were made
+        self.hint: set[int] = set()
+        self.prepared = 0
 
     def steps_early(self) -> bool:
         """Whether a bucket is stepped as soon as it arrives: not while a GradScaler may
@@ -188,6 +192,7 @@ class HostStep:
             self._account(start)
             return
         coefficient = None
+        self.hint = {b.index for b in todo if b.pending}
         if self.config.max_grad_norm is not None:
             self.grad_norm, coefficient = clip_coefficient(self.host, self.config,
                                                            self.clip_order)  # fmt: skip
@@ -236,9 +241,10 @@ class HostStep:
             ):
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
             if speculative:
-                bucket.undo.save(optimizer)
+                bucket.undo.save(optimizer, bucket.steps)
             for rec in bucket.records:
                 rec.master.grad = rec.grad if rec.has_grad else None
+            bucket.steps += 1  # Note: [Copies aside made ahead]
             try:
                 optimizer.step()
             finally:

@@ -51,6 +51,11 @@ class HostWorker:
         self._done = threading.Condition()
         self._finish_seq = 0  # finishes queued
         self._done_seq = 0  # finishes the worker completed
+        # Copies aside made ahead while idle (Note: [Copies aside made ahead]): allowed until
+        # the caller reads or loads the state, again after the next step; held while one runs
+        self._prepare = threading.Lock()
+        self._may_prepare = True
+        self.prepare_error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="torchoffload-host-step",
                                         daemon=True)  # fmt: skip
         self._thread.start()
@@ -81,6 +86,42 @@ class HostWorker:
             except BaseException as exc:
                 interrupted = interrupted or exc
 
+    def idle(self) -> None:
+        """The call is over and its buckets reset: copy aside ahead while nothing else comes
+        (Note: [Copies aside made ahead])."""
+        self._queue.put(("idle",))
+
+    def pause_preparing(self) -> None:
+        """No copy aside ahead from now until the next `step()` is done (the caller is about to
+        read or replace the state); waits for one that is running."""
+        with self._prepare:
+            self._may_prepare = False
+
+    def _prepare_one(self) -> bool:
+        with self._prepare:
+            if not self._may_prepare:
+                return False
+            try:
+                return self._prepare_next()
+            except Exception as exc:  # an optimization only: `save` copies as before
+                self.prepare_error = exc
+                self._may_prepare = False
+                return False
+
+    def _prepare_next(self) -> bool:
+        """Copy aside ahead one bucket likely to be stepped during the next backward (Note:
+        [Copies aside made ahead]); whether there was one."""
+        stepper = self.stepper
+        if not stepper.steps_early():
+            return False
+        for bucket in self.buckets:
+            fresh = not (bucket.dispatched or bucket.stepped or bucket.pending)
+            if bucket.index in stepper.hint and fresh and not bucket.undo.prepared:
+                bucket.undo.prepare(bucket.optimizer, bucket.steps)
+                stepper.prepared += 1
+                return True
+        return False
+
     def stop(self) -> None:
         self._queue.put(("stop",))
         self._thread.join()
@@ -95,7 +136,14 @@ class HostWorker:
         finish = None
         jobs: list[_Unscale] = []  # after the buckets queued before them, before a finish
         while True:
-            items = [] if ready or finish or jobs else [self._queue.get()]
+            items = []
+            if not (ready or finish or jobs):
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    if self._prepare_one():  # idle: Note: [Copies aside made ahead]
+                        continue
+                    items.append(self._queue.get())
             while True:
                 try:
                     items.append(self._queue.get_nowait())
@@ -108,7 +156,7 @@ class HostWorker:
                     ready[item[1].index] = (item[1], item[2], item[3])
                 elif item[0] == "unscale":
                     jobs.append(item[1])
-                else:
+                elif item[0] == "finish":
                     finish = item
             try:
                 if ready:  # Note: [The order of the host step]
@@ -131,6 +179,9 @@ class HostWorker:
                 stepper.errors.append((-1, exc))
             if finish is not None:
                 seq = finish[3]
+                if finish[1]:  # a step: copies ahead again
+                    with self._prepare:
+                        self._may_prepare = self.prepare_error is None
                 finish = None
                 for bucket in self.buckets:
                     bucket.done.set()
