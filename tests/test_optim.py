@@ -703,7 +703,7 @@ def first_step_without_a_scaler(m, opt):
     loss_of(m, batch(99)).backward()
     opt.step()
     opt.zero_grad()
-    assert opt._runtime.steps_early() == opt.config.overlap
+    assert opt._runtime.stepper.steps_early() == opt.config.overlap
 
 
 def test_zero_grad_after_a_final_backward_undoes_the_steps_taken_during_it():

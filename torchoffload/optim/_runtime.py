@@ -97,9 +97,6 @@ class HostStepRuntime:
         """id(parameter) -> its bucket, while a step ahead still steps it."""
         return self.ahead.waiting
 
-    def steps_early(self) -> bool:
-        return self.stepper.steps_early()
-
     def _before_block(self) -> None:
         if self.testing is not None:
             self.testing.waiting()
