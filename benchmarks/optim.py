@@ -248,12 +248,31 @@ def row_offload(
         return wrapper
 
     rt.stepper.arrive = traced(rt.stepper.arrive, "arrive")
-    rt.stepper.step = traced(rt.stepper.step,
-                             lambda b, speculative: "spec" if speculative else "step")  # fmt: skip
-    rt.stepper.publish = traced(rt.stepper.publish, "publish")
-    from torchoffload.optim._undo import Undo  # a class with slots: patched on the class
+    spec_idx = []  # buckets stepped during backward, in order
 
-    Undo.save = traced(Undo.save, "save")
+    def kind(bucket, speculative):
+        if speculative:
+            spec_idx.append(bucket.index)
+        return "spec" if speculative else "step"
+
+    rt.stepper.step = traced(rt.stepper.step, kind)
+    rt.stepper.publish = traced(rt.stepper.publish, "publish")
+    from torchoffload.optim import _undo  # Undo has slots: patched on the class
+
+    copies = {"copied": 0, "ahead": 0, "stale": []}  # Note: [Copies aside made ahead]
+    save = _undo.Undo.save
+
+    def counted_save(self, optimizer, steps):
+        ahead = self._ahead if steps == self._ahead_steps else {}
+        for t in _undo._tensors(optimizer):
+            st = ahead.get(_undo._key(t))
+            good = st is not None and st[0]() is t and st[1:] == (t._version, t.data_ptr())
+            copies["ahead" if good else "copied"] += 1
+            if st is not None and not good and len(copies["stale"]) < 4:
+                copies["stale"].append([st[0]() is t, list(st[1:]), [t._version, t.data_ptr()]])
+        return save(self, optimizer, steps)
+
+    _undo.Undo.save = traced(counted_save, "save")
     timelines = []
     step_call = opt.step
 
@@ -307,7 +326,12 @@ def row_offload(
     if ctx is not None:
         out.update(act_offloaded_gib=ctx.stats().offloaded_bytes / GiB / (args.steps + 1))
     out.update({f"{k}_ms": v / args.steps * 1e3 for k, v in spent.items()})
-    out.update(timelines=timelines[-3:])
+    out.update(
+        timelines=timelines[-3:],
+        copies=dict(
+            copies, prepared=rt.stepper.prepared, hint=sorted(rt.stepper.hint), spec=spec_idx[-14:]
+        ),
+    )
     s = opt.stats()
     out.update(
         setup_s=setup, host_step_ms=s.host_step_ms, hidden=s.overlap, wait_ms=s.step_wait_ms,
@@ -663,6 +687,8 @@ def report(args, results) -> None:
                   f"{r['speculated']:.1f}, undone {r['undone']:.1f}, recalled "
                   f"{r['recalled']:.1f}{clip}")  # fmt: skip
     for name, r in results.items():
+        if "copies" in r:
+            print(f"{name}: copies aside (tensors): {r['copies']}")
         for tl in r.get("timelines", []):
             print(f"{name} timeline (what phase: n, work ms, first start, last end; ms since "
                   f"the forward began): {tl}")  # fmt: skip

@@ -64,7 +64,7 @@ class Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
                  "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
                  "done", "upload_event", "undo", "pending", "d2h_event", "taken", "handled",
-                 "gen", "steps")  # fmt: skip
+                 "gen", "steps", "arrival")  # fmt: skip
 
     def __init__(self, index: int, records: list[Record], optimizer, groups: list[int]):
         self.index = index
@@ -80,6 +80,7 @@ class Bucket:
         # before the worker took it (Note: [A second backward])
         self.gen = 0
         self.steps = 0  # times its optimizer class was called (Note: [Copies aside made ahead])
+        self.arrival = 0  # when its gradients last arrived, in the worker's count
         self.reset()
 
     def reset(self) -> None:

@@ -109,10 +109,8 @@ class HostStep:
         self.speculated = 0  # buckets stepped before step() committed or undid them
         self.undone = 0  # of which undone
         self.norms = NormPool(config.host_threads)  # Note: [Gradient norms on a pool]
-        # Buckets stepped during the last step's backward, copied aside ahead of the next
-        # (Note: [Copies aside made ahead]); how many such copies were made
-        self.hint: set[int] = set()
-        self.prepared = 0
+        self.hint: list[int] = []  # `hint_of` the last step; copies made ahead; arrivals
+        self.prepared = self.arrivals = 0
 
     def steps_early(self) -> bool:
         """Whether a bucket is stepped as soon as it arrives: not while a GradScaler may
@@ -165,6 +163,7 @@ class HostStep:
                     grads = [r.grad for r in bucket.records if r.has_grad]
                     bucket.norms = self.norms.start(grads, self.config.norm_type)
             bucket.arrived = True
+            bucket.arrival, self.arrivals = self.arrivals, self.arrivals + 1
         except BaseException as exc:
             bucket.failed = exc
             self.errors.append((bucket.index, exc))
@@ -192,7 +191,7 @@ class HostStep:
             self._account(start)
             return
         coefficient = None
-        self.hint = {b.index for b in todo if b.pending}
+        self.hint = hint_of(todo)
         if self.config.max_grad_norm is not None:
             self.grad_norm, coefficient = clip_coefficient(self.host, self.config,
                                                            self.clip_order)  # fmt: skip
@@ -316,6 +315,15 @@ class HostStep:
         called = self.call_time
         if called is not None and end > called:
             self.host_ms_after_call += (end - max(start, called)) * 1e3
+
+
+def hint_of(buckets: list[Bucket]) -> list[int]:
+    """The buckets to copy aside ahead of the next backward (Note: [Copies aside made
+    ahead]): of ``buckets``, the step's, as many as it stepped during backward and two more,
+    in the order their gradients arrived."""
+    spec = sum(b.pending for b in buckets)
+    first = sorted(buckets, key=lambda b: b.arrival)
+    return [b.index for b in first][: spec + 2] if spec else []
 
 
 def clip_coefficient(

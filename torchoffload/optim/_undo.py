@@ -42,8 +42,10 @@ import torch
 # shape), and it falls in backward, when the host step competes with the device for time. But
 # the masters and state it copies do not change between the end of one step and the next
 # step's backward, while the worker is idle (the forward). So the worker, when idle, copies
-# aside ahead (`Undo.prepare`) the buckets it stepped speculatively in the last step (they
-# are the first whose gradients arrive), and `save` copies only a tensor that changed since.
+# aside ahead (`Undo.prepare`) as many buckets as it stepped during the last backward and two
+# more, those whose gradients arrived first (`hint_of`); during backward it steps first, of
+# the buckets whose gradients have arrived, one copied ahead; and `save` copies only a tensor
+# that changed since.
 # "Changed": the bucket was stepped since (a count kept by `HostStep.step`, bumped before
 # the optimizer class runs: a fused kernel such as `torch._fused_adamw_` writes its tensors
 # without moving their version counters, measured on torch 2.13), or a tensor's version
