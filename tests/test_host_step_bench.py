@@ -1,5 +1,5 @@
-"""benchmarks/host_step.py at a tiny size: it runs, and its tables parse with every section's
-rows (so that it cannot rot between runs on the GPU machine)."""
+"""benchmarks/host_step.py and benchmarks/clip_kernels.py at a tiny size: they run, and their
+tables parse with every row (so that they cannot rot between runs on the GPU machine)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,10 @@ BACKGROUND = {
         "benchmarks/host_step.py", "--params", str(PARAMS), "--placement-params",
         str(PLACEMENT), "--triad-mib", "8", "--reps", "1", "--triad-reps", "2", "--buckets", "4",
         "--per-bucket", "2", "--threads", "1,2", "--gil-cap", "5",
+    ), timeout=120),
+    "test_clip_kernels_table": Job((
+        "benchmarks/clip_kernels.py", "--buckets", "3", "--per-bucket", "2", "--numel",
+        "100000", "--reps", "1",
     ), timeout=120),
 }  # fmt: skip
 
@@ -71,3 +75,22 @@ def test_host_step_benchmark_tables():
     for label in wanted:
         assert f"{label} #1" in placed and f"{label} #2" in placed, (label, placed)
     assert result.stdout.rstrip().splitlines()[-1].startswith("done in ")
+
+
+def test_clip_kernels_table():
+    result = output(__name__, "test_clip_kernels_table")
+    assert result.code == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    rows = table(lines, "| kernel | ms | GB/s |")
+    assert [r[0] for r in rows] == [
+        "norm, foreach per bucket",
+        "norm, on a pool",
+        "multiply by the coefficient",
+        "copy",
+        "fused AdamW",
+    ]
+    n = 3 * 2 * 100_000
+    for (_, ms, gbs), nbytes in zip(rows, (4, 4, 8, 8, 28), strict=True):
+        assert abs(nbytes * n / (float(ms) / 1e3) / 1e9 - float(gbs)) <= 0.01 * float(gbs) + 0.06
+    # Note: [Gradient norms on a pool] relies on it
+    assert lines[-1].endswith("on the pool and over one list: True")
