@@ -1804,3 +1804,29 @@ def test_steps_undone_after_copies_aside_made_ahead_are_torch_optim(dtype):
             assert torch.equal(p, q), step
     assert rt.recalls.recalled > 0
     opt.remove()
+
+
+def test_an_optimizer_finalized_on_its_own_worker_thread_closes():
+    """Note: [Closing from a thread of our own]: the garbage collector may run the finalizer
+    of an optimizer dropped without remove() on its worker thread; it closes on a thread of
+    its own instead of failing to join itself."""
+    from torchoffload.optim._runtime import close_soon
+
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2)
+    loss_of(a, batch(0)).backward()
+    opt.step()
+    opt.zero_grad()
+    rt = opt._runtime
+    ran = []
+
+    class OnTheWorker:  # a job the worker runs on its own thread, as it runs an unscale
+        def run(self, stepper):
+            ran.append(threading.current_thread() is rt.worker._thread)
+            close_soon(rt)
+
+    rt.worker._queue.put(("unscale", OnTheWorker()))
+    wait_until(lambda: rt.closed and not rt.worker._thread.is_alive())
+    assert ran == [True] and not rt.stepper.errors
+    loss_of(a, batch(1)).backward()  # a plain model again: its hooks are gone
+    assert all(type(p.grad) is torch.Tensor for p in a.parameters())

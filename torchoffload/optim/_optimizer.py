@@ -24,7 +24,7 @@ from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._grads import MovedGrad
 from torchoffload.optim._params import hyper, storage_families
-from torchoffload.optim._runtime import HostStepRuntime
+from torchoffload.optim._runtime import HostStepRuntime, close_soon
 from torchoffload.optim._state import load_state, state_dict_of, stats_of
 
 
@@ -123,7 +123,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._runtime.hook_kept()
             for p in self._device.params:
                 MANAGED[p] = self._runtime
-        self._finalizer = weakref.finalize(self, self._runtime.close)
+        self._finalizer = weakref.finalize(self, close_soon, self._runtime)
         self._forward_hooks = []
         if config.step_ahead:
             rt = self._runtime

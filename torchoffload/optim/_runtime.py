@@ -280,3 +280,22 @@ class HostStepRuntime:
         self.host.release(self)
         if error is not None:
             raise error
+
+
+# Note: [Closing from a thread of our own]
+# An `OffloadedOptimizer` dropped without `remove()` is closed by its finalizer, which the
+# garbage collector runs on whichever thread happens to allocate at that moment: possibly the
+# host-step worker itself or a thread of its norm pool (seen in CI: "cannot join current
+# thread" from the worker, while it made copies aside ahead). `close()` waits for and joins
+# those threads, so on one of them it would fail or hang; there it runs on a new thread.
+
+
+def close_soon(runtime: HostStepRuntime) -> None:
+    """The finalizer of an `OffloadedOptimizer`: ``runtime.close()`` here, or on a thread of
+    its own when this is one of torchoffload's threads (Note: [Closing from a thread of our
+    own])."""
+    if threading.current_thread().name.startswith("torchoffload-"):
+        threading.Thread(target=runtime.close, name="closing an OffloadedOptimizer",
+                         daemon=True).start()  # fmt: skip
+    else:
+        runtime.close()
