@@ -4,6 +4,7 @@ bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import threading
@@ -1830,3 +1831,130 @@ def test_an_optimizer_finalized_on_its_own_worker_thread_closes():
     assert ran == [True] and not rt.stepper.errors
     loss_of(a, batch(1)).backward()  # a plain model again: its hooks are gone
     assert all(type(p.grad) is torch.Tensor for p in a.parameters())
+
+
+class _Boom(torch.autograd.Function):
+    """Raises in backward when ``fire`` is set (an OOM, a NaN check in a hook)."""
+
+    fire = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _Boom.fire:
+            raise RuntimeError("boom")
+        return g
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["accumulating", "plain"])
+def test_a_backward_that_raised_leaves_the_next_one_checked(accumulate):
+    """Note: [Refused before a backward accumulates]: each backward is told apart by its
+    autograd graph task, so one that raised after the check (found by a review: the check
+    was then off for good) does not let the next converted one accumulate."""
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.Adagrad, lr=0.1,
+                                offload_fraction=0.25)  # fmt: skip
+
+    def loss(x):
+        h = _Boom.apply(a[0](x))
+        return a[4](a[3](a[2](a[1](h)))).float().square().mean()
+
+    _Boom.fire = True
+    try:
+        acc = opt.accumulating() if accumulate else contextlib.nullcontext()
+        with acc, pytest.raises(RuntimeError, match="boom"):
+            loss(batch(0)).backward()
+    finally:
+        _Boom.fire = False
+    opt.zero_grad()
+    a.to(torch.float64)
+    with pytest.raises(RuntimeError, match="after converting the model"):
+        loss(batch(1, torch.float64)).backward()
+    assert all(p.grad is None for p in a.parameters())
+    opt.remove()
+
+
+class _SGDWritesGrad(torch.optim.Optimizer):
+    """SGD with L2 weight decay added into ``p.grad`` in place, as some optimizers do."""
+
+    def __init__(self, params, lr=0.1, weight_decay=0.5):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=group["weight_decay"])
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("clip", ["no clip", "clip"])
+def test_a_class_that_writes_its_gradients_is_exact_or_refused(clip):
+    """Note: [A class that writes its gradients]: the norms are taken before the class
+    writes the gradients (found by a review: they raced with the step taken during
+    backward); a step taken during backward that must be taken again is refused; with
+    overlap=False every step is the plain loop's."""
+    for overlap in (True, False):
+        a = model()
+        twin = copy.deepcopy(a)
+        ref = _SGDWritesGrad(twin.parameters())
+        loss_of(twin, batch(0)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e9)
+        max_norm = float(norm) * (0.5 if clip == "clip" else 1.001)
+        opt = to.OffloadedOptimizer(a.parameters(), _SGDWritesGrad, max_grad_norm=max_norm,
+                                    overlap=overlap, bucket_bytes=1024)  # fmt: skip
+        loss_of(a, batch(0)).backward()
+        for b in opt._runtime.buckets if overlap else ():  # each stepped during backward
+            assert b.handled.wait(10)
+        if overlap and clip == "clip":  # taken during backward, must be taken again
+            with pytest.raises(RuntimeError, match="wrote the gradients of bucket"):
+                opt.step()
+            opt.remove()
+            continue
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), max_norm)
+        ref.step()
+        opt.step()
+        assert torch.equal(opt.grad_norm, norm)
+        assert same_params(a, twin)
+        assert opt._runtime.stepper.grads_written == overlap
+        assert not opt._runtime.stepper.steps_early()  # from now on (or never: at-step)
+        opt.remove()
+
+
+def test_a_write_through_data_after_state_dict_is_kept_by_an_undo():
+    """Note: [Copies aside made ahead]: `state_dict()` hands out the live state, and a
+    write through ``.data`` moves no version counter: taking the state dict drops the copies
+    made ahead (found by a review: an undo restored the value from before the write)."""
+    a = model()
+    twin = copy.deepcopy(a)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2,
+                                bucket_bytes=1024)  # fmt: skip
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    rt = opt._runtime
+    for m, o in ((a, opt), (twin, ref)):
+        loss_of(m, batch(0)).backward()
+        for b in rt.buckets if o is opt else ():  # each stepped during backward: each is
+            assert b.handled.wait(10)  # copied ahead after
+        o.step()
+        o.zero_grad()
+    wait_until(lambda: all(b.undo.prepared for b in rt.buckets))
+    for o in (opt, ref):
+        for state in o.state_dict()["state"].values():
+            state["exp_avg_sq"].data.zero_()
+    loss_of(a, batch(1)).backward()
+    for b in rt.buckets:
+        assert b.handled.wait(10)
+    assert rt.stepper.speculated > 0
+    opt.zero_grad()  # undoes the steps taken during that backward
+    loss_of(twin, batch(1)).backward()
+    ref.zero_grad()
+    for m, o in ((a, opt), (twin, ref)):
+        loss_of(m, batch(2)).backward()
+        o.step()
+        o.zero_grad()
+    assert same_params(a, twin)
+    opt.remove()

@@ -23,8 +23,13 @@ from torchoffload.optim._params import local
 # 0.34). Every trainable parameter of the optimizer, the device part's included, has a tensor
 # hook, which autograd runs before it accumulates; the first hook of each backward that
 # accumulates checks every parameter's metadata (`refusal`: no values read, no copy) and
-# raises. `torch.autograd.grad`, which returns gradients without accumulating them, is not
-# checked (`accumulates`).
+# raises. A backward is told apart by its autograd graph task id, so one that raised does not
+# leave the next unchecked (found by a review: a flag reset by a callback at the end of the
+# backward stayed set after a failed one). `torch.autograd.grad`, which returns gradients
+# without accumulating them, is not checked (`accumulates`). Not covered: a parameter that
+# needed no gradient when the optimizer was built has no hook (a hook needs a tensor that
+# requires grad); unfrozen since, with ``offload_fraction`` < 1, it is refused at the first
+# hooked parameter, possibly after its own gradient accumulated.
 
 
 def check_record(host: HostMasters, rec: Record) -> None:

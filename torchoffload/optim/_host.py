@@ -4,6 +4,7 @@ the optimizer class over its masters), each master following its parameter."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from typing import Any
 
@@ -64,7 +65,7 @@ class Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
                  "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
                  "done", "upload_event", "undo", "pending", "d2h_event", "taken", "handled",
-                 "gen", "steps", "arrival")  # fmt: skip
+                 "gen", "steps", "arrival", "grads_written")  # fmt: skip
 
     def __init__(self, index: int, records: list[Record], optimizer, groups: list[int]):
         self.index = index
@@ -91,6 +92,9 @@ class Bucket:
         self.failed: BaseException | None = None
         self.final_event: Any = None
         # Its gradients' norms (futures: Note: [Gradient norms on a pool])
+        for norm in getattr(self, "norms", ()):  # a discarded one is not computed
+            if isinstance(norm, concurrent.futures.Future):
+                norm.cancel()
         self.norms: list[Any] = []
         self.used: list[dict[str, Any]] | None = None  # hyperparameters, if stepped early
         self.upload_event: Any = None
@@ -99,6 +103,7 @@ class Bucket:
         self.pending = False
         self.d2h_event: Any = None  # its gradients' copy to the host
         self.taken = False  # the worker took this dispatch from its queue
+        self.grads_written = False  # Note: [A class that writes its gradients]
         if self.undo.saved:
             self.undo.drop()
         self.done.clear()

@@ -65,11 +65,11 @@ class Recalls:
         # Backwards outside `accumulating()` in this step, and in the last one
         self.backwards = 0
         self.expected = 1
-        self._in_backward = False
+        self._counted: int | None = None  # the autograd graph task counted last
         self.recalled = 0  # buckets brought back
         # This backward was checked before it accumulated (Note: [Refused before a backward
         # accumulates]); the device part's refusals (the façade's)
-        self._checked = False
+        self._checked: int | None = None  # the autograd graph task checked last
         self.device_refusal: Callable[[], str | None] | None = None
 
     def hook(self, runtime: Any, records: list[Record]) -> list[Any]:
@@ -92,7 +92,8 @@ class Recalls:
         """A tensor hook of ``param``, before autograd accumulates its gradient: the first
         of each accumulating backward refuses a parameter the step would refuse (Note:
         [Refused before a backward accumulates])."""
-        if self._checked or not accumulates(param):
+        task = torch._C._current_graph_task_id()  # a backward that raised is over too
+        if task == self._checked or not accumulates(param):
             return
         for rec in self.host.records:
             message = refusal(self.host, rec)
@@ -101,23 +102,16 @@ class Recalls:
         message = self.device_refusal() if self.device_refusal is not None else None
         if message is not None:
             raise RuntimeError(message)
-        self._checked = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._checked_done)
-
-    def _checked_done(self) -> None:
-        self._checked = False
+        self._checked = task
 
     def predicts_accumulation(self) -> bool:
         """Called by each final gradient outside `accumulating()`: counts this backward, and
         says whether it is predicted to be followed by another before `step()`."""
-        if not self._in_backward:  # the first gradient of this backward
-            self._in_backward = True
+        task = torch._C._current_graph_task_id()
+        if task != self._counted:  # the first gradient of this backward
+            self._counted = task
             self.backwards += 1
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
         return self.backwards < self.expected
-
-    def _backward_end(self) -> None:
-        self._in_backward = False
 
     def end_step(self, consumed: bool) -> None:
         """`step()` (``consumed``) or `zero_grad()`: the count starts over."""

@@ -111,6 +111,7 @@ class HostStep:
         self.norms = NormPool(config.host_threads)  # Note: [Gradient norms on a pool]
         self.hint: list[int] = []  # `hint_of` the last step; copies made ahead; arrivals
         self.prepared = self.arrivals = 0
+        self.grads_written = False  # Note: [A class that writes its gradients]
 
     def steps_early(self) -> bool:
         """Whether a bucket is stepped as soon as it arrives: not while a GradScaler may
@@ -118,7 +119,7 @@ class HostStep:
         (it would likely be undone: Note: [Steps taken during backward])."""
         c = self.config
         clip_expected = c.max_grad_norm is not None and self.clipped
-        return c.overlap and not clip_expected and not self.loss_scaling
+        return c.overlap and not (clip_expected or self.loss_scaling or self.grads_written)
 
     # - The call (the caller's thread)
     def open_call(self, called: float, steps: bool) -> list[dict[str, Any]]:
@@ -187,7 +188,7 @@ class HostStep:
         todo = [b for b in reversed(self.buckets) if b.arrived and not b.failed]
         if not step_rest:
             for bucket in todo:
-                self.undo(bucket)
+                self.undo(bucket, again=False)
             self._account(start)
             return
         coefficient = None
@@ -198,32 +199,40 @@ class HostStep:
             self.clipped = coefficient is not None
         for bucket in todo:  # stepped with the gradients before clipping, or other values
             if bucket.pending and (self.clipped or changed_in(bucket, snapshot)):
-                self.undo(bucket)
+                try:
+                    self.undo(bucket)
+                except RuntimeError as exc:  # restored, not taken again
+                    self._fail(bucket, exc)
         self._account(start)
         for bucket in todo:
+            if bucket.failed:
+                continue
             if bucket.pending:
                 self.publish(bucket)
             elif not bucket.stepped:
                 if coefficient is not None:  # Note: [Clipping bucket by bucket]
-                    self.scale(bucket, coefficient)
+                    start = time.perf_counter()
+                    scale(bucket, coefficient)
+                    self._account(start)
                 self.step(bucket, speculative=False)
 
-    def scale(self, bucket: Bucket, coefficient: torch.Tensor) -> None:
-        """Multiply the bucket's gradients by the clip coefficient, as `clip_grad_norm_`."""
-        start = time.perf_counter()
-        grads = [r.grad for r in bucket.records if r.has_grad]
-        if grads:
-            torch._foreach_mul_(grads, coefficient)
-        self._account(start)
-
-    def undo(self, bucket: Bucket) -> None:
-        """Undo the bucket's speculative step (nothing when it has none)."""
+    def undo(self, bucket: Bucket, again: bool = True) -> None:
+        """Undo the bucket's speculative step (nothing when it has none), to take it again
+        with its gradients (``again``) or not at all (Note: [A class that writes its
+        gradients])."""
         if not bucket.pending:
             return
         bucket.undo.restore(bucket.optimizer)
         bucket.pending = bucket.stepped = False
         bucket.used = None
         self.undone += 1
+        if again and bucket.grads_written:
+            raise RuntimeError(
+                f"the optimizer class wrote the gradients of bucket {bucket.index} in place "
+                "during a step taken during backward, which this step must undo and take "
+                "again with the gradients as they were: build the OffloadedOptimizer with "
+                "overlap=False for this class (Note: [A class that writes its gradients])"
+            )
 
     def step(self, bucket: Bucket, *, speculative: bool) -> None:
         """One call of the optimizer class over the bucket; then, unless ``speculative``, the
@@ -241,14 +250,22 @@ class HostStep:
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
             if speculative:
                 bucket.undo.save(optimizer, bucket.steps)
-            for rec in bucket.records:
-                rec.master.grad = rec.grad if rec.has_grad else None
+            # Views of one buffer share a version counter: the class gets tensors with their
+            # own, which only its writes move (Note: [A class that writes its gradients])
+            grads = [own_counter(r.grad) if r.has_grad else None for r in bucket.records]
+            for rec, grad in zip(bucket.records, grads, strict=True):
+                rec.master.grad = grad
+            grads = [g for g in grads if g is not None]
             bucket.steps += 1  # Note: [Copies aside made ahead]
+            NormPool.results(bucket.norms)  # they read the gradients the class may write
+            versions = [g._version for g in grads]
             try:
                 optimizer.step()
             finally:
                 for rec in bucket.records:
                     rec.master.grad = None
+            if speculative and versions != [g._version for g in grads]:
+                bucket.grads_written = self.grads_written = True
             bucket.stepped = True
             if speculative:
                 bucket.pending = True
@@ -283,31 +300,11 @@ class HostStep:
             rec.synced = (-1, -1)
 
     def _publish(self, bucket: Bucket) -> None:
-        """Upload the bucket's new values (a streamed parameter's: into its host store). See
-        Note: [Uploading while backward runs]."""
-        pairs = []
-        with torch.no_grad():
-            for rec in bucket.records:
-                if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
-                    rec.hosted.before_write()
-                    rec.hosted.host.copy_(rec.master)
-                    rec.synced = (rec.hosted.version, -2)
-                elif rec.has_grad:
-                    if rec.staging is not None:
-                        rec.staging.copy_(rec.master)
-                    pairs.append((local(rec.param).detach(), rec.master
-                                  if rec.staging is None else rec.staging))  # fmt: skip
-        if pairs:
-            bucket.upload_event = self.engine.load(pairs, after=[bucket.final_event])
+        """Upload the bucket's new values (`upload`)."""
+        nbytes = upload(bucket, self.engine)
+        if nbytes:
             self.last_upload = bucket.upload_event
-            self.h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
-            # Every parameter of a storage written here, the unwritten ones included
-            # (Note: [Parameters that share a storage])
-            written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
-            for rec in bucket.records:
-                if rec.family in written:
-                    p = local(rec.param)
-                    rec.synced = (p._version, p.data_ptr())
+            self.h2d_bytes += nbytes
 
     def _account(self, start: float) -> None:
         end = time.perf_counter()
@@ -315,6 +312,62 @@ class HostStep:
         called = self.call_time
         if called is not None and end > called:
             self.host_ms_after_call += (end - max(start, called)) * 1e3
+
+
+def upload(bucket: Bucket, engine: Any) -> int:
+    """Queue the upload of the bucket's new values (a streamed parameter's: into its host
+    store); the bytes queued. See Note: [Uploading while backward runs]."""
+    pairs = []
+    with torch.no_grad():
+        for rec in bucket.records:
+            if rec.has_grad and rec.hosted is not None:  # Note: [Hosted parameters]
+                rec.hosted.before_write()
+                rec.hosted.host.copy_(rec.master)
+                rec.synced = (rec.hosted.version, -2)
+            elif rec.has_grad:
+                if rec.staging is not None:
+                    rec.staging.copy_(rec.master)
+                pairs.append((local(rec.param).detach(), rec.master
+                              if rec.staging is None else rec.staging))  # fmt: skip
+    if not pairs:
+        return 0
+    bucket.upload_event = engine.load(pairs, after=[bucket.final_event])
+    # Every parameter of a storage written here, the unwritten ones included (Note:
+    # [Parameters that share a storage])
+    written = {r.family for r in bucket.records if r.has_grad and r.hosted is None}
+    for rec in bucket.records:
+        if rec.family in written:
+            p = local(rec.param)
+            rec.synced = (p._version, p.data_ptr())
+    return sum(src.numel() * src.element_size() for _, src in pairs)
+
+
+def own_counter(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory with a version counter of its own."""
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+
+
+def scale(bucket: Bucket, coefficient: torch.Tensor) -> None:
+    """Multiply the bucket's gradients by the clip coefficient, as `clip_grad_norm_`."""
+    grads = [r.grad for r in bucket.records if r.has_grad]
+    if grads:
+        torch._foreach_mul_(grads, coefficient)
+
+
+# Note: [A class that writes its gradients]
+# torch.optim's classes only read ``param.grad``, but a class of the user's may write it in
+# place (L2 weight decay as ``grad.add_(p, alpha=wd)``). A step taken during backward with
+# such a class leaves gradients that are no longer the ones backward produced, so it cannot
+# be undone and taken again (after a clip, an unscale, changed hyperparameters) nor brought
+# back to the device for a second backward: the gradients' version counters are compared
+# around each speculative step (on aliases with counters of their own: the host gradients
+# are views of one buffer, whose shared counter other buckets' copies move, as a first
+# version of this check found in CI), and such a step is refused when it would have to be
+# taken again (undone and left untaken, after `zero_grad()`, is still exact). From then on this
+# optimizer steps nothing during backward. Gradient norms (``max_grad_norm``) are waited for
+# before any step of their bucket, since the class may write what they read (found by a
+# review: the norm of a gradient already written by the step, clipping by a wrong norm).
 
 
 def hint_of(buckets: list[Bucket]) -> list[int]:
@@ -350,12 +403,14 @@ def clip_coefficient(
 
 # Note: [Gradient norms on a pool]
 # The per-tensor norms of ``max_grad_norm`` are what binds a clipped step on the host, not the
-# step: the CPU kernel of an fp32 norm runs on one thread whatever the intra-op setting (16
+# step: the CPU kernel of an fp32 2-norm runs on one thread whatever the intra-op setting (16
 # cores of the H100 machine: `torch._foreach_norm` over 3.2 B fp32 gradients in 57 buckets
-# took 1072 ms, 11.9 GB/s, against 640 ms for fused AdamW over the same parameters; 1 and 16
-# threads give the same time and the same bits). So each gradient's norm is one task on a
-# pool of host threads: the same kernel on the same tensor, hence the same bits as
-# `clip_grad_norm_`'s, computed side by side. A bucket holds the futures (`NormPool.start`),
+# took 1072 ms, 11.9 GB/s, against 640 ms for fused AdamW over the same parameters; on two
+# cores, 1 and 2 threads give the same time and the same bits; benchmarks/clip_kernels.py).
+# So each gradient's 2-norm (or max) is one task on a pool of host threads: the same kernel
+# on the same tensor, hence the same bits as `clip_grad_norm_`'s, computed side by side.
+# Other norm types run multi-threaded kernels whose bits depend on the thread count: they
+# are computed on the worker, as before. A bucket holds the futures (`NormPool.start`),
 # and whoever needs the values or writes the gradients waits for them (`NormPool.results`:
 # the clip coefficient, GradScaler's unscale); a gradient buffer written again while a
 # discarded bucket's norms still read it (a recall, the next step's copy) only spoils values
@@ -372,7 +427,11 @@ class NormPool:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def start(self, grads: list[torch.Tensor], norm_type: float) -> list[Any]:
-        """The norms of ``grads``, on their way: futures (`results` waits for them)."""
+        """The norms of ``grads``, on their way: futures (`results` waits for them). Other
+        norms than the 2-norm and the max are computed here and now: their kernels' bits
+        depend on the intra-op thread count."""
+        if norm_type not in (2.0, float("inf")):
+            return [_norm(g, norm_type) for g in grads]
         if self._pool is None:
             n = self.threads or torch.get_num_threads()
             self._pool = concurrent.futures.ThreadPoolExecutor(

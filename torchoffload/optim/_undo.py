@@ -55,7 +55,13 @@ import torch
 # the copy, so a write that lands while the copy runs leaves a stale stamp, and the copy is
 # made again. The worker prepares one bucket at a time, only once the call that stepped it
 # is over (`HostWorker.idle`), and never while the caller reads or loads the state
-# (`HostWorker.pause_preparing`, until the next `step()`).
+# (`HostWorker.pause_preparing`, until the next `step()`), which also drops every copy made
+# ahead: `state_dict()` hands out the live state tensors, and a write through ``.data`` or a
+# NumPy view moves no version counter (found by a review). Not covered: such a write to a
+# tensor held from an earlier `state_dict()` after the next step. Every master is a view of
+# one host buffer, so they share one version counter: a write to one master (a restore, a
+# master read again) makes every bucket's masters copy again at `save`, a cost, never a
+# stale copy.
 
 
 class Undo:
@@ -128,6 +134,14 @@ class Undo:
     @property
     def prepared(self) -> bool:
         return bool(self._ahead)
+
+    def prepared_for(self, steps: int) -> bool:
+        """Copied ahead since the bucket's last step (its ``steps``-th)."""
+        return bool(self._ahead) and self._ahead_steps == steps
+
+    def forget(self) -> None:
+        """Drop the copies made ahead: the state may be written in ways no stamp sees."""
+        self._ahead = {}
 
     def restore(self, optimizer: torch.optim.Optimizer) -> None:
         """Put back what `save` copied aside: the masters, each state entry (the same tensor

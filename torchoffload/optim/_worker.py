@@ -95,9 +95,12 @@ class HostWorker:
 
     def pause_preparing(self) -> None:
         """No copy aside ahead from now until the next `step()` is done (the caller is about to
-        read or replace the state); waits for one that is running."""
+        read or replace the state), and none of those made is used; waits for one that is
+        running."""
         with self._prepare:
             self._may_prepare = False
+            for bucket in self.buckets:
+                bucket.undo.forget()
 
     def _prepare_one(self) -> bool:
         with self._prepare:
@@ -119,7 +122,7 @@ class HostWorker:
         for index in stepper.hint:
             bucket = self.buckets[index]
             fresh = not (bucket.dispatched or bucket.stepped or bucket.pending)
-            if fresh and not bucket.undo.prepared:
+            if fresh and not bucket.undo.prepared_for(bucket.steps):
                 bucket.undo.prepare(bucket.optimizer, bucket.steps)
                 stepper.prepared += 1
                 return True
@@ -164,7 +167,8 @@ class HostWorker:
             try:
                 if ready:  # Note: [The order of the host step]
                     copied = [i for i, (_, e, _) in ready.items() if completed(e)]
-                    cheap = [i for i in copied if ready[i][0].undo.prepared]
+                    cheap = [i for i in copied
+                             if ready[i][0].undo.prepared_for(ready[i][0].steps)]  # fmt: skip
                     bucket, event, gen = ready.pop(max(cheap or copied) if copied else min(ready))
                     with stepper.lock:  # recalled before it was taken: Note: [A second
                         taken = bucket.taken = gen == bucket.gen  # backward]
