@@ -28,7 +28,7 @@ from torchoffload.optim._dispatch import GradientDispatch
 from torchoffload.optim._grads import ConsumedGrad, MovedGrad, _Unscale
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._recall import Recalls
-from torchoffload.optim._step import HostStep
+from torchoffload.optim._step import GradsWritten, HostStep
 from torchoffload.optim._worker import HostWorker
 
 
@@ -225,6 +225,8 @@ class HostStepRuntime:
             raise interrupted
         if errors:
             index, exc = errors[0]
+            if isinstance(exc, GradsWritten):  # nothing was stepped: a refusal
+                raise exc
             where = f"bucket {index}" if index >= 0 else "the worker"
             raise RuntimeError(
                 f"the host step failed in {where} ({stepped} of {len(self.buckets)} buckets "
