@@ -266,7 +266,7 @@ def row_offload(
         ahead = self._ahead if steps == self._ahead_steps else {}
         for t in _undo._tensors(optimizer):
             st = ahead.get(_undo._key(t))
-            good = st is not None and st[0]() is t and st[1:] == (t._version, t.data_ptr())
+            good = _undo.unchanged(st, t)
             copies["ahead" if good else "copied"] += 1
             if st is not None and not good and len(copies["stale"]) < 4:
                 copies["stale"].append([st[0]() is t, list(st[1:]), [t._version, t.data_ptr()]])

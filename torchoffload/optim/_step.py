@@ -245,9 +245,11 @@ class HostStep:
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
             if speculative:
                 bucket.undo.save(optimizer, bucket.steps)
-            # Views of one buffer share a version counter: the class gets tensors with their
-            # own, which only its writes move (Note: [A class that writes its gradients])
-            grads = [own_counter(r.grad) if r.has_grad else None for r in bucket.records]
+            # Views of one buffer share a version counter: a speculative step's class gets
+            # tensors with their own, which only its writes move (Note: [A class that writes
+            # its gradients])
+            alias = own_counter if speculative else (lambda g: g)
+            grads = [alias(r.grad) if r.has_grad else None for r in bucket.records]
             for rec, grad in zip(bucket.records, grads, strict=True):
                 rec.master.grad = grad
             grads = [g for g in grads if g is not None]

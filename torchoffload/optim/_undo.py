@@ -108,8 +108,7 @@ class Undo:
 
         def keep(t: torch.Tensor) -> None:
             buf = self._buffer(t, old)
-            stamp = ahead.get(_key(t))
-            if stamp is None or stamp[0]() is not t or stamp[1:] != (t._version, t.data_ptr()):
+            if not unchanged(ahead.get(_key(t)), t):
                 buf.copy_(t)
 
         with torch.no_grad():
@@ -179,6 +178,11 @@ class Undo:
                 buf = torch.empty_like(t, memory_format=torch.contiguous_format)
             self._buffers[key] = buf
         return buf
+
+
+def unchanged(stamp: tuple[Any, int, int] | None, t: torch.Tensor) -> bool:
+    """Whether ``t`` is as its `Undo.prepare` stamp (None: no stamp) says it was."""
+    return stamp is not None and stamp[0]() is t and stamp[1:] == (t._version, t.data_ptr())
 
 
 def _key(t: torch.Tensor) -> tuple[int, tuple[int, ...], torch.dtype]:
