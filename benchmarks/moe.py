@@ -15,7 +15,8 @@ then prefill:
   issue's 8, 16 and 32 GiB by default), per ``--policies``.
 - the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing, cache map
   and copies on the device; CUDA only, no prefill), after ``graph all cached`` (every expert in
-  the cache: the graph's compute term, no copies), and ``graph prefetch`` (``prefetch=True``).
+  the cache, filled by an untimed forward of ``--fill`` tokens first: the graph's compute term,
+  no copies), and ``graph prefetch`` (``prefetch=True``).
 - ``stream_weights B GiB``: today's engine, every weight streamed per token (``--stream-weights``
   budgets).
 - ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
@@ -281,6 +282,15 @@ def prefill(model, x: torch.Tensor, routing: Routing, handle, runs: int = 2):
     return statistics.median(times), handle.stats() if handle is not None else None
 
 
+def fill(model, x: torch.Tensor, routing: Routing) -> None:
+    """One untimed forward of ``x``: the ``graph all cached`` row's cache is filled before its
+    warm-up, so that its timed steps copy nothing (they are the graph rows' compute term)."""
+    routing.at(torch.arange(x.shape[1], device=x.device))
+    with torch.inference_mode():
+        model(x)
+    sync(x.device)
+
+
 def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> dict:
     """The planner's decode prediction for a stream_experts row, from a synthetic profile of its
     routing (the routing model, not this run's routing): ms per token and hit rate."""
@@ -331,6 +341,7 @@ class Row:
     prefill_runs: int = 2  # timed prefills, after one warm-up
     copies: int | None = None  # bytes copied per forward, where no stats count them
     routings: int | None = None  # under the first n routings only (None: every one)
+    fill: bool = False  # an untimed eager forward of --fill tokens first: every expert cached
 
 
 @dataclasses.dataclass
@@ -364,7 +375,8 @@ def experts_on_host(b: Bench) -> Iterator[None]:
 
 
 def streamed_row(b: Bench, name: str, cache: int, policy: str, graph: bool = False,
-                 prefetch: bool = False, host_compute: Any = False) -> Iterator[Row]:  # fmt: skip
+                 prefetch: bool = False, host_compute: Any = False,
+                 fill: bool = False) -> Iterator[Row]:  # fmt: skip
     """One stream_experts row: set up, measured, removed (its pinned store freed)."""
     t0 = time.perf_counter()
     h = to.stream_experts(b.model, b.device, cache_bytes=cache, policy=policy, prefetch=prefetch,
@@ -372,7 +384,7 @@ def streamed_row(b: Bench, name: str, cache: int, policy: str, graph: bool = Fal
     empty_cache(b.device)
     if host_compute is not False:
         print(f"# {name}: {h.host_compute}", flush=True)
-    yield Row(name, h, time.perf_counter() - t0, graph=graph)
+    yield Row(name, h, time.perf_counter() - t0, graph=graph, fill=fill)
     h.remove()
     del h
     gc.collect()
@@ -420,7 +432,8 @@ def graph_rows(b: Bench) -> Iterator[Row]:
         return
     with experts_on_host(b):
         every = 2 * b.expert_bytes  # more than every expert needs: capped
-        yield from streamed_row(b, "stream_experts graph all cached", every, "lru", graph=True)
+        yield from streamed_row(b, "stream_experts graph all cached", every, "lru", graph=True,
+                                fill=True)  # fmt: skip
         for policy in b.policies:
             for label, cache in cache_sizes(b):
                 name = f"stream_experts {label} {policy} graph"
@@ -481,6 +494,8 @@ def main(argv=None) -> int:
     p.add_argument("--drift", type=int, default=8, help="tokens between rank swaps (0: none)")
     p.add_argument("--noise", type=float, default=8.0, help="scale of the routing's noise")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
+    p.add_argument("--fill", type=int, default=2048,
+                   help="tokens of the forward that fills the 'graph all cached' row's cache")
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     p.add_argument("--tokens", type=int, default=16, help="timed decode steps")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
@@ -521,7 +536,8 @@ def main(argv=None) -> int:
     steps = args.warmup + args.tokens
     ids = torch.randint(0, shape["vocab"], (1, args.prompt + steps), generator=g).to(device)
     long = torch.randint(0, shape["vocab"], (1, args.prefill), generator=g).to(device)
-    positions = max(args.prefill, ids.shape[1]) + 1
+    fill_ids = torch.randint(0, shape["vocab"], (1, args.fill), generator=g).to(device)
+    positions = max(args.prefill, ids.shape[1], args.fill) + 1
     routings = {k: Routing(model, k, args.zipf, args.drift, args.noise, positions)
                 for k in args.routing.split(",")}  # fmt: skip
     rows, resident = [], {}
@@ -533,6 +549,8 @@ def main(argv=None) -> int:
             routing.start()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            if row.fill:  # one long eager forward routes to every expert of every layer
+                fill(model, fill_ids, routing)
             # the same prompt and the first warmup + n of the resident row's steps
             times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
                                        routing, row.handle, row.graph)  # fmt: skip
