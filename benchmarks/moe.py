@@ -494,8 +494,12 @@ def main(argv=None) -> int:
     p.add_argument("--drift", type=int, default=8, help="tokens between rank swaps (0: none)")
     p.add_argument("--noise", type=float, default=8.0, help="scale of the routing's noise")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens before decoding")
-    p.add_argument("--fill", type=int, default=2048,
-                   help="tokens of the forward that fills the 'graph all cached' row's cache")
+    p.add_argument(
+        "--fill",
+        type=int,
+        default=2048,
+        help="tokens of the forward that fills the 'graph all cached' row's cache",
+    )
     p.add_argument("--warmup", type=int, default=8, help="decode steps before timing")
     p.add_argument("--tokens", type=int, default=16, help="timed decode steps")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
