@@ -530,6 +530,10 @@ ROWS = {
     "offload-acts": lambda a: row_offload(a, True, acts=True),
     "offload-14-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 2)),
     "offload-15-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 1)),
+    "offload-12-threads": lambda a: row_offload(a, True, max(1, torch.get_num_threads() - 4)),
+    "offload-ahead-12-threads": lambda a: row_offload(
+        a, True, max(1, torch.get_num_threads() - 4), ahead=True
+    ),
     "offload-half": lambda a: row_offload(a, True, fraction=0.5),
     "offload-ahead-half": lambda a: row_offload(a, True, ahead=True, fraction=0.5),
     "offload-f75": lambda a: row_offload(a, True, fraction=0.75),

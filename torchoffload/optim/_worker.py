@@ -19,8 +19,9 @@ from torchoffload.optim._step import HostStep
 # `torch.set_num_threads` on that thread: it changes that thread's setting and the default of
 # threads started later, not the caller's). Leaving cores to backward's own host work was
 # measured not to pay: on the H100 machine (16 cores, a Llama-3.2-3B shape, benchmarks/optim.py)
-# a step took 1536 ms with all 16 threads and 1602 ms with 14. So the default keeps the
-# process's setting.
+# a step took 1536 ms with all 16 threads and 1602 ms with 14; again with 12, with and
+# without `step_ahead`: 1207 against 1307 ms, 1389 against 1443, run T13 in
+# benchmarks/log/2026-11-27-clip-on-the-host.md. So the default keeps the process's setting.
 
 # Note: [The order of the host step]
 # Backward finishes the last layers' buckets first, the next forward needs the first layers'
