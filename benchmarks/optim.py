@@ -248,6 +248,13 @@ def row_offload(
         return wrapper
 
     rt.stepper.arrive = traced(rt.stepper.arrive, "arrive")
+    # The fused kernel apart from the class's Python around it: which of the two slows down
+    # beside forward and backward (looked up on torch at each call by torch.optim)
+    kernels = {k: getattr(torch, k) for k in ("_fused_adamw_", "_fused_adam_") if hasattr(torch, k)}
+    for k, fn in kernels.items():
+        setattr(torch, k, traced(fn, "kernel"))
+    for bucket in rt.buckets:
+        bucket.optimizer.step = traced(bucket.optimizer.step, "class")
     spec_idx = []  # buckets stepped during backward, in order
 
     def kind(bucket, speculative):
@@ -310,6 +317,8 @@ def row_offload(
                 before_step=clip_on_model if clip == "model" else None,
                 every_step=every_step)  # fmt: skip
     every_step()  # the last step's timeline
+    for k, fn in kernels.items():
+        setattr(torch, k, fn)
     if clip == "model":
         clipped = [bool(n > args.clip_norm) for n in norms]
     if clip is not None:

@@ -934,6 +934,44 @@ def tied_batch(i):
     return torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(i))
 
 
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_stepping_ahead_keeps_the_next_backward_overlapped(backwards):
+    """Note: [Stepping ahead]: the first gradient of the next backward finishes the step still
+    running on the host; that backward's buckets are then stepped as they arrive, as without
+    step_ahead. Found on an H100 (benchmarks/log/2026-11-27-clip-on-the-host.md, run T14):
+    finishing the step counted the backwards again from zero after the running one had been
+    counted, so every later gradient of it was taken for one the next backward accumulates
+    into and nothing was stepped during backward. A loop of two backwards a step keeps its
+    prediction: the first backward's buckets wait, and nothing is undone."""
+    a, twin = Tied(torch.float32), Tied(torch.float32)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                step_ahead=True, model=a)  # fmt: skip
+    rt = opt._runtime
+    for i in range(4):
+        if i == 1:  # the first step learned how many backwards a step has
+            undone = rt.stepper.undone
+        for j in range(backwards):
+            x = tied_batch(backwards * i + j)
+            before = rt.stepper.speculated
+            a(x).float().square().mean().backward()
+            if i and j == backwards - 1:  # from the second step (Note: [Loss scaling])
+                for b in rt.buckets:  # the worker has taken each
+                    assert b.handled.wait(10)
+                assert rt.stepper.speculated - before == len(rt.buckets), (i, j)
+            elif i:
+                assert rt.stepper.speculated == before, (i, j)  # predicted: another follows
+            twin(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    assert rt.stepper.undone == undone
+    opt.synchronize()
+    assert same_params(a, twin)
+    assert same_state(opt, ref)
+    opt.remove()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_step_ahead_forward_waits_for_parameters_still_being_stepped(dtype):
     a, twin = Tied(dtype), Tied(dtype)

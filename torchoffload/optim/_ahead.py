@@ -55,6 +55,12 @@ from torchoffload.optim._host import Bucket
 #   dynamo's guards, and a trace then runs while the host steps (Note: [Compiling while
 #   the host steps]).
 # Any call of the optimizer (the next backward's hooks included) also finishes the step.
+# Finishing it does not reset the records again (`step()` did): the first gradient of the
+# next backward finishes it after counting that backward, and a second reset counted the
+# backwards from zero again, so that every later gradient of it was taken for one that another
+# backward would accumulate into (Note: [A second backward]) and nothing was stepped during
+# that backward (measured on an H100: 0.2 of 57 buckets a step, run T14 in
+# benchmarks/log/2026-11-27-clip-on-the-host.md).
 
 
 class StepAhead:

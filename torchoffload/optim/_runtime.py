@@ -180,8 +180,8 @@ class HostStepRuntime:
     def settle(self) -> None:
         """Finish a step that is still running on the host (step_ahead)."""
         called = self.ahead.take()
-        if called is not None:
-            self._end(step_rest=True, called=called)
+        if called is not None:  # its records were reset by step(): Note: [Stepping ahead]
+            self._end(step_rest=True, called=called, reset=False)
         self.ahead.drop_read_mode()
 
     def before_state_dict(self, *args: Any) -> None:
@@ -205,7 +205,7 @@ class HostStepRuntime:
         self.worker.finish(step_rest, snapshot)
         return called
 
-    def _end(self, *, step_rest: bool, called: float) -> int:
+    def _end(self, *, step_rest: bool, called: float, reset: bool = True) -> int:
         self._before_block()
         interrupted = self.worker.wait_done()
         if step_rest:
@@ -214,7 +214,8 @@ class HostStepRuntime:
         self.engine.wait(self.stepper.last_upload)
         stepped = sum(b.stepped for b in self.buckets)
         errors, self.stepper.errors = self.stepper.errors, []
-        self._reset_records(consumed=step_rest)
+        if reset:
+            self._reset_records(consumed=step_rest)
         self.stepper.end_call(keep_times=step_rest)
         self.worker.idle()
         if step_rest and not errors:
