@@ -15,12 +15,13 @@ batch that `optim.py`'s ``train`` draws, the same on every rank):
 - ``fsdp2-offload``: `torchoffload.OffloadedOptimizer` (fused AdamW on fp32 host masters of
   each rank's shards, stepped while backward runs); parameters and gradients stay on the
   device, sharded.
-- ``fsdp2-offload-ahead``: the same with ``step_ahead=True``.
+(``step_ahead`` is refused for DTensor parameters.)
 
 Columns: tokens/s over all ranks (``N x batch x seq`` over rank 0's median step), the median
 step, and per rank the peak device memory (``max_memory_allocated``) and the host memory of
 the process (RSS), the largest over the ranks. The ranks of one host share its cores and memory
-bandwidth: with N ranks each rank's host step gets about 1/N of them.
+bandwidth: each rank's process gets ``OMP_NUM_THREADS`` = the host's cores over N (torchrun
+would set 1), for torch's CPU AdamW and for the host step alike.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from optim import llama, train  # noqa: E402
 
-ROWS = ("fsdp2", "fsdp2-cpu", "fsdp2-offload", "fsdp2-offload-ahead")
+ROWS = ("fsdp2", "fsdp2-cpu", "fsdp2-offload")
 
 
 def shard(model, policy=None) -> None:
@@ -72,10 +74,8 @@ def run_row(args) -> dict:
         if args.row == "fsdp2":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
         else:
-            ahead = args.row == "fsdp2-offload-ahead"
             opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5,
-                                        fused=True, step_ahead=ahead,
-                                        model=model if ahead else None)  # fmt: skip
+                                        fused=True)  # fmt: skip
     torch.cuda.empty_cache()
     out = train(args, model, opt, sync_between=False)
     if hasattr(opt, "remove"):
@@ -102,35 +102,43 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU)")
     p.add_argument("--timeout", type=int, default=240, help="seconds per row")
     p.add_argument("--row", default=None, help=argparse.SUPPRESS)  # inside torchrun
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)  # where the ranks write
     args = p.parse_args()
     args.profile = False  # train()'s profiler pass: not here
-    if args.row is not None:
-        print("RESULT " + json.dumps(run_row(args)), flush=True)
+    if args.row is not None:  # one file per rank: the ranks' stdout lines interleave
+        out = run_row(args)
+        Path(args.out, f"{out['rank']}.json").write_text(json.dumps(out))
         return
     gpus = args.gpus or torch.cuda.device_count()
     if gpus < 1:
         sys.exit("optim_fsdp2.py needs CUDA GPUs (torch.cuda.device_count() is 0)")
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // gpus))
+    env = dict(os.environ, OMP_NUM_THREADS=threads)  # torchrun's default: 1
     results = {}
     for row in args.rows.split(","):
         if row not in ROWS:
             sys.exit(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
+        where = Path(tempfile.mkdtemp(prefix=f"optim_fsdp2-{row}-"))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={gpus}", __file__, *sys.argv[1:], "--row", row]  # fmt: skip
+               f"--nproc-per-node={gpus}", __file__, *sys.argv[1:], "--row", row,
+               "--out", str(where)]  # fmt: skip
         t = time.perf_counter()
         try:
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
             out = run.stdout + run.stderr
         except subprocess.TimeoutExpired as e:
             out = f"timed out after {args.timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-        got = [json.loads(ln.split("RESULT ", 1)[1]) for ln in out.splitlines() if "RESULT " in ln]
+        got = [json.loads(f.read_text()) for f in sorted(where.glob("*.json"))]
         if len(got) == gpus:
             results[row] = sorted(got, key=lambda r: r["rank"])
-            print(f"{row}: {time.perf_counter() - t:.0f} s", flush=True)
+            print(f"{row}: {time.perf_counter() - t:.0f} s; rank 0: "
+                  f"{json.dumps({k: v for k, v in got[0].items() if k != 'losses'})}",
+                  flush=True)  # fmt: skip
         else:
             print(f"{row}: FAILED\n{out[-3000:]}", flush=True)
     print(f"\ntorch {torch.__version__}, {gpus} x {torch.cuda.get_device_name()}, hidden "
           f"{args.hidden}, layers {args.layers}, vocab {args.vocab}, batch {args.batch} per rank, "
-          f"seq {args.seq}")  # fmt: skip
+          f"seq {args.seq}, OMP_NUM_THREADS={threads}")  # fmt: skip
     print("| row | tokens/s | step ms | peak GiB per rank | host GiB per rank | host step ms |")
     print("|---|---|---|---|---|---|")
     for row, ranks in results.items():

@@ -384,8 +384,8 @@ def offloaded_optimizer_worker(rank: int, world: int, device: str, *, steps: int
         model = _fsdp_model(CPU_GPT if device == "cpu" else GPU_GPT, device, mixed=False)
         params = list(model.parameters())
         if mode == "host":
-            opt = torchoffload.OffloadedOptimizer(
-                params, torch.optim.AdamW, **kw, bucket_bytes=4096
+            opt = torchoffload.OffloadedOptimizer(  # one thread, as the process (_entry)
+                params, torch.optim.AdamW, **kw, bucket_bytes=4096, host_threads=1
             )
             out["host_numel"] = sum(r.entry.numel for r in opt._runtime.records)
         elif device == "cpu":

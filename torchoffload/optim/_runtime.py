@@ -29,7 +29,7 @@ from torchoffload.optim._grads import ConsumedGrad, MovedGrad, _Unscale
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._recall import Recalls
 from torchoffload.optim._step import GradsWritten, HostStep
-from torchoffload.optim._worker import HostWorker
+from torchoffload.optim._worker import HostWorker, warn_one_thread
 
 
 class HostStepRuntime:
@@ -65,6 +65,7 @@ class HostStepRuntime:
         self._index = self.host.index  # id(parameter) -> its record's index
         self._lock = threading.Lock()  # the buckets' flags, the snapshot, the copies in flight
         self.stepper = HostStep(self.host, groups, config, self.engine, self._lock, clip_order)
+        warn_one_thread(config.host_threads)  # Note: [Host threads]
         self.worker = HostWorker(self.stepper, self.buckets, config.host_threads)
         self.dispatch = GradientDispatch(self.host, self.engine, self.worker, self._lock,
                                          weakref.ref(self))  # fmt: skip

@@ -4,8 +4,10 @@ caller that waits for it."""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -22,6 +24,11 @@ from torchoffload.optim._step import HostStep
 # a step took 1536 ms with all 16 threads and 1602 ms with 14; again with 12, with and
 # without `step_ahead`: 1207 against 1307 ms, 1389 against 1443, run T13 in
 # benchmarks/log/2026-11-27-clip-on-the-host.md. So the default keeps the process's setting.
+# But `torchrun` sets OMP_NUM_THREADS=1 in each of several processes, and the host step then
+# runs on one thread: FSDP2 on two H200s of a 32-core host stepped a Llama-3.2-3B shape's
+# host step in 2567 ms a rank so, against 634 ms with 16 threads a rank
+# (benchmarks/log/2026-11-27-fsdp2-offloaded-optimizer.md). So a process of one intra-op
+# thread on a host of several cores is warned, unless ``host_threads`` says how many.
 
 # Note: [The order of the host step]
 # Backward finishes the last layers' buckets first, the next forward needs the first layers'
@@ -36,6 +43,20 @@ from torchoffload.optim._step import HostStep
 # benchmarks/log/2026-11-23-optimizer-on-host.md; this rule is not measured yet). Among those,
 # it first takes one copied aside ahead (Note: [Copies aside made ahead]): stepping it during
 # backward costs no copy.
+
+
+def warn_one_thread(host_threads: int | None) -> None:
+    """Warn when the host step would run on one intra-op thread of a host of several cores
+    (Note: [Host threads])."""
+    cores = os.cpu_count() or 1
+    if host_threads is None and torch.get_num_threads() == 1 and cores > 1:
+        warnings.warn(
+            f"OffloadedOptimizer: the host step would run on 1 intra-op thread while this host "
+            f"has {cores} cores (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')!r}; torchrun "
+            "sets 1 in each of several processes). Pass host_threads= the cores over the "
+            "processes on this host, or host_threads=1 to keep one thread.",
+            stacklevel=4,
+        )
 
 
 def completed(event: Any) -> bool:
