@@ -29,7 +29,7 @@ from torchoffload.optim._grads import ConsumedGrad, MovedGrad, _Unscale
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._recall import Recalls
 from torchoffload.optim._step import GradsWritten, HostStep
-from torchoffload.optim._worker import HostWorker, warn_one_thread
+from torchoffload.optim._worker import HostWorker
 
 
 class HostStepRuntime:
@@ -65,15 +65,12 @@ class HostStepRuntime:
         self._index = self.host.index  # id(parameter) -> its record's index
         self._lock = threading.Lock()  # the buckets' flags, the snapshot, the copies in flight
         self.stepper = HostStep(self.host, groups, config, self.engine, self._lock, clip_order)
-        warn_one_thread(config.host_threads)  # Note: [Host threads]
         self.worker = HostWorker(self.stepper, self.buckets, config.host_threads)
         self.dispatch = GradientDispatch(self.host, self.engine, self.worker, self._lock,
                                          weakref.ref(self))  # fmt: skip
         self.ahead = StepAhead(self.engine, self.dispatch, self.settle, self._before_block,
                                enabled=config.step_ahead)  # fmt: skip
-        # torchoffload.testing's hooks (`held_host_step`): ``waiting()`` right before a caller
-        # blocks on the host step
-        self.testing: Any = None
+        self.testing: Any = None  # torchoffload.testing's (`held_host_step`): ``waiting()``
         # - Counters
         self.steps = 0
         self.wait_ms = 0.0

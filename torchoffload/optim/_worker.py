@@ -55,7 +55,7 @@ def warn_one_thread(host_threads: int | None) -> None:
             f"has {cores} cores (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')!r}; torchrun "
             "sets 1 in each of several processes). Pass host_threads= the cores over the "
             "processes on this host, or host_threads=1 to keep one thread.",
-            stacklevel=4,
+            stacklevel=5,
         )
 
 
@@ -68,6 +68,7 @@ class HostWorker:
     its intra-op threads (Note: [Host threads]); None keeps the process's setting."""
 
     def __init__(self, stepper: HostStep, buckets: list[Bucket], host_threads: int | None):
+        warn_one_thread(host_threads)  # Note: [Host threads]
         self.stepper = stepper
         self.buckets = buckets
         self.host_threads = host_threads
