@@ -2,7 +2,9 @@
 real models have: an embedding (tied to the head or not), blocks with norms before or after,
 residuals, two parameters that are views of one storage, a weight also read transposed, a
 parameter used twice, a buffer, a branch on the input's shape (a parameter only one-token
-inputs use), a final norm and a head, in float32, float64 or bfloat16."""
+inputs use), a final norm and a head, in float32, float64 or bfloat16. Also an optimizer class
+that writes its gradients (`SGDWritesGrad`), for both sides of the fuzzer and for
+tests/test_optim.py."""
 
 from __future__ import annotations
 
@@ -148,6 +150,34 @@ def tokens(s: Spec, batch: int, seq: int, seed: int) -> torch.Tensor:
 
 def loss_of(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out.float().flatten(0, 1), x.roll(-1, 1).flatten())
+
+
+class SGDWritesGrad(torch.optim.Optimizer):
+    """SGD, with momentum, whose L2 weight decay is added into ``p.grad`` in place, as some
+    optimizers do (torch.optim's classes only read it): a class that writes its gradients
+    (Note: [A class that writes its gradients]). Where a group's ``weight_decay`` is 0 it only
+    reads them. Deterministic: the same bits on the plain side and on the host."""
+
+    def __init__(self, params, lr=0.1, momentum=0.0, weight_decay=0.5):
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if group["weight_decay"]:
+                    p.grad.add_(p, alpha=group["weight_decay"])
+                d = p.grad
+                if group["momentum"]:
+                    state = self.state[p]
+                    if "momentum_buffer" not in state:
+                        state["momentum_buffer"] = d.clone()
+                    else:
+                        state["momentum_buffer"].mul_(group["momentum"]).add_(d)
+                    d = state["momentum_buffer"]
+                p.add_(d, alpha=-group["lr"])
 
 
 # - Mixture-of-experts models (stream_experts): a router and a ModuleList of experts per block.

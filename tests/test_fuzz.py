@@ -32,7 +32,17 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import EmbedResidual  # tests/ is on sys.path
-from fuzz_models import MoESpec, Spec, build, build_moe, loss_of, moe_specs, specs, tokens
+from fuzz_models import (
+    MoESpec,
+    SGDWritesGrad,
+    Spec,
+    build,
+    build_moe,
+    loss_of,
+    moe_specs,
+    specs,
+    tokens,
+)
 from hypothesis import HealthCheck, Phase, assume, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -152,6 +162,15 @@ def same_grads(ref: dict, off: dict, what: str) -> None:
             assert_same(a, b, f"{what} {k}")
 
 
+def taken_by_the_worker(opt: to.OffloadedOptimizer) -> None:
+    """Wait until the host step has taken every bucket sent to it: whether a step taken
+    during backward wrote its gradients is then settled (Note: [Written gradients brought
+    back]), not left to the worker's timing, and a drawn example that a later operation
+    refuses is refused every time it runs (hypothesis requires the same draws)."""
+    for bucket in opt._runtime.buckets:
+        assert not bucket.dispatched or bucket.handled.wait(60), "the host step hangs"
+
+
 class Refused(Exception):
     """The offloaded side refused the operation clearly and changed nothing."""
 
@@ -178,7 +197,11 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
     "adagrad": (torch.optim.Adagrad, dict(lr=1e-2)),
+    # L2 weight decay added into p.grad in place (Note: [A class that writes its gradients]):
+    # drawn where the offloaded side is an OffloadedOptimizer
+    "sgd_writes_grad": (SGDWritesGrad, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
 }
+WRITES_GRADS = {"sgd_writes_grad"}
 
 
 def param_groups(model: torch.nn.Module, params, split: bool) -> list[dict]:
@@ -385,6 +408,7 @@ class TrainingMachine(RuleBasedStateMachine):
     def setup(self, data):
         EXAMPLES[self.ENGINE] = EXAMPLES.get(self.ENGINE, 0) + 1
         self.opt_config = {}
+        self.writes_grads = False  # the optimizer class writes its gradients
         self.touched = False  # parameters changed outside the optimizer since its last step
         self.raised = False  # the last forward and backward was refused (NEW-11)
         self.stopped = False
@@ -403,9 +427,11 @@ class TrainingMachine(RuleBasedStateMachine):
         except Refused:
             self.stopped = True
             return
-        name = data.draw(st.sampled_from(sorted(OPTIMIZERS)), label="optimizer")
+        names = [n for n in sorted(OPTIMIZERS) if self.OFFLOADED_OPTIMIZER or n not in WRITES_GRADS]
+        name = data.draw(st.sampled_from(names), label="optimizer")
         cls, kw = OPTIMIZERS[name]
         self.opt_cls, self.opt_kw = cls, kw
+        self.writes_grads = name in WRITES_GRADS
         self.split = data.draw(st.booleans(), label="param groups")
         self.max_grad_norm = None
         self.by_model = False  # the OffloadedOptimizer is given model=
@@ -517,7 +543,11 @@ class TrainingMachine(RuleBasedStateMachine):
             with ctx:
                 out = side.model(x)
                 loss = loss_of(out, x)
-            loss.backward()
+            try:
+                loss.backward()
+            finally:
+                if self.writes_grads and isinstance(side.opt, to.OffloadedOptimizer):
+                    taken_by_the_worker(side.opt)
         return out.detach(), loss.detach()
 
     def draw_input(self, data):
@@ -2218,3 +2248,35 @@ def test_new20_compile_streamed_tied_head_with_a_bias():
     finally:
         program.remove()
         kept.remove()
+
+
+@pytest.mark.parametrize("op", ["read", "convert"])
+def test_gradients_a_step_wrote_read_or_converted_before_step(op):
+    # With a class that writes its gradients, after a plain backward whose step taken during
+    # backward wrote them, the machine's read of the gradients (or model.to(float64)) brought
+    # them back: the recall undid that step and raised mid-way, leaving the written gradients
+    # for step() to step (or the model half converted). Found by the fuzzer once it drew
+    # SGDWritesGrad. Note: [Written gradients brought back]
+    ref, off = build(SPEC), build(SPEC)
+    cls, kw = OPTIMIZERS["sgd_writes_grad"]
+    opt = to.OffloadedOptimizer(off.parameters(), cls, bucket_bytes=64, **kw)
+    plain = cls(ref.parameters(), **kw)
+    try:
+        for m in (ref, off):
+            loss_of(m(X), X).backward()
+        for bucket in opt._runtime.buckets:  # each sent taken: the first stepped wrote them
+            assert not bucket.dispatched or bucket.handled.wait(10)
+        assert any(b.grads_written for b in opt._runtime.buckets)
+        if op == "read":  # those it cannot read back read as "moved"
+            same_grads(grads(ref), grads(off), "gradient")
+        else:
+            for dtype in (torch.float64, torch.float32):
+                refused = refused_or_same(lambda d=dtype: values(off.to(d)),
+                                          lambda d=dtype: values(ref.to(d)),
+                                          lambda: values(off), f"to({dtype})")  # fmt: skip
+                assert not refused
+        opt.step()
+        plain.step()
+        assert_same(values(ref), values(off), "after step()")
+    finally:
+        opt.remove()

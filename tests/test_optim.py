@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from fuzz_models import SGDWritesGrad  # tests/ is on sys.path
 from torch import nn
 
 import torchoffload as to
@@ -1917,36 +1918,24 @@ def test_a_backward_that_raised_leaves_the_next_one_checked(accumulate):
     opt.remove()
 
 
-class _SGDWritesGrad(torch.optim.Optimizer):
-    """SGD with L2 weight decay added into ``p.grad`` in place, as some optimizers do."""
-
-    def __init__(self, params, lr=0.1, weight_decay=0.5):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.grad.add_(p, alpha=group["weight_decay"])
-                    p.add_(p.grad, alpha=-group["lr"])
-
-
+@pytest.mark.parametrize("ahead", [False, True], ids=["plain", "step_ahead"])
 @pytest.mark.parametrize("clip", ["no clip", "clip"])
-def test_a_class_that_writes_its_gradients_is_exact_or_refused(clip):
+def test_a_class_that_writes_its_gradients_is_exact_or_refused(clip, ahead):
     """Note: [A class that writes its gradients]: the norms are taken before the class
     writes the gradients (found by a review: they raced with the step taken during
-    backward); a step taken during backward that must be taken again is refused; with
-    overlap=False every step is the plain loop's."""
+    backward); a step taken during backward that must be taken again is refused, by step()
+    also with step_ahead (it came out of a later call); with overlap=False every step is the
+    plain loop's."""
     for overlap in (True, False):
         a = model()
         twin = copy.deepcopy(a)
-        ref = _SGDWritesGrad(twin.parameters())
+        ref = SGDWritesGrad(twin.parameters())
         loss_of(twin, batch(0)).backward()
         norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 1e9)
         max_norm = float(norm) * (0.5 if clip == "clip" else 1.001)
-        opt = to.OffloadedOptimizer(a.parameters(), _SGDWritesGrad, max_grad_norm=max_norm,
-                                    overlap=overlap, bucket_bytes=1024)  # fmt: skip
+        opt = to.OffloadedOptimizer(a.parameters(), SGDWritesGrad, max_grad_norm=max_norm,
+                                    overlap=overlap, bucket_bytes=1024, step_ahead=ahead,
+                                    model=a)  # fmt: skip
         loss_of(a, batch(0)).backward()
         for b in opt._runtime.buckets if overlap else ():  # each stepped during backward
             assert b.handled.wait(10)
@@ -1965,6 +1954,162 @@ def test_a_class_that_writes_its_gradients_is_exact_or_refused(clip):
         assert opt._runtime.stepper.grads_written == overlap
         assert not opt._runtime.stepper.steps_early()  # from now on (or never: at-step)
         opt.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("second", ["whole model", "first layer", "autograd.grad"])
+def test_a_second_backward_after_the_class_wrote_its_gradients_is_refused_before_it_accumulates(
+    dtype, second
+):
+    """Note: [Written gradients brought back]: a second backward that brings back moved
+    gradients, after a step taken during backward wrote the gradients of its bucket, is
+    refused at its first hook, before anything accumulates (found by a review: refused by
+    the recall of that bucket, mid-backward, after other buckets were brought back and
+    accumulated into, and step() then stepped the written gradients), also where it does not
+    reach the written ones (which those are is a matter of timing); step() then steps the
+    first backward's gradients, as torch.optim does without the refused backward.
+    torch.autograd.grad brings nothing back (it was refused the same way)."""
+    # Written: the first layer's (reached last), or the last layer's (not reached at all)
+    decayed = {4, 5} if second == "first layer" else {0, 1}
+
+    def groups(params):
+        params = list(params)
+        return [{"params": [p for i, p in enumerate(params) if i in decayed]},
+                {"params": [p for i, p in enumerate(params) if i not in decayed],
+                 "weight_decay": 0.0}]  # fmt: skip
+
+    a = model(dtype)
+    twin = copy.deepcopy(a)
+    ref = Reference(twin, SGDWritesGrad, groups=groups)
+    opt = to.OffloadedOptimizer(groups(a.parameters()), SGDWritesGrad, bucket_bytes=1024)
+    rt = opt._runtime
+    ref.backward(batch(0, dtype))
+    loss_of(a, batch(0, dtype)).backward()
+    for b in rt.buckets:  # each taken; those of the decayed parameters stepped and written
+        assert b.handled.wait(10)
+    written = [b for b in rt.buckets if b.grads_written]
+    ids = {id(p) for i, p in enumerate(a.parameters()) if i in decayed}
+    assert written and any(id(r.param) in ids for r in written[0].records)
+    before = [p.detach().clone() for p in a.parameters()]
+    moved = [p.grad for p in a.parameters()]
+    x = batch(1, dtype)
+    if second == "autograd.grad":  # returns its gradients, accumulates nothing
+        got = torch.autograd.grad(loss_of(a, x), list(a.parameters()))
+        want = torch.autograd.grad(loss_of(twin, x), list(twin.parameters()))
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    else:
+        with pytest.raises(RuntimeError, match="wrote the gradients of bucket .* this backward"):
+            if second == "whole model":
+                loss_of(a, x).backward()
+            else:
+                a[0](x).float().square().mean().backward()
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before, strict=True))
+    assert all(p.grad is g for p, g in zip(a.parameters(), moved, strict=True))
+    assert rt.recalls.recalled == 0 and all(b.pending for b in written)
+    opt.step()
+    ref.step()
+    assert same_params(a, twin)
+    opt.zero_grad()
+    for m in (a, twin):  # and on: nothing is stepped during backward from now on
+        loss_of(m, batch(2, dtype)).backward()
+    opt.step()
+    ref.step()
+    assert same_params(a, twin) and not rt.stepper.steps_early()
+    opt.remove()
+
+
+@pytest.mark.parametrize("then", ["backward", "step_ahead"])
+def test_the_step_the_worker_is_taking_is_waited_for_before_a_refusal(then):
+    """Notes: [Written gradients brought back], [A class that writes its gradients]: the
+    worker is held inside the class's step of the first bucket it took when a second
+    backward starts, or step() with step_ahead and clipping is called; the check waits for
+    that step (which writes its gradients) and refuses then, not later; the buckets the
+    worker had not taken are not stepped during backward from then on."""
+    from torchoffload import testing
+
+    a = model()
+    twin = copy.deepcopy(a)
+    ref = Reference(twin, SGDWritesGrad, max_grad_norm=1e-3)
+    opt = to.OffloadedOptimizer(a.parameters(), SGDWritesGrad, bucket_bytes=1024,
+                                max_grad_norm=1e-3, step_ahead=True, model=a)  # fmt: skip
+    rt = opt._runtime
+    with testing.held_host_step(opt) as hooks:
+        loss_of(a, batch(0)).backward()
+        wait_until(lambda: any(b.steps for b in rt.buckets))  # held in the class's step
+        first = next(b for b in rt.buckets if b.steps)
+        assert not first.handled.is_set() and not rt.stepper.grads_written
+        if then == "backward":
+            with pytest.raises(RuntimeError, match="this backward would accumulate"):
+                loss_of(a, batch(1)).backward()
+            assert rt.recalls.recalled == 0 and first.pending and first.grads_written
+            others = [b for b in rt.buckets if b is not first]
+            assert all(b.held or b.taken for b in others)  # held or waited for
+        else:
+            with pytest.raises(RuntimeError, match="nothing was stepped"):
+                opt.step()
+            assert not rt.ahead.running
+        assert hooks.waits > 0
+    for b in rt.buckets:
+        assert not b.dispatched or b.handled.wait(10)
+    assert sum(b.grads_written for b in rt.buckets) <= 1  # none stepped during backward after
+    assert same_params(a, twin)  # nothing stepped
+    opt.zero_grad()
+    for m in (a, twin):  # and on: nothing is stepped during backward
+        loss_of(m, batch(2)).backward()
+    opt.step()
+    ref.step()
+    assert same_params(a, twin)
+    opt.remove()
+
+
+@pytest.mark.parametrize("op", ["norm", "clip_grad_norm_", "unscale", "to"])
+def test_what_would_bring_back_gradients_the_class_wrote_is_refused_before_anything_changes(op):
+    """Note: [Written gradients brought back]: an operation on a moved gradient and a
+    GradScaler unscale are refused before the written gradients come back or their step is
+    undone (found by the differential fuzzer: the recall undid the step, and step() then
+    stepped the written gradients); model.to() turns them into placeholders that refuse
+    reads, and converted back, the step is torch.optim's."""
+    a = model()
+    twin = copy.deepcopy(a)
+    ref = Reference(twin, SGDWritesGrad)
+    opt = to.OffloadedOptimizer(a.parameters(), SGDWritesGrad, bucket_bytes=1024)
+    rt = opt._runtime
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)  # the same gradients
+    ref.backward(batch(0))
+    scaler.scale(loss_of(a, batch(0))).backward()
+    for b in rt.buckets:  # each taken, the first stepped and written
+        assert b.handled.wait(10)
+    written = [b for b in rt.buckets if b.grads_written]
+    w = next(r.param for r in written[0].records)
+    moved = [p.grad for p in a.parameters()]
+    if op == "to":
+        a.double()
+        assert type(w.grad) is to.optim.MovedGrad and w.grad.dtype == torch.float64
+        with pytest.raises(MovedGradError, match="this operation reads them"):
+            w.grad.sum()
+        with pytest.raises(RuntimeError, match="after converting the model"):
+            loss_of(a, batch(1, torch.float64)).backward()
+        with pytest.raises(RuntimeError, match="after converting the model"):
+            opt.step()  # its bucket was sent, its parameter converted since
+        a.float()
+    else:
+        with pytest.raises(MovedGradError, match="GradScaler" if op == "unscale" else "reads"):
+            if op == "norm":
+                w.grad.norm()
+            elif op == "clip_grad_norm_":
+                torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
+            else:
+                scaler.unscale_(opt)
+        # clip_grad_norm_ reads them one by one on the CPU: those read before came back
+        # (the same values), the written one did not
+        kept = [p.grad is g for p, g in zip(a.parameters(), moved, strict=True)]
+        assert kept[[p is w for p in a.parameters()].index(True)]
+        assert all(kept) or op == "clip_grad_norm_"
+    assert all(b.pending for b in written)  # its step not undone
+    opt.step()
+    ref.step()
+    assert same_params(a, twin)
+    opt.remove()
 
 
 def test_a_write_through_data_after_state_dict_is_kept_by_an_undo():

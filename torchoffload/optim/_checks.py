@@ -52,7 +52,6 @@ def refusal(host: HostMasters, rec: Record) -> str | None:
     """Why the host step refuses ``rec``'s parameter as it is now (None: it does not). Reads
     nothing but metadata: also run at the start of each backward (Note: [Refused before a
     backward accumulates])."""
-    p = local(rec.param)
     # Frozen or unfrozen since the build: stepped as torch.optim steps it, when it has a
     # gradient (Note: [requires_grad changed after the build]); not yet for streamed and
     # DTensor parameters, whose gradients reach the optimizer another way, nor with a device
@@ -70,6 +69,15 @@ def refusal(host: HostMasters, rec: Record) -> str | None:
                 f"parameter {host.no(rec)} is no longer streamed by the "
                 "stream_parameters handle it was streamed by when the optimizer was built"
             )
+        return None
+    return converted(host, rec)
+
+
+def converted(host: HostMasters, rec: Record) -> str | None:
+    """Why ``rec``'s parameter (not a streamed one) is refused for its device, dtype or
+    shape, changed since the build (None: it is not)."""
+    p = local(rec.param)
+    if rec.hosted is not None:
         return None
     if p.device != host.device:
         return (

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchoffload.optim._checks import check_record
+from torchoffload.optim._checks import check_record, converted
 from torchoffload.optim._grads import MovedGrad
 from torchoffload.optim._host import Bucket, HostMasters
 from torchoffload.optim._params import local
@@ -109,10 +109,15 @@ class GradientDispatch:
 
     def check_rest(self) -> None:
         """Refuse what `dispatch_rest` would refuse, before `step()` opens its call (a bucket
-        sent after that is stepped for good: a refusal half-way would leave some stepped)."""
+        sent after that is stepped for good: a refusal half-way would leave some stepped),
+        and a parameter converted since its bucket was sent (Note: [Written gradients
+        brought back])."""
         for bucket in self.host.buckets:
-            if not bucket.dispatched:
-                for rec in bucket.records:
+            for rec in bucket.records:
+                message = converted(self.host, rec) if bucket.dispatched else None
+                if message is not None:
+                    raise RuntimeError(message)
+                if not bucket.dispatched:
                     check_record(self.host, rec)
 
     def dispatch_rest(self) -> None:

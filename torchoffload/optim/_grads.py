@@ -16,6 +16,36 @@ class MovedGradError(RuntimeError):
     """A gradient was read after an `OffloadedOptimizer` moved it to the host."""
 
 
+class GradsWritten(MovedGradError):
+    """The optimizer class wrote the gradients of bucket ``index`` in a step taken during
+    backward, and ``when`` needs them as backward produced them: a refusal, before anything
+    changed (Notes: [A class that writes its gradients], [Written gradients brought back]).
+    ``when``: "step" (`step()`: every step taken during backward undone, nothing stepped),
+    "unscale" (a GradScaler), "backward" (a second backward, before it accumulated anything)
+    or "read" (an operation on a moved gradient)."""
+
+    _WHY = {
+        "step": "this step must undo it and take it again with the gradients as they were; "
+        "every step taken during backward was undone and nothing was stepped",
+        "unscale": "a GradScaler unscale must undo it and take it again with the unscaled "
+        "gradients; nothing was unscaled or stepped",
+        "backward": "this backward would accumulate into them: it is refused before it "
+        "accumulated anything, and step() or zero_grad() go on from the backwards before it",
+        "read": "this operation reads them: it is refused before anything changed, and "
+        "step() or zero_grad() go on as before it",
+    }
+
+    def __init__(self, index: int, when: str):
+        note = "A class that writes its gradients" if when in ("step", "unscale") else (
+            "Written gradients brought back")  # fmt: skip
+        super().__init__(
+            f"the optimizer class wrote the gradients of bucket {index} in place during a step "
+            f"taken during backward, and they are no longer those backward produced: "
+            f"{self._WHY[when]}. Build the OffloadedOptimizer with overlap=False for this "
+            f"class (Note: [{note}])"
+        )
+
+
 _MOVED = (
     "the gradient of this parameter was moved to the host by an OffloadedOptimizer when the "
     "final backward finished it, and cannot come back to the device (its parameter is streamed "
@@ -95,7 +125,11 @@ class _Unscale:
         """On the worker, with its `HostStep` (its ``buckets`` and ``config``)."""
         try:
             # A step taken with the scaled gradients is undone (Note: [Steps taken during
-            # backward]); one already committed cannot be
+            # backward]); one already committed cannot be, nor one that wrote them
+            written = next((b for b in host_step.buckets if b.pending and b.grads_written),
+                           None)  # fmt: skip
+            if written is not None:  # Note: [Written gradients brought back]
+                raise GradsWritten(written.index, "unscale")
             for bucket in host_step.buckets:
                 host_step.undo(bucket)
             stepped = sum(b.stepped for b in host_step.buckets)
@@ -141,13 +175,14 @@ class MovedGrad(torch.Tensor):
     _owner: Any = None  # (weakref to the runtime, the record), while moved
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor) -> MovedGrad:
+    def __new__(cls, like: torch.Tensor, dtype: Any = None, device: Any = None) -> MovedGrad:
         # ``like``'s own geometry: a streamed parameter's placeholder is empty and must take a
         # gradient of its own size (Note: [Placeholders never answer]).
         with torch._C.DisableTorchFunctionSubclass():
             return torch.Tensor._make_wrapper_subclass(
-                cls, like.shape, like.stride(), dtype=like.dtype, device=like.device
-            )
+                cls, like.shape, like.stride(), dtype=dtype or like.dtype,
+                device=device or like.device,
+            )  # fmt: skip
 
     def __repr__(self) -> str:  # the default repr would run ops
         return (f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -164,6 +199,10 @@ class MovedGrad(torch.Tensor):
             if len(moved) == sum(type(g) is MovedGrad for g in moved) and len(owners) == 1:
                 _unscale(grads, found_inf, inv_scale)
                 return None
+        if func is torch.ops.aten._to_copy.default and type(placeholder) is MovedGrad:
+            converted = _converted(placeholder, kwargs)
+            if converted is not None:
+                return converted
         # Any other read or write: the gradients come back (Note: [Reading a moved gradient])
         real = _recalled(args, kwargs)
         if real is not None:
@@ -182,6 +221,14 @@ def _recalled(args: Any, kwargs: Any) -> tuple[Any, Any] | None:
             return None
     if any(g._owner[1].hosted is not None for g in moved):
         return None  # Note: [A second backward]
+    coming: dict[int, tuple[Any, dict[int, Any]]] = {}  # runtime -> its buckets coming back
+    for g in moved:
+        runtime, rec = g._owner[0](), g._owner[1]
+        if rec.param.grad is g:
+            buckets = coming.setdefault(id(runtime), (runtime, {}))[1]
+            buckets[rec.entry.bucket] = runtime.buckets[rec.entry.bucket]
+    for runtime, buckets in coming.values():  # Note: [Written gradients brought back]
+        runtime.recalls.refuse_written(list(buckets.values()), "read")
     for g in moved:
         runtime, rec = g._owner[0](), g._owner[1]
         if rec.param.grad is g:
@@ -197,6 +244,21 @@ def _recalled(args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         return a
 
     return [swap(a) for a in args], {k: swap(v) for k, v in (kwargs or {}).items()}
+
+
+def _converted(g: MovedGrad, kwargs: Any) -> MovedGrad | None:
+    """``g`` converted (`model.to(dtype)`, `.cpu()`) where the step of its bucket wrote it: a
+    placeholder of the new dtype and device for the same gradient, which refuses any read as
+    ``g`` does (Note: [Written gradients brought back]); None where it comes back instead."""
+    runtime = g._owner[0]() if g._owner is not None else None
+    rec = None if runtime is None or runtime.closed else g._owner[1]
+    if rec is None or rec.hosted is not None or rec.param.grad is not g:
+        return None
+    if not runtime.recalls.written([runtime.buckets[rec.entry.bucket]]):
+        return None
+    out = MovedGrad(g, dtype=kwargs.get("dtype"), device=kwargs.get("device"))
+    out._owner = g._owner
+    return out
 
 
 def _unscale(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor):

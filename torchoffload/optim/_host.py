@@ -65,7 +65,7 @@ class Bucket:
     __slots__ = ("index", "records", "optimizer", "groups", "trainable", "remaining",
                  "dispatched", "arrived", "stepped", "failed", "final_event", "norms", "used",
                  "done", "upload_event", "undo", "pending", "d2h_event", "taken", "handled",
-                 "gen", "steps", "arrival", "grads_written")  # fmt: skip
+                 "gen", "steps", "arrival", "grads_written", "held")  # fmt: skip
 
     def __init__(self, index: int, records: list[Record], optimizer, groups: list[int]):
         self.index = index
@@ -104,6 +104,9 @@ class Bucket:
         self.d2h_event: Any = None  # its gradients' copy to the host
         self.taken = False  # the worker took this dispatch from its queue
         self.grads_written = False  # Note: [A class that writes its gradients]
+        # Its gradients are about to come back: not stepped as they arrive (Note: [Written
+        # gradients brought back])
+        self.held = False
         if self.undo.saved:
             self.undo.drop()
         self.done.clear()

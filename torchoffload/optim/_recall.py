@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from torchoffload.optim._checks import refusal
-from torchoffload.optim._grads import MovedGrad, MovedGradError
+from torchoffload.optim._grads import GradsWritten, MovedGrad, MovedGradError
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._params import local
 from torchoffload.optim._step import HostStep
@@ -43,6 +43,51 @@ from torchoffload.optim._step import HostStep
 # `accumulating()` between two `step()` calls and treats all but the last of the count seen in
 # the last step as accumulating (their gradients stay on the device): an accumulation loop
 # pays it once, in its first step, and again only when its count changes.
+
+
+# Note: [Written gradients brought back]
+# The gradients of a bucket whose step taken during backward wrote them (Note: [A class that
+# writes its gradients]) cannot come back to the device: undoing the step puts back the
+# masters and the state, not the gradients backward produced. So what would bring them back
+# is refused, before anything changes:
+# - a second backward (without `accumulating()`, or in it) that brings back moved gradients,
+#   at its first hook (`Recalls.hold`, after the checks of Note: [Refused before a backward
+#   accumulates]). It was refused by the recall of the written bucket, after the buckets that
+#   backward reached first had come back and been accumulated into (found by a review: five
+#   gradients of six accumulated, and the `step()` after that refusal stepped the written
+#   gradients: every parameter off, by up to 0.0125). It is refused whether or not it
+#   reaches the written ones: which bucket the worker stepped first, and so wrote, is a
+#   matter of timing, and a rule that looked at which would refuse or serve the same loop by
+#   chance (a loop that waits for the worker, as the differential fuzzer does, gets the same
+#   answer every time);
+# - an operation on a moved gradient (a norm, `clip_grad_norm_` on the model, a copy), before
+#   any gradient it reads comes back (`_recalled` in _grads.py), and a GradScaler unscale,
+#   before any step is undone (the first found by the differential fuzzer, the second by
+#   reading the code: each undid the step and left the written gradients for `step()`).
+#   An operation that reads gradients one by one (`clip_grad_norm_` on the CPU) brings back
+#   those it reads before the written one, exactly as it would without them.
+# A conversion (`model.to(dtype)`) cannot be refused cleanly (`Module._apply` converts a
+# parameter before its gradient): the written gradient becomes a placeholder of the new dtype
+# and device (`_converted`), which refuses every read as the moved one does, and the optimizer
+# refuses the converted parameter as it refuses any (`step()` too, though its bucket was sent:
+# `check_rest`). `torch.autograd.grad`, which returns its gradients and leaves ``.grad`` as it
+# is, brings nothing back (it did, and was refused by the recall).
+# After a refusal the step stays pending: `step()` commits it (or refuses as Note: [A class
+# that writes its gradients] says), `zero_grad()` undoes it.
+# The worker may still be stepping when the check runs (`Recalls.written`). Under the
+# runtime's lock, each bucket that may come back (for a backward, each whose gradients left
+# the device) that the worker has not taken is held: it
+# arrives without being stepped during backward (its recall then skips it; after a refusal
+# `step()` steps it, the same bits); one it has taken (``taken`` is set under the same lock,
+# before the step) is waited for, as its recall would wait. Then whether a step wrote those
+# gradients is known, and no step that could write them starts later.
+# Serving them instead would need the gradients as backward produced them: a copy of each
+# bucket's before each step taken during backward, 4 bytes a parameter read and written more
+# (a third of AdamW's copy aside), paid with every class, for a case that comes at most once
+# in an optimizer's life (after its first write nothing is stepped during backward). So they
+# are refused. What the check costs a loop: at the first hook of each backward, a look at each
+# bucket's ``dispatched`` flag; the rest only where gradients come back, which waits for the
+# worker anyway.
 
 
 class Recalls:
@@ -102,7 +147,40 @@ class Recalls:
         message = self.device_refusal() if self.device_refusal is not None else None
         if message is not None:
             raise RuntimeError(message)
+        self.hold()
         self._checked = task
+
+    def hold(self) -> None:
+        """At the first hook of an accumulating backward: refused if it brings back moved
+        gradients while a step of this step() wrote its own (Note: [Written gradients
+        brought back])."""
+        moved = [b for b in self.host.buckets if b.dispatched and any(map(_moved, b.records))]
+        written = self.written(moved)
+        if written and any(_moved(r) and accumulates(r.param) for b in moved for r in b.records):
+            raise GradsWritten(written[0].index, "backward")
+
+    def refuse_written(self, buckets: list[Bucket], when: str) -> None:
+        """Refuse ``when`` (`GradsWritten`), before anything changes, if the step of one of
+        ``buckets``, about to come back, wrote its gradients."""
+        written = self.written(buckets)
+        if written:
+            raise GradsWritten(written[0].index, when)
+
+    def written(self, buckets: list[Bucket]) -> list[Bucket]:
+        """Of ``buckets``, about to come back, those whose step wrote their gradients: none
+        is stepped during backward from now on, and a step the worker took is waited for
+        (Note: [Written gradients brought back])."""
+        if not buckets:
+            return []
+        with self.lock:
+            for bucket in buckets:
+                bucket.held = bucket.held or not bucket.taken
+            taken = [b for b in buckets if b.taken]
+        if any(not b.handled.is_set() for b in taken):
+            self.before_block()
+            for bucket in taken:
+                bucket.handled.wait()
+        return [b for b in buckets if b.grads_written]
 
     def predicts_accumulation(self) -> bool:
         """Called by each final gradient outside `accumulating()`: counts this backward, and
@@ -160,7 +238,8 @@ class Recalls:
 def _incoming(owner: Any, rec: Record, grad: torch.Tensor) -> None:
     """Autograd is about to accumulate into ``rec``'s gradient: the backward is checked first
     (Note: [Refused before a backward accumulates]), and a gradient that left the device in an
-    earlier backward of this step comes back."""
+    earlier backward of this step comes back (not for `torch.autograd.grad`, which leaves
+    ``.grad`` as it is: Note: [Written gradients brought back])."""
     runtime = owner()
     if runtime is None or runtime.closed:
         return
@@ -168,7 +247,7 @@ def _incoming(owner: Any, rec: Record, grad: torch.Tensor) -> None:
     g = rec.param.grad
     if type(g) is not MovedGrad or g._owner is None:
         return
-    if g._owner[0]() is runtime:
+    if g._owner[0]() is runtime and accumulates(rec.param):
         runtime.recall(runtime.buckets[rec.entry.bucket])
 
 
@@ -178,6 +257,12 @@ def _incoming_kept(owner: Any, param: torch.Tensor, grad: torch.Tensor) -> None:
     runtime = owner()
     if runtime is not None and not runtime.closed:
         runtime.recalls.before_accumulate(param)
+
+
+def _moved(rec: Record) -> bool:
+    """``rec``'s gradient left the device in a backward of this step (before `step()`)."""
+    g = rec.param.grad
+    return type(g) is MovedGrad and g._owner is not None and g._owner[1] is rec
 
 
 def accumulates(param: torch.Tensor) -> bool:

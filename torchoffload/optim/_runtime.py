@@ -25,10 +25,10 @@ from torchoffload.optim._ahead import StepAhead
 from torchoffload.optim._checks import refuse_consumed
 from torchoffload.optim._config import OptimizerOffloadConfig
 from torchoffload.optim._dispatch import GradientDispatch
-from torchoffload.optim._grads import ConsumedGrad, MovedGrad, _Unscale
+from torchoffload.optim._grads import ConsumedGrad, GradsWritten, MovedGrad, _Unscale
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._recall import Recalls
-from torchoffload.optim._step import GradsWritten, HostStep
+from torchoffload.optim._step import HostStep, may_refuse
 from torchoffload.optim._worker import HostWorker
 
 
@@ -135,7 +135,7 @@ class HostStepRuntime:
         called = self._begin(step_rest=True)
         if between is not None:
             between()
-        if not self.config.step_ahead:
+        if not self.config.step_ahead or may_refuse(self.stepper, self._before_block):
             self._end(step_rest=True, called=called)
             return
         # See Note: [Stepping ahead]

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from torchoffload.optim._checks import changed_in
+from torchoffload.optim._checks import changed_hyper, changed_in
 from torchoffload.optim._config import OptimizerOffloadConfig
+from torchoffload.optim._grads import GradsWritten
 from torchoffload.optim._host import Bucket, HostMasters
 from torchoffload.optim._params import hyper, local
 
@@ -96,6 +97,9 @@ class HostStep:
         self.snapshot: list[dict[str, Any]] | None = None  # hyperparameters at step()
         self.errors: list[tuple[int, BaseException]] = []  # (bucket index or -1, the error)
         self.last_upload: Any = None
+        # When a step taken during backward may be taken again: the buckets the worker was
+        # taking at step() (Note: [A class that writes its gradients])
+        self.in_flight: list[Bucket] | None = None
         # A GradScaler unscales this optimizer's gradients: None until the first step() is
         # done (Note: [Loss scaling])
         self.loss_scaling: bool | None = None
@@ -134,6 +138,7 @@ class HostStep:
         with self.lock:
             snapshot = [hyper(g) for g in self.user_groups]
             self.snapshot = snapshot
+            self.in_flight = in_flight(self, snapshot) if steps else None
         return snapshot
 
     def end_call(self, keep_times: bool) -> None:
@@ -174,7 +179,8 @@ class HostStep:
         # Before step() the step is speculative (Note: [Steps taken during backward]); after
         # it, final unless finish() has to clip first; after zero_grad(), not taken.
         if self.snapshot is None:
-            self.step(bucket, speculative=True)
+            if not bucket.held:  # Note: [Written gradients brought back]
+                self.step(bucket, speculative=True)
         elif self.call_steps and self.config.max_grad_norm is None:
             self.step(bucket, speculative=False)
 
@@ -202,7 +208,7 @@ class HostStep:
         if any(b.grads_written for b in redo):  # Note: [A class that writes its gradients]
             for bucket in todo:
                 self.undo(bucket, again=False)
-            raise GradsWritten(next(b for b in redo if b.grads_written).index)
+            raise GradsWritten(next(b for b in redo if b.grads_written).index, "step")
         for bucket in redo:
             self.undo(bucket)
         self._account(start)
@@ -226,8 +232,8 @@ class HostStep:
         bucket.pending = bucket.stepped = False
         bucket.used = None
         self.undone += 1
-        if again and bucket.grads_written:
-            raise GradsWritten(bucket.index)
+        if again and bucket.grads_written:  # refused before, by whoever undoes it
+            raise GradsWritten(bucket.index, "step")
 
     def step(self, bucket: Bucket, *, speculative: bool) -> None:
         """One call of the optimizer class over the bucket; then, unless ``speculative``, the
@@ -339,18 +345,33 @@ def upload(bucket: Bucket, engine: Any) -> int:
     return sum(src.numel() * src.element_size() for _, src in pairs)
 
 
-class GradsWritten(RuntimeError):
-    """A step taken during backward by a class that wrote its gradients would have to be
-    taken again (Note: [A class that writes its gradients]); at `step()`, nothing was
-    stepped."""
+def in_flight(stepper: HostStep, snapshot: list[dict[str, Any]]) -> list[Bucket] | None:
+    """At `step()` with ``step_ahead`` (``snapshot``: its hyperparameters), under the lock:
+    where a step taken during backward may be taken again (clipping, changed
+    hyperparameters), the buckets the worker may be stepping during backward now, else None
+    (Note: [A class that writes its gradients])."""
+    c = stepper.config
+    if not c.step_ahead:
+        return None
+    if c.max_grad_norm is None and changed_hyper(stepper.buckets, snapshot) is None:
+        return None
+    if not stepper.steps_early():  # none is (one that wrote its gradients turned it off)
+        return []
+    return [b for b in stepper.buckets if b.taken and not b.handled.is_set()]
 
-    def __init__(self, index: int):
-        super().__init__(
-            f"the optimizer class wrote the gradients of bucket {index} in place during a "
-            "step taken during backward, which this step must undo and take again with the "
-            "gradients as they were; nothing was stepped: build the OffloadedOptimizer with "
-            "overlap=False for this class (Note: [A class that writes its gradients])"
-        )
+
+def may_refuse(stepper: HostStep, before_block: Any) -> bool:
+    """Whether the `step()` just opened may be refused (`GradsWritten`): a step taken during
+    its backward wrote its gradients, and clipping or changed hyperparameters may have it
+    taken again. Waits for the buckets the worker was taking when `step()` was called
+    (``before_block`` first). See Note: [A class that writes its gradients]."""
+    if stepper.in_flight is None:
+        return False
+    if any(not b.handled.is_set() for b in stepper.in_flight):
+        before_block()
+        for bucket in stepper.in_flight:
+            bucket.handled.wait()
+    return any(b.grads_written for b in stepper.buckets)
 
 
 def own_counter(t: torch.Tensor) -> torch.Tensor:
@@ -383,6 +404,15 @@ def scale(bucket: Bucket, coefficient: torch.Tensor) -> None:
 # Gradient norms (``max_grad_norm``) are waited for before any step of their bucket, since
 # the class may write what they read (found by a review: the norm of a gradient already
 # written by the step, clipping by a wrong norm).
+# With ``step_ahead`` the refusal must come from `step()`, not from the worker after `step()`
+# returned (found while closing Note: [Written gradients brought back]: the next forward ran
+# on the old values, and the refusal came out of a later call). So where a step taken during
+# backward may be taken again (``max_grad_norm``, hyperparameters changed), `step()` waits
+# for the bucket the worker was stepping during backward when it was called, if any
+# (`may_refuse`: a step started after `step()` is not one taken during backward) and, if a
+# step of this backward wrote its gradients, finishes the call before it returns, without
+# stepping ahead: once in an optimizer's life. The wait costs such a `step()` at most the
+# rest of one bucket's step, and only while buckets are stepped during backward.
 
 
 def hint_of(buckets: list[Bucket]) -> list[int]:
