@@ -415,6 +415,7 @@ class TrainingMachine(RuleBasedStateMachine):
         self.pending = False  # a conversion whose effect the next step shows
         self.steps = 0
         self.final_pending = False
+        self.backed = False  # a backward since the last step(), for the `step` rule
         self.copies = []
         spec: Spec = data.draw(specs(dtypes=self.DTYPES, dropout=True), label="spec")
         self.spec = spec
@@ -574,6 +575,20 @@ class TrainingMachine(RuleBasedStateMachine):
             return
         self.pending = False
         same_grads(grads(self.ref.model), grads(self.off.model), "gradient")
+        self.step_and_zero(data)
+
+    @precondition(lambda self: self.live() and not self.pending and self.backed
+                  and not self.raised)  # fmt: skip
+    @rule(data=st.data())
+    def step(self, data):
+        """`step()` right after a backward, its gradients unread, whatever came between (an
+        edit, a read, a schedule): Note: [Written after its gradient left]. Not after a
+        backward that raised: a second backward over streamed parameters is refused part-way,
+        after some gradients accumulated (a known gap), and the plain twin did not run it."""
+        self.step_and_zero(data)
+
+    def step_and_zero(self, data):
+        self.backed = False
         if self.both(lambda s: s.opt.step(), "step") is None and self.stopped:
             return
         self.steps += 1
@@ -595,6 +610,7 @@ class TrainingMachine(RuleBasedStateMachine):
         seed = data.draw(st.integers(0, 99), label="rng")
         out = self.both(lambda s: self.forward(s, x, seed, True), "accumulated output, loss")
         self.raised = out is None
+        self.backed = not self.raised
 
     @precondition(lambda self: self.live() and not self.pending)
     @rule(data=st.data())
@@ -605,12 +621,14 @@ class TrainingMachine(RuleBasedStateMachine):
         seed = data.draw(st.integers(0, 99), label="rng")
         out = self.both(lambda s: self.forward(s, x, seed, False), "plain backward")
         self.raised = out is None
+        self.backed = not self.raised
 
     @precondition(lambda self: self.live() and not self.pending)
     @rule(data=st.data())
     def zero_grad(self, data):
         forms = [True] + ([False] if self.op_ok("zero_grad_zeros") else [])
         set_to_none = data.draw(st.sampled_from(forms), label="set_to_none")
+        self.backed = False
         self.both(lambda s: s.opt.zero_grad(set_to_none=set_to_none), "zero_grad")
 
     @precondition(lambda self: self.live() and not self.pending)

@@ -21,8 +21,9 @@ class GradsWritten(MovedGradError):
     backward, and ``when`` needs them as backward produced them: a refusal, before anything
     changed (Notes: [A class that writes its gradients], [Written gradients brought back]).
     ``when``: "step" (`step()`: every step taken during backward undone, nothing stepped),
-    "unscale" (a GradScaler), "backward" (a second backward, before it accumulated anything)
-    or "read" (an operation on a moved gradient)."""
+    "unscale" (a GradScaler), "backward" (a second backward, before it accumulated anything),
+    "read" (an operation on a moved gradient) or "write" (`step()` after a parameter of the
+    bucket was written in place: Note: [Written after its gradient left])."""
 
     _WHY = {
         "step": "this step must undo it and take it again with the gradients as they were; "
@@ -33,11 +34,15 @@ class GradsWritten(MovedGradError):
         "accumulated anything, and step() or zero_grad() go on from the backwards before it",
         "read": "this operation reads them: it is refused before anything changed, and "
         "step() or zero_grad() go on as before it",
+        "write": "a parameter of it was written in place since its gradient left, and the "
+        "step must be taken again from the written value with the gradients as they were: "
+        "step() is refused before anything changed; zero_grad() goes on from here",
     }
 
     def __init__(self, index: int, when: str):
         note = "A class that writes its gradients" if when in ("step", "unscale") else (
-            "Written gradients brought back")  # fmt: skip
+            "Written gradients brought back" if when != "write" else
+            "Written after its gradient left")  # fmt: skip
         super().__init__(
             f"the optimizer class wrote the gradients of bucket {index} in place during a step "
             f"taken during backward, and they are no longer those backward produced: "

@@ -200,7 +200,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def accumulating(self) -> contextlib.AbstractContextManager[None]:
         """Gradients of a backward inside stay on the device and accumulate there as usual;
         the next backward outside is the final one (like DDP's ``no_sync``)."""
-        return self._live().accumulating()
+        return self._live().dispatch.accumulating()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_building", False):

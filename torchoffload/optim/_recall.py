@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from torchoffload.optim._checks import refusal
+from torchoffload.optim._checks import check_record, refusal
 from torchoffload.optim._grads import GradsWritten, MovedGrad, MovedGradError
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._params import local
@@ -43,6 +43,24 @@ from torchoffload.optim._step import HostStep
 # `accumulating()` between two `step()` calls and treats all but the last of the count seen in
 # the last step as accumulating (their gradients stay on the device): an accumulation loop
 # pays it once, in its first step, and again only when its count changes.
+
+
+# Note: [Written after its gradient left]
+# A bucket's masters are read from their parameters (when these changed since the optimizer
+# last read or wrote them) as its gradients leave for the host, during backward; but a loop
+# may write a parameter after that and before `step()` (a projection, a clamp, a manual
+# update), and torch.optim then steps the written value. So `step()`, before its call opens,
+# looks at every sent bucket's parameters (metadata: version counter and data pointer, or a
+# streamed one's host version): for each bucket with one written since, the worker is kept
+# from stepping it during backward or waited for (`Recalls.written`), and the parameter is
+# read (a blocking copy, only after such a write). If it holds its master's values rounded to
+# it (a round trip through another dtype), nothing changed. Otherwise a step taken from the
+# old values is undone and the written parameters' masters are read again, as after any
+# write outside the optimizer; the call then steps the bucket with its gradients. Where that
+# step wrote its gradients (Note: [A class that writes its gradients]), taking it again is
+# impossible: refused before anything changes. A write through ``.data`` moves no version
+# counter and is not seen: `reload_parameters()` is the way (found by a helper: the write was
+# lost in every mode, up to 0.22 off with SGD at lr 0.1).
 
 
 # Note: [Written gradients brought back]
@@ -182,6 +200,21 @@ class Recalls:
                 bucket.handled.wait()
         return [b for b in buckets if b.grads_written]
 
+    def follow_writes(self) -> None:
+        """`step()`, before its call opens: the masters of parameters written in place since
+        their gradients left follow them, a step taken from the old value is undone (Note:
+        [Written after its gradient left])."""
+        edited = [b for b in self.host.buckets if b.dispatched and any(map(_edited, b.records))]
+        self.written(edited)  # held, or waited for: the worker is done with them
+        changed = [b for b in edited if [r for r in b.records if _edited(r) and _written(b, r)]]
+        if any(b.grads_written for b in changed):
+            raise GradsWritten(next(b for b in changed if b.grads_written).index, "write")
+        for bucket in changed:
+            self.stepper.undo(bucket)
+            for rec in bucket.records:
+                if _edited(rec):
+                    check_record(self.host, rec)
+
     def predicts_accumulation(self) -> bool:
         """Called by each final gradient outside `accumulating()`: counts this backward, and
         says whether it is predicted to be followed by another before `step()`."""
@@ -257,6 +290,32 @@ def _incoming_kept(owner: Any, param: torch.Tensor, grad: torch.Tensor) -> None:
     runtime = owner()
     if runtime is not None and not runtime.closed:
         runtime.recalls.before_accumulate(param)
+
+
+def _edited(rec: Record) -> bool:
+    """``rec``'s parameter was written since its master was read or written (metadata)."""
+    if rec.hosted is not None:
+        return rec.synced[0] != rec.hosted.version
+    p = local(rec.param)
+    return (p._version, p.data_ptr()) != rec.synced
+
+
+def _written(bucket: Bucket, rec: Record) -> bool:
+    """Whether ``rec``'s parameter (edited: `_edited`) holds other values than its master
+    (as before a step taken during backward) rounded to it; if not (a round trip through
+    another dtype, a write of the same values), it is taken as read (a blocking copy, only
+    after such a write)."""
+    src = rec.hosted.host if rec.hosted is not None else local(rec.param).detach()
+    if (src.dtype, tuple(src.shape)) != (rec.entry.dtype, rec.entry.shape):
+        return True  # converted: check_record refuses it
+    master = bucket.undo.before(rec.master) if bucket.pending else rec.master
+    if master is None or not torch.equal(src.to("cpu"), master.to(src.dtype)):
+        return True
+    if rec.hosted is None:
+        rec.synced = (local(rec.param)._version, local(rec.param).data_ptr())
+    else:
+        rec.synced = (rec.hosted.version, -2)
+    return False
 
 
 def _moved(rec: Record) -> bool:

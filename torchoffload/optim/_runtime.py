@@ -11,7 +11,6 @@ sequences a step over its parts, each built here from values and handed the othe
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -102,9 +101,7 @@ class HostStepRuntime:
     # - Hooks (autograd's threads)
     def on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook. See Note: [When a gradient is final]."""
-        if self.dispatch.depth or self.closed:
-            return
-        if self.recalls.predicts_accumulation():
+        if self.dispatch.depth or self.closed or self.recalls.predicts_accumulation():
             return
         if self.ahead.running is not None:
             self.settle()
@@ -122,9 +119,6 @@ class HostStepRuntime:
         """Bring ``bucket``'s gradients back to the device (Note: [A second backward])."""
         self.recalls.recall(bucket)
 
-    def accumulating(self) -> contextlib.AbstractContextManager[None]:
-        return self.dispatch.accumulating()
-
     # - Step and discard (the caller's thread)
     def step(self, between: Any = None) -> None:
         """``between``: called once every bucket is on its way to the host, before waiting
@@ -132,11 +126,15 @@ class HostStepRuntime:
         self.settle()
         self.refuse_consumed("step()")
         self.dispatch.check_rest()
+        self.recalls.follow_writes()  # Note: [Written after its gradient left]
         called = self._begin(step_rest=True)
-        if between is not None:
+        late = may_refuse(self.stepper, self._before_block)  # the device part after a refusal
+        if between is not None and not late:
             between()
-        if not self.config.step_ahead or may_refuse(self.stepper, self._before_block):
+        if not self.config.step_ahead or late:
             self._end(step_rest=True, called=called)
+            if between is not None and late:  # Note: [A class that writes its gradients]
+                between()
             return
         # See Note: [Stepping ahead]
         self.ahead.start(called, {id(r.param): self.buckets[r.entry.bucket]

@@ -346,13 +346,11 @@ def upload(bucket: Bucket, engine: Any) -> int:
 
 
 def in_flight(stepper: HostStep, snapshot: list[dict[str, Any]]) -> list[Bucket] | None:
-    """At `step()` with ``step_ahead`` (``snapshot``: its hyperparameters), under the lock:
-    where a step taken during backward may be taken again (clipping, changed
-    hyperparameters), the buckets the worker may be stepping during backward now, else None
-    (Note: [A class that writes its gradients])."""
+    """At `step()` (``snapshot``: its hyperparameters), under the lock: where a step taken
+    during backward may be taken again (clipping, changed hyperparameters), the buckets the
+    worker may be stepping during backward now, else None (Note: [A class that writes its
+    gradients])."""
     c = stepper.config
-    if not c.step_ahead:
-        return None
     if c.max_grad_norm is None and changed_hyper(stepper.buckets, snapshot) is None:
         return None
     if not stepper.steps_early():  # none is (one that wrote its gradients turned it off)

@@ -130,6 +130,10 @@ class Undo:
         self._saved = saved
         self.saved = True
 
+    def before(self, t: torch.Tensor) -> torch.Tensor | None:
+        """What ``t`` held before the step `save` was called for (None: not saved)."""
+        return self._buffers.get(_key(t)) if self.saved else None
+
     @property
     def prepared(self) -> bool:
         return bool(self._ahead)
