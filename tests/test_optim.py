@@ -2265,3 +2265,26 @@ def test_a_refused_step_leaves_the_device_part_unstepped():
     assert same_params(a, before)
     opt.zero_grad()
     opt.remove()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+def test_a_write_of_zero_over_minus_zero_after_backward_is_stepped(overlap):
+    """Note: [Written after its gradient left]: whether a written parameter changed is told
+    by its bits (a review found -0.0 taken for 0.0 by a comparison of values, and the old -0.0
+    stepped)."""
+    p = nn.Parameter(torch.tensor([-0.0, 1.0, 2.0, -3.0]))
+    master = p.detach().clone().requires_grad_()
+    ref = torch.optim.SGD([master], lr=0.1)
+    opt = to.OffloadedOptimizer([p], torch.optim.SGD, lr=0.1, overlap=overlap)
+    (p * torch.tensor([0.0, 1.0, 1.0, 1.0])).sum().backward()  # element 0's gradient: +0.0
+    for b in opt._runtime.buckets:
+        assert b.handled.wait(10)
+    with torch.no_grad():
+        p.add_(0.0)  # -0.0 becomes +0.0
+        master.copy_(p)
+    master.grad = torch.tensor([0.0, 1.0, 1.0, 1.0])
+    opt.step()
+    ref.step()
+    opt.synchronize()
+    assert torch.equal(p.detach().view(torch.int32), master.detach().view(torch.int32))
+    opt.remove()

@@ -53,10 +53,13 @@ from torchoffload.optim._step import HostStep
 # looks at every sent bucket's parameters (metadata: version counter and data pointer, or a
 # streamed one's host version): for each bucket with one written since, the worker is kept
 # from stepping it during backward or waited for (`Recalls.written`), and the parameter is
-# read (a blocking copy, only after such a write). If it holds its master's values rounded to
-# it (a round trip through another dtype), nothing changed. Otherwise a step taken from the
-# old values is undone and the written parameters' masters are read again, as after any
-# write outside the optimizer; the call then steps the bucket with its gradients. Where that
+# read (a blocking copy, only after such a write). If its master is of its own dtype and it
+# holds the master's bits (a round trip through another dtype), reading it again would change
+# nothing, and nothing is done. Otherwise a step taken from the old values is undone and the
+# written parameters' masters are read again, as after any write outside the optimizer (a
+# bf16 parameter's fp32 master drops its extra bits, whatever the write: found by a review,
+# which also found -0.0 taken for 0.0 by a comparison of values); the call then steps the
+# bucket with its gradients. Where that
 # step wrote its gradients (Note: [A class that writes its gradients]), taking it again is
 # impossible: refused before anything changes. A write through ``.data`` moves no version
 # counter and is not seen: `reload_parameters()` is the way (found by a helper: the write was
@@ -301,21 +304,29 @@ def _edited(rec: Record) -> bool:
 
 
 def _written(bucket: Bucket, rec: Record) -> bool:
-    """Whether ``rec``'s parameter (edited: `_edited`) holds other values than its master
-    (as before a step taken during backward) rounded to it; if not (a round trip through
-    another dtype, a write of the same values), it is taken as read (a blocking copy, only
-    after such a write)."""
+    """Whether ``rec``'s parameter (edited: `_edited`) must be read again: always where its
+    master has more precision (reading it again drops that, as after any write: Note:
+    [Parameters that share a storage] in _params.py); else unless it holds its master's bits
+    (as before a step taken during backward), where reading it again would change nothing (a
+    round trip through another dtype). A blocking copy, only after such a write."""
     src = rec.hosted.host if rec.hosted is not None else local(rec.param).detach()
     if (src.dtype, tuple(src.shape)) != (rec.entry.dtype, rec.entry.shape):
         return True  # converted: check_record refuses it
     master = bucket.undo.before(rec.master) if bucket.pending else rec.master
-    if master is None or not torch.equal(src.to("cpu"), master.to(src.dtype)):
+    if master is None or master.dtype != src.dtype or not _same_bits(src.to("cpu"), master):
         return True
     if rec.hosted is None:
         rec.synced = (local(rec.param)._version, local(rec.param).data_ptr())
     else:
         rec.synced = (rec.hosted.version, -2)
     return False
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (``torch.equal`` takes -0.0 for 0.0; found by a review)."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    as_int = ints[a.element_size()]
+    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def _moved(rec: Record) -> bool:
