@@ -573,8 +573,8 @@ def bound_of(r, cal, fb):
     return fb, host, link
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model's shape (`llama`) and the batch: the Llama-3.2-3B shape by default."""
     p.add_argument("--hidden", type=int, default=3072)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--heads", type=int, default=24)
@@ -582,8 +582,13 @@ def main() -> None:
     p.add_argument("--intermediate", type=int, default=8192)
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--untied", action="store_true", help="an output head of its own")
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, default=2, help="per process")
     p.add_argument("--seq", type=int, default=4096)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rows", default="calibrate,resident,offload,offload-at-step,fsdp2-cpu")
     p.add_argument("--row", help=argparse.SUPPRESS)

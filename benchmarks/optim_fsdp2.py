@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from optim import llama, train  # noqa: E402
+from optim import llama, model_arguments, train  # noqa: E402
 
 ROWS = ("fsdp2", "fsdp2-cpu", "fsdp2-offload")
 
@@ -88,15 +88,7 @@ def run_row(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--untied", action="store_true", help="an output head of its own")
-    p.add_argument("--batch", type=int, default=2, help="per rank")
-    p.add_argument("--seq", type=int, default=4096)
+    model_arguments(p)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rows", default=",".join(ROWS))
     p.add_argument("--gpus", type=int, default=None, help="ranks (default: every visible GPU)")

@@ -84,6 +84,13 @@ def follow_written(master: torch.Tensor, value: torch.Tensor) -> None:
     master.copy_(torch.where(written, value.to(master.dtype), master))
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` (one dtype, one device) hold the same bytes (``torch.equal`` takes
+    -0.0 for 0.0)."""
+    bits = _BITS[a.element_size()]
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
+
+
 def shared_families(families: list[int]) -> set[int]:
     """The keys of ``families`` (`storage_families`) that more than one parameter has."""
     seen: set[int] = set()

@@ -15,7 +15,7 @@ from torch.autograd.graph import get_gradient_edge
 from torchoffload.optim._checks import check_record, refusal
 from torchoffload.optim._grads import GradsWritten, MovedGrad, MovedGradError
 from torchoffload.optim._host import Bucket, HostMasters, Record
-from torchoffload.optim._params import local
+from torchoffload.optim._params import local, same_bits
 from torchoffload.optim._step import HostStep
 
 # Note: [A second backward]
@@ -209,7 +209,8 @@ class Recalls:
         [Written after its gradient left])."""
         edited = [b for b in self.host.buckets if b.dispatched and any(map(_edited, b.records))]
         self.written(edited)  # held, or waited for: the worker is done with them
-        changed = [b for b in edited if [r for r in b.records if _edited(r) and _written(b, r)]]
+        # every edited parameter is looked at: one found unchanged is marked as read
+        changed = [b for b in edited if any([_written(b, r) for r in b.records if _edited(r)])]
         if any(b.grads_written for b in changed):
             raise GradsWritten(next(b for b in changed if b.grads_written).index, "write")
         for bucket in changed:
@@ -308,25 +309,19 @@ def _written(bucket: Bucket, rec: Record) -> bool:
     master has more precision (reading it again drops that, as after any write: Note:
     [Parameters that share a storage] in _params.py); else unless it holds its master's bits
     (as before a step taken during backward), where reading it again would change nothing (a
-    round trip through another dtype). A blocking copy, only after such a write."""
+    round trip through another dtype), and then it is marked as read. A blocking copy, only
+    after such a write."""
     src = rec.hosted.host if rec.hosted is not None else local(rec.param).detach()
     if (src.dtype, tuple(src.shape)) != (rec.entry.dtype, rec.entry.shape):
         return True  # converted: check_record refuses it
     master = bucket.undo.before(rec.master) if bucket.pending else rec.master
-    if master is None or master.dtype != src.dtype or not _same_bits(src.to("cpu"), master):
+    if master is None or master.dtype != src.dtype or not same_bits(src.to("cpu"), master):
         return True
     if rec.hosted is None:
         rec.synced = (local(rec.param)._version, local(rec.param).data_ptr())
     else:
         rec.synced = (rec.hosted.version, -2)
     return False
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (``torch.equal`` takes -0.0 for 0.0; found by a review)."""
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-    as_int = ints[a.element_size()]
-    return torch.equal(a.contiguous().view(as_int), b.contiguous().view(as_int))
 
 
 def _moved(rec: Record) -> bool:
