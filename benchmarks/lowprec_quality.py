@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import torch
@@ -158,9 +159,18 @@ def speed(args) -> None:
     sizes = [min(chunk, args.speed_params - k) for k in range(0, args.speed_params, chunk)]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; host step over "
           f"{args.speed_params / 1e9:.2f} B parameters in {len(sizes)} tensors")  # fmt: skip
-    print(f"{'way':<28} {'B/param':>7} {'ns/param':>9} {'8.03 B: s/step':>15}")
+    print(f"{'way':<38} {'B/param':>7} {'ns/param':>9} {'8.03 B: s/step':>15}")
     g = torch.Generator().manual_seed(0)
-    for name, (cls, master_dtype, options) in SPEED.items():
+    ways = [
+        (name, way, native)
+        for name, way in SPEED.items()
+        for native in ((True, False) if issubclass(way[0], LowPrecisionAdamW) else (True,))
+    ]
+    for name, (cls, master_dtype, options), native in ways:
+        # Note: [The native host step]: the C kernel, or per-op PyTorch (the same bits)
+        os.environ["TORCHOFFLOAD_NATIVE"] = "1" if native else "0"
+        if issubclass(cls, LowPrecisionAdamW):
+            name += " (native)" if native else " (per-op)"
         params = [(torch.randn(n, generator=g) * 0.02).to(master_dtype).requires_grad_()
                   for n in sizes]  # fmt: skip
         for p in params:
@@ -177,7 +187,7 @@ def speed(args) -> None:
         rounding = {k: v for k, v in options.items() if k == "bf16_rounding"}
         per = host_bytes_per_param(BF16, master_dtype=master_dtype, state_bits=bits,
                                    overlap=False, **rounding)  # fmt: skip
-        print(f"{name:<28} {per:>7.2f} {ns:>9.2f} {ns * 8.03:>15.1f}", flush=True)
+        print(f"{name:<38} {per:>7.2f} {ns:>9.2f} {ns * 8.03:>15.1f}", flush=True)
         del params, opt
 
 

@@ -12,16 +12,18 @@ from typing import Any
 import torch
 
 from torchoffload._validate import check_int, check_number
-from torchoffload.optim import _lowbit
+from torchoffload.optim import _lowbit, _native
 from torchoffload.optim._lowbit import (
     BLOCK,
     blocks_of,
     dequantize,
+    native_tables,
     padded,
     quantize_,
     round_compensated_,
     round_key,
     round_stochastic_,
+    sqrt_exact,
 )
 
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (name, signed map)
@@ -256,57 +258,124 @@ def _init_state(p: torch.Tensor, state: dict[str, Any], hyper: _Hyper) -> None:
 
 
 def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _Hyper) -> None:
-    """One AdamW step of ``p``, chunk by chunk, in fp32: `torch.optim.AdamW`'s single-tensor
-    update, on dequantized moments and (bf16) an fp32 copy of the parameter."""
+    """One AdamW step of ``p``: fp32 moments of an fp32 parameter as `torch.optim.AdamW`
+    (single-tensor) steps them, bit for bit; any other format by `_step_lowbit`."""
     work = p if p.is_contiguous() else p.contiguous()
     flat, g = work.view(-1), grad.reshape(-1)
     step = float(state["step"])
+    if p.dtype == torch.bfloat16 or "exp_avg_codes" in state:
+        _step_lowbit(flat, g, state, h, step, p.shape)
+    else:
+        _step_fp32(flat, g, state, h, step)
+    if work is not p:
+        p.copy_(work)
+
+
+def _step_fp32(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: _Hyper,
+               step: float) -> None:  # fmt: skip
+    """`torch.optim.AdamW`'s single-tensor update, chunk by chunk, in place."""
     step_size = h.lr / (1 - h.beta1**step)
     bias_correction2_sqrt = (1 - h.beta2**step) ** 0.5
-    bf16 = p.dtype == torch.bfloat16
+    m, v = (state[n].view(-1) for n, _ in _MOMENTS)
+    chunk = _lowbit.chunk_elements()
+    for lo in range(0, flat.numel(), chunk):
+        x, gc, mc, vc = (t[lo : lo + chunk] for t in (flat, g, m, v))
+        if h.weight_decay != 0:
+            x.mul_(1 - h.lr * h.weight_decay)
+        mc.lerp_(gc, 1 - h.beta1)
+        vc.mul_(h.beta2).addcmul_(gc, gc, value=1 - h.beta2)
+        denom = (vc.sqrt() / bias_correction2_sqrt).add_(h.eps)
+        x.addcdiv_(mc, denom, value=-step_size)
+
+
+def _scalars(h: _Hyper, step: float) -> list[float]:
+    """The step's scalars, in float64, in the order `_lowbit_step.c` takes them: each op rounds
+    its scalar to fp32 as the C code's fp32 copy of them is rounded."""
+    return [1 - h.lr * h.weight_decay, 1 - h.beta1, h.beta2, 1 - h.beta2,
+            1 / (1 - h.beta2**step) ** 0.5, h.eps, -(h.lr / (1 - h.beta1**step))]  # fmt: skip
+
+
+def _step_lowbit(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: _Hyper,
+                 step: float, shape: torch.Size) -> None:  # fmt: skip
+    """AdamW on 8-bit or fp32 moments and an fp32 or bf16 parameter: the update of
+    `torch.optim.AdamW` in fp32 with each operation rounded on its own (no fused multiply-add,
+    a correctly rounded square root), on dequantized moments and an fp32 copy of a bf16
+    parameter, written back in the state's formats. On a CPU by the native kernel where it
+    builds, else per op, chunk by chunk: the same bits (Note: [The native host step])."""
+    bf16 = flat.dtype == torch.bfloat16
     rounding = h.rounding if bf16 else None
     # the compensation of a Kahan step: kept with "kahan", else added in once and dropped
     kept = state.get("compensation") if bf16 else None
     if rounding is Bf16Rounding.KAHAN and kept is None:
-        kept = state["compensation"] = torch.zeros(p.shape, dtype=torch.bfloat16, device=p.device)
+        kept = state["compensation"] = flat.new_zeros(shape)
     compensation = None if kept is None else kept.view(-1)
     key = round_key(h.seed, int(step)) if rounding is Bf16Rounding.STOCHASTIC else 0
     quantized = "exp_avg_codes" in state
-    chunk = _lowbit.chunk_elements()
-    for lo in range(0, flat.numel(), chunk):
-        hi = min(lo + chunk, flat.numel())
-        x = flat[lo:hi].float() if bf16 else flat[lo:hi]  # fp32: in place, as torch
-        if compensation is not None:
-            x.add_(compensation[lo:hi])
-        gc = g[lo:hi].float()
-        if quantized:
-            blocks = slice(lo // BLOCK, blocks_of(hi))
-            codes = slice(blocks.start * BLOCK, blocks.stop * BLOCK)
-            whole = [dequantize(state[f"{n}_codes"][codes], state[f"{n}_scales"][blocks], s)
-                     for n, s in _MOMENTS]  # fmt: skip
-            m, v = (t[: hi - lo] for t in whole)
-        else:
-            m, v = (state[n].view(-1)[lo:hi] for n, _ in _MOMENTS)
-        if h.weight_decay != 0:
-            x.mul_(1 - h.lr * h.weight_decay)
-        m.lerp_(gc, 1 - h.beta1)
-        v.mul_(h.beta2).addcmul_(gc, gc, value=1 - h.beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
-        x.addcdiv_(m, denom, value=-step_size)
-        if quantized:
-            for (n, signed), t in zip(_MOMENTS, whole, strict=True):
-                t[hi - lo :] = 0  # the padding of a last short block
-                quantize_(state[f"{n}_codes"][codes], state[f"{n}_scales"][blocks], t, signed)
-        if rounding is Bf16Rounding.STOCHASTIC:
-            round_stochastic_(flat[lo:hi], x, key, lo)
-        elif rounding is Bf16Rounding.KAHAN:
-            round_compensated_(flat[lo:hi], compensation[lo:hi], x)
-        elif bf16:
-            flat[lo:hi].copy_(x)
+    if quantized:
+        moments = tuple(state[f"{n}_{part}"] for n, _ in _MOMENTS for part in ("codes", "scales"))
+    else:
+        moments = tuple(state[n].view(-1) for n, _ in _MOMENTS)
+    fn = _native.kernel() if flat.device.type == "cpu" else None
+    if fn is not None and g.is_contiguous():
+        flags = ((_native.PARAM_BF16 if bf16 else 0) | (_native.QUANTIZED if quantized else 0)
+                 | (_native.STOCHASTIC if rounding is Bf16Rounding.STOCHASTIC else 0)
+                 | (_native.KAHAN if rounding is Bf16Rounding.KAHAN else 0)
+                 | (_native.ADD_COMP if compensation is not None else 0))  # fmt: skip
+        scalars = torch.tensor(_scalars(h, step), dtype=torch.float32)
+        _native.step(fn, flat.numel(), flags, flat, g, moments, compensation, scalars, key,
+                     native_tables())  # fmt: skip
+    else:
+        chunk = _lowbit.chunk_elements()
+        for lo in range(0, flat.numel(), chunk):
+            _step_chunk(flat, g, moments, compensation, h, step, rounding, key, lo,
+                        min(lo + chunk, flat.numel()))  # fmt: skip
     if kept is not None and rounding is not Bf16Rounding.KAHAN:
         del state["compensation"]
-    if work is not p:
-        p.copy_(work)
+
+
+def _step_chunk(
+    flat: torch.Tensor,
+    g: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
+    compensation: torch.Tensor | None,
+    h: _Hyper,
+    step: float,
+    rounding: Bf16Rounding | None,
+    key: int,
+    lo: int,
+    hi: int,
+) -> None:
+    """Elements [lo, hi) of `_step_lowbit`, per op (``lo`` a multiple of BLOCK)."""
+    decay, w1, beta2, w2, inv_bc2, eps, neg_step = _scalars(h, step)
+    bf16 = flat.dtype == torch.bfloat16
+    x = flat[lo:hi].float() if bf16 else flat[lo:hi].clone()
+    if compensation is not None:
+        x.add_(compensation[lo:hi])
+    gc = g[lo:hi].float()
+    if len(moments) == 4:
+        blocks = slice(lo // BLOCK, blocks_of(hi))
+        codes = slice(blocks.start * BLOCK, blocks.stop * BLOCK)
+        whole = [dequantize(moments[2 * k][codes], moments[2 * k + 1][blocks], signed)
+                 for k, (_, signed) in enumerate(_MOMENTS)]  # fmt: skip
+        m, v = (t[: hi - lo] for t in whole)
+    else:
+        m, v = (t[lo:hi] for t in moments)
+    x.mul_(decay)
+    m.add_(gc.sub(m).mul_(w1))
+    v.mul_(beta2).add_(gc.mul(w2).mul_(gc))
+    denom = sqrt_exact(v).mul_(inv_bc2).add_(eps)
+    x.add_(m.div(denom).mul_(neg_step))
+    if len(moments) == 4:
+        for k, ((_, signed), t) in enumerate(zip(_MOMENTS, whole, strict=True)):
+            t[hi - lo :] = 0  # the padding of a last short block
+            quantize_(moments[2 * k][codes], moments[2 * k + 1][blocks], t, signed)
+    if rounding is Bf16Rounding.STOCHASTIC:
+        round_stochastic_(flat[lo:hi], x, key, lo)
+    elif rounding is Bf16Rounding.KAHAN:
+        assert compensation is not None
+        round_compensated_(flat[lo:hi], compensation[lo:hi], x)
+    else:
+        flat[lo:hi].copy_(x)
 
 
 def _adopt(p: torch.Tensor, saved: dict[str, Any], hyper: _Hyper, index: Any) -> dict[str, Any]:

@@ -1,0 +1,140 @@
+/* One LowPrecisionAdamW step of one parameter's blocks [b0, b1) on the host: the per-op
+ * PyTorch step of torchoffload/optim/_adamw.py (`_step_chunk`), fused, each value read and
+ * written once. Built and loaded by _native.py; see its Note: [The native host step].
+ *
+ * Bits: every fp32 operation below is one IEEE operation in the order the per-op step does
+ * it, so the two agree bit for bit (NaN payloads aside). That needs: no contraction into
+ * fused multiply-adds (-ffp-contract=off), a correctly rounded sqrtf (IEEE; -fno-math-errno
+ * only lets it vectorize), no -ffast-math, and unsigned 32-bit integer arithmetic for the
+ * hash (it wraps, as the per-op step's int32 arithmetic does). Each block of 256 elements is
+ * done whole by one thread, so the bits depend on no thread count or split. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define BLOCK 256
+#define TOP 16 /* a code is looked up by the top 32 - TOP bits of a value */
+
+enum {
+    PARAM_BF16 = 1,   /* the parameter and its gradient are bfloat16 (else float32) */
+    QUANTIZED = 2,    /* the moments are 8-bit codes and per-block scales (else float32) */
+    STOCHASTIC = 4,   /* a bf16 parameter is written by stochastic rounding */
+    KAHAN = 8,        /* ... with a compensation term, kept in `comp` */
+    ADD_COMP = 16,    /* `comp` is added to the parameter before the step */
+};
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float from_bf16(uint16_t b) { return float_of((uint32_t)b << 16); }
+
+/* c10::BFloat16's round to nearest even (a NaN becomes the canonical quiet NaN) */
+static inline uint16_t to_bf16(float f) {
+    if (f != f) return 0x7FC0;
+    uint32_t u = bits_of(f);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* fp32 `x` to bf16 rounded up with the probability of the fraction dropped: 16 random bits
+ * from a hash (MurmurHash3's finalizer) of the key, the element's index and x's bits */
+static inline uint16_t to_bf16_stochastic(float f, uint32_t key, uint32_t index) {
+    if (f != f) return 0x7FC0;
+    uint32_t u = bits_of(f);
+    uint32_t h = index * 0x9E3779B9u + key;
+    h ^= u;
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    h ^= h >> 16;
+    return (uint16_t)(((u + (h & 0xFFFFu)) & 0xFFFF0000u) >> 16);
+}
+
+/* The block's scale (its largest magnitude; NaN if any value is) and each value's code: the
+ * map's nearest value to value / scale, found from the top bits and one comparison. The
+ * largest magnitude is the largest of the bit patterns without their sign (a NaN's exceed
+ * infinity's), an integer maximum that vectorizes. */
+static inline void quantize(const float *x, uint8_t *codes, float *scale, const float *mids,
+                            const int32_t *below) {
+    uint32_t top = 0;
+    for (int i = 0; i < BLOCK; i++) {
+        uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    const float s = float_of(top);
+    *scale = s;
+    const float tiny = 1.17549435e-38f; /* torch.finfo(torch.float32).tiny */
+    const float d = s < tiny ? tiny : s; /* a NaN stays NaN, as torch.clamp keeps it */
+    int32_t c[BLOCK];
+    for (int i = 0; i < BLOCK; i++) {
+        float y = x[i] / d;
+        int32_t below_y = below[bits_of(y) >> TOP];
+        c[i] = below_y + (mids[below_y] < y);
+    }
+    for (int i = 0; i < BLOCK; i++) codes[i] = (uint8_t)c[i];
+}
+
+/* hs: the step's fp32 scalars, rounded from float64 as PyTorch rounds a Python scalar:
+ * decay (1 - lr * weight_decay), w1 (1 - beta1), beta2, w2 (1 - beta2), the reciprocal of
+ * sqrt(1 - beta2 ** step), eps and -lr / (1 - beta1 ** step) */
+void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param,
+                       const void *grad, uint8_t *m_codes, float *m_scales, uint8_t *v_codes,
+                       float *v_scales, float *m32, float *v32, uint16_t *comp,
+                       const float *hs, uint32_t key, const float *m_map,
+                       const float *m_mids, const int32_t *m_below, const float *v_map,
+                       const float *v_mids, const int32_t *v_below) {
+    const float decay = hs[0], w1 = hs[1], beta2 = hs[2], w2 = hs[3], inv_bc2 = hs[4],
+                eps = hs[5], neg_step = hs[6];
+    const int bf16 = flags & PARAM_BF16, quantized = flags & QUANTIZED;
+    float x[BLOCK], g[BLOCK], m[BLOCK], v[BLOCK];
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t lo = b * BLOCK;
+        const int k = n - lo < BLOCK ? (int)(n - lo) : BLOCK;
+        if (bf16) {
+            const uint16_t *p = (const uint16_t *)param + lo, *gp = (const uint16_t *)grad + lo;
+            for (int i = 0; i < k; i++) x[i] = from_bf16(p[i]);
+            for (int i = 0; i < k; i++) g[i] = from_bf16(gp[i]);
+            if (flags & (KAHAN | ADD_COMP))
+                for (int i = 0; i < k; i++) x[i] = x[i] + from_bf16(comp[lo + i]);
+        } else {
+            memcpy(x, (const float *)param + lo, k * sizeof(float));
+            memcpy(g, (const float *)grad + lo, k * sizeof(float));
+        }
+        if (quantized) {
+            const float ms = m_scales[b], vs = v_scales[b];
+            for (int i = 0; i < BLOCK; i++) m[i] = m_map[m_codes[lo + i]] * ms;
+            for (int i = 0; i < BLOCK; i++) v[i] = v_map[v_codes[lo + i]] * vs;
+        } else {
+            memcpy(m, m32 + lo, k * sizeof(float));
+            memcpy(v, v32 + lo, k * sizeof(float));
+        }
+        for (int i = 0; i < k; i++) {
+            float xi = x[i] * decay;
+            float mi = m[i] + w1 * (g[i] - m[i]);
+            float vi = v[i] * beta2 + (w2 * g[i]) * g[i];
+            float denom = sqrtf(vi) * inv_bc2 + eps;
+            x[i] = xi + neg_step * (mi / denom);
+            m[i] = mi;
+            v[i] = vi;
+        }
+        if (quantized) {
+            for (int i = k; i < BLOCK; i++) m[i] = v[i] = 0.0f; /* a last short block's padding */
+            quantize(m, m_codes + lo, m_scales + b, m_mids, m_below);
+            quantize(v, v_codes + lo, v_scales + b, v_mids, v_below);
+        } else {
+            memcpy(m32 + lo, m, k * sizeof(float));
+            memcpy(v32 + lo, v, k * sizeof(float));
+        }
+        if (!bf16) {
+            memcpy((float *)param + lo, x, k * sizeof(float));
+        } else if (flags & STOCHASTIC) {
+            uint16_t *p = (uint16_t *)param + lo;
+            for (int i = 0; i < k; i++) p[i] = to_bf16_stochastic(x[i], key, (uint32_t)(lo + i));
+        } else {
+            uint16_t *p = (uint16_t *)param + lo;
+            for (int i = 0; i < k; i++) p[i] = to_bf16(x[i]);
+            if (flags & KAHAN)
+                for (int i = 0; i < k; i++) comp[lo + i] = to_bf16(x[i] - from_bf16(p[i]));
+        }
+    }
+}
