@@ -184,7 +184,7 @@ def row_offload(
     fraction: float = 1.0,
     acts: bool = False,
     clip: str | None = None,
-    lowbit: bool = False,
+    lowbit: str | None = None,
     switch_ms: float | None = None,
 ):
     import torchoffload as to
@@ -198,10 +198,13 @@ def row_offload(
     if params:  # parameters streamed from the host store, stepped there
         handle = to.stream_parameters(model, int(args.param_budget_gib * GiB))
         torch.cuda.empty_cache()
-    # lowbit: bf16 masters and 8-bit moments (torchoffload.optim.AdamW8bit, stochastic
-    # rounding): 6 bytes a parameter on the host instead of 16
-    cls, kw = ((to.optim.AdamW8bit, dict(master_dtype=torch.bfloat16)) if lowbit
-               else (torch.optim.AdamW, dict(fused=True)))  # fmt: skip
+    # lowbit: bf16 masters (stochastic rounding) and 8-bit moments ("8bit", AdamW8bit: 6 bytes
+    # a parameter on the host instead of 16) or fp32 ones ("bf16", LowPrecisionAdamW: 12)
+    cls, kw = {
+        "8bit": (to.optim.AdamW8bit, dict(master_dtype=torch.bfloat16)),
+        "bf16": (to.optim.LowPrecisionAdamW, dict(master_dtype=torch.bfloat16)),
+        None: (torch.optim.AdamW, dict(fused=True)),
+    }[lowbit]
     opt = to.OffloadedOptimizer(
         model.parameters(), cls, lr=1e-5, **kw, overlap=overlap,
         host_threads=host_threads, step_ahead=ahead, model=model if ahead else None,
@@ -524,7 +527,8 @@ ROWS = {
     "offload-host-converts": lambda a: row_offload(a, True, convert_on="host"),
     "offload-at-step": lambda a: row_offload(a, False),
     "offload-clip": lambda a: row_offload(a, True, clip="config"),
-    "offload-8bit": lambda a: row_offload(a, True, lowbit=True),
+    "offload-8bit": lambda a: row_offload(a, True, lowbit="8bit"),
+    "offload-bf16": lambda a: row_offload(a, True, lowbit="bf16"),
     "offload-clip-model": lambda a: row_offload(a, True, clip="model"),
     "offload-ahead": lambda a: row_offload(a, True, ahead=True),
     "offload-clip-ahead": lambda a: row_offload(a, True, ahead=True, clip="config"),

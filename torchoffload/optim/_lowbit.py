@@ -65,6 +65,8 @@ _lock = threading.Lock()
 _tables: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 _native_tables: list[tuple[torch.Tensor, ...]] = []
 _TOP = 16  # a code is looked up by the top 32 - _TOP bits of a value (sign, exponent, fraction)
+# ... of a magnitude clamped to [2**-24, 2): a table of 2 x 3200 entries (25 KiB) in L1
+_LOW, _HIGH = (127 - 24) << 7, (127 << 7) | 127
 
 
 def dynamic_map(signed: bool) -> list[float]:
@@ -112,7 +114,22 @@ def _build_table(signed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     finite = lo.isfinite() & hi.isfinite()
     spread = torch.bucketize(hi, mids, out_int32=True) - below
     assert int(spread[finite].max()) <= 1, "a pattern spans two midpoints"
+    # the patterns of magnitudes from 2**-24 to below 2: those below take the smallest's
+    # entry, as no midpoint is that near zero; those above (only NaN: a value over its
+    # block's scale is at most 1) the largest's
+    assert float(mids.abs().min()) >= 2.0**-23
+    kept = torch.arange(_LOW, _HIGH + 1)
+    below = below[torch.cat([kept, kept | (1 << 15)])].contiguous()
     return values, torch.cat([mids, mids.new_full((1,), float("inf"))]), below
+
+
+def _codes_below(y: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
+    """The entry of ``below`` for each fp32 ``y``: its top 16 bits, the magnitude clamped to
+    [2**-24, 2), as `_lowbit_step.c` looks it up."""
+    bits = y.view(torch.int32)
+    top = bits.bitwise_right_shift(_TOP).bitwise_and_(0x7FFF).clamp_(_LOW, _HIGH).sub_(_LOW)
+    top.add_(bits.lt(0).int().mul_(_HIGH - _LOW + 1))
+    return below.index_select(0, top)
 
 
 def blocks_of(numel: int) -> int:
@@ -137,18 +154,20 @@ def quantize_(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, signed
     torch.amax(blocks.abs(), dim=1, out=scales)  # NaN if any value is; never -0.0
     # An all-zero block: scale 0, every value 0 (its codes are those of 0)
     y = blocks.div(scales.clamp(min=torch.finfo(torch.float32).tiny).view(-1, 1)).view(-1)
-    top = y.view(torch.int32).bitwise_right_shift(_TOP).bitwise_and_((1 << (32 - _TOP)) - 1)
-    code = below.index_select(0, top)
+    code = _codes_below(y, below)
     code.add_(mids.index_select(0, code) < y)
     codes.copy_(code)
 
 
 def native_tables() -> tuple[torch.Tensor, ...]:
-    """The tables of `_lowbit_step.c`: (values, midpoints then +inf, int32 codes below) for
-    the signed map, then the unsigned one, on the CPU."""
+    """The tables of `_lowbit_step.c`: for the signed map, then the unsigned one, on the CPU:
+    the values, the codes below each pattern of top bits and the midpoint above them."""
     if not _native_tables:
         cpu = torch.device("cpu")
-        found = tuple(t for signed in (True, False) for t in _table(signed, cpu))
+        found: tuple[torch.Tensor, ...] = ()
+        for signed in (True, False):
+            values, mids, below = _table(signed, cpu)
+            found += (values, below, mids[below])
         with _lock:
             if not _native_tables:
                 _native_tables.append(found)

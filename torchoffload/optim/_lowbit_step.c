@@ -14,7 +14,9 @@
 #include <string.h>
 
 #define BLOCK 256
-#define TOP 16 /* a code is looked up by the top 32 - TOP bits of a value */
+#define TOP 16 /* a code is looked up by the top 32 - TOP bits of a value, */
+#define LOW ((127 - 24) << 7) /* its magnitude clamped to [2**-24, 2) (see _lowbit.py) */
+#define HIGH ((127 << 7) | 127)
 
 enum {
     PARAM_BF16 = 1,   /* the parameter and its gradient are bfloat16 (else float32) */
@@ -51,27 +53,39 @@ static inline uint16_t to_bf16_stochastic(float f, uint32_t key, uint32_t index)
 }
 
 /* The block's scale (its largest magnitude; NaN if any value is) and each value's code: the
- * map's nearest value to value / scale, found from the top bits and one comparison. The
- * largest magnitude is the largest of the bit patterns without their sign (a NaN's exceed
- * infinity's), an integer maximum that vectorizes. */
-static inline void quantize(const float *x, uint8_t *codes, float *scale, const float *mids,
-                            const int32_t *below) {
-    uint32_t top = 0;
+ * map's nearest value to value / scale, found from the value's top bits: the number of
+ * midpoints below the pattern's values, plus one if y is above the next one (looked up by the
+ * same index, so that the two loads do not wait on each other). The largest magnitude is the
+ * largest of the bit patterns without their sign (a NaN's exceed infinity's), an integer
+ * maximum that vectorizes. */
+static inline void quantize(const float *x, uint8_t *codes, float *scale, const int32_t *below,
+                            const float *next) {
+    uint32_t largest = 0;
     for (int i = 0; i < BLOCK; i++) {
         uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-        top = a > top ? a : top;
+        largest = a > largest ? a : largest;
     }
-    const float s = float_of(top);
+    const float s = float_of(largest);
     *scale = s;
     const float tiny = 1.17549435e-38f; /* torch.finfo(torch.float32).tiny */
     const float d = s < tiny ? tiny : s; /* a NaN stays NaN, as torch.clamp keeps it */
     int32_t c[BLOCK];
     for (int i = 0; i < BLOCK; i++) {
         float y = x[i] / d;
-        int32_t below_y = below[bits_of(y) >> TOP];
-        c[i] = below_y + (mids[below_y] < y);
+        uint32_t u = bits_of(y);
+        int32_t top = (int32_t)((u >> TOP) & 0x7FFFu);
+        top = top < LOW ? LOW : (top > HIGH ? HIGH : top);
+        int32_t k = top - LOW + (int32_t)(u >> 31) * (HIGH - LOW + 1);
+        c[i] = below[k] + (next[k] < y);
     }
     for (int i = 0; i < BLOCK; i++) codes[i] = (uint8_t)c[i];
+}
+
+/* the values of a block's codes */
+static inline void dequantize(const uint8_t *codes, float scale, const float *map, float *out) {
+    int32_t c[BLOCK];
+    for (int i = 0; i < BLOCK; i++) c[i] = codes[i];
+    for (int i = 0; i < BLOCK; i++) out[i] = map[c[i]] * scale;
 }
 
 /* hs: the step's fp32 scalars, rounded from float64 as PyTorch rounds a Python scalar:
@@ -81,8 +95,8 @@ void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param
                        const void *grad, uint8_t *m_codes, float *m_scales, uint8_t *v_codes,
                        float *v_scales, float *m32, float *v32, uint16_t *comp,
                        const float *hs, uint32_t key, const float *m_map,
-                       const float *m_mids, const int32_t *m_below, const float *v_map,
-                       const float *v_mids, const int32_t *v_below) {
+                       const int32_t *m_below, const float *m_next, const float *v_map,
+                       const int32_t *v_below, const float *v_next) {
     const float decay = hs[0], w1 = hs[1], beta2 = hs[2], w2 = hs[3], inv_bc2 = hs[4],
                 eps = hs[5], neg_step = hs[6];
     const int bf16 = flags & PARAM_BF16, quantized = flags & QUANTIZED;
@@ -101,9 +115,8 @@ void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param
             memcpy(g, (const float *)grad + lo, k * sizeof(float));
         }
         if (quantized) {
-            const float ms = m_scales[b], vs = v_scales[b];
-            for (int i = 0; i < BLOCK; i++) m[i] = m_map[m_codes[lo + i]] * ms;
-            for (int i = 0; i < BLOCK; i++) v[i] = v_map[v_codes[lo + i]] * vs;
+            dequantize(m_codes + lo, m_scales[b], m_map, m);
+            dequantize(v_codes + lo, v_scales[b], v_map, v);
         } else {
             memcpy(m, m32 + lo, k * sizeof(float));
             memcpy(v, v32 + lo, k * sizeof(float));
@@ -119,8 +132,8 @@ void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param
         }
         if (quantized) {
             for (int i = k; i < BLOCK; i++) m[i] = v[i] = 0.0f; /* a last short block's padding */
-            quantize(m, m_codes + lo, m_scales + b, m_mids, m_below);
-            quantize(v, v_codes + lo, v_scales + b, v_mids, v_below);
+            quantize(m, m_codes + lo, m_scales + b, m_below, m_next);
+            quantize(v, v_codes + lo, v_scales + b, v_below, v_next);
         } else {
             memcpy(m32 + lo, m, k * sizeof(float));
             memcpy(v32 + lo, v, k * sizeof(float));

@@ -161,8 +161,7 @@ def step(
 ) -> None:
     """Step ``n`` elements of contiguous CPU tensors in place. ``moments``: (m codes, m scales,
     v codes, v scales) when ``flags`` has QUANTIZED, else (m, v) in fp32; ``scalars``: the 7
-    fp32 values the C source lists; ``tables``: (map, midpoints, int32 codes below) for the
-    signed map then the unsigned one."""
+    fp32 values the C source lists; ``tables``: `_lowbit.native_tables()`."""
     if flags & QUANTIZED:
         mc, ms, vc, vs = moments
         m32 = v32 = None
