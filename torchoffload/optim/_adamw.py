@@ -108,6 +108,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # changes
             for p in group["params"]:
                 _check_param(p, p.grad)
+        fn = _native.kernel()
+        native = None if fn is None else _native.Steps(fn)
         for group, hyper in zip(self.param_groups, hypers, strict=True):
             for p in group["params"]:
                 if p.grad is None:
@@ -116,7 +118,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                 if not state:
                     _init_state(p, state, hyper)
                 state["step"] += 1
-                _step_param(p, p.grad, state, hyper)
+                _step_param(p, p.grad, state, hyper, native)
+        if native is not None:
+            native.run(native_tables())
         return loss
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -257,14 +261,17 @@ def _init_state(p: torch.Tensor, state: dict[str, Any], hyper: _Hyper) -> None:
             state[name] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
 
-def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _Hyper) -> None:
+def _step_param(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], h: _Hyper,
+                native: _native.Steps | None) -> None:  # fmt: skip
     """One AdamW step of ``p``: fp32 moments of an fp32 parameter as `torch.optim.AdamW`
-    (single-tensor) steps them, bit for bit; any other format by `_step_lowbit`."""
+    (single-tensor) steps them, bit for bit; any other format by `_step_lowbit` (given to
+    ``native`` to run, for a contiguous CPU parameter and gradient)."""
     work = p if p.is_contiguous() else p.contiguous()
     flat, g = work.view(-1), grad.reshape(-1)
     step = float(state["step"])
     if p.dtype == torch.bfloat16 or "exp_avg_codes" in state:
-        _step_lowbit(flat, g, state, h, step, p.shape)
+        native_ok = work is p and g.is_contiguous() and p.device.type == "cpu"
+        _step_lowbit(flat, g, state, h, step, p.shape, native if native_ok else None)
     else:
         _step_fp32(flat, g, state, h, step)
     if work is not p:
@@ -296,7 +303,7 @@ def _scalars(h: _Hyper, step: float) -> list[float]:
 
 
 def _step_lowbit(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: _Hyper,
-                 step: float, shape: torch.Size) -> None:  # fmt: skip
+                 step: float, shape: torch.Size, native: _native.Steps | None) -> None:  # fmt: skip
     """AdamW on 8-bit or fp32 moments and an fp32 or bf16 parameter: the update of
     `torch.optim.AdamW` in fp32 with each operation rounded on its own (no fused multiply-add,
     a correctly rounded square root), on dequantized moments and an fp32 copy of a bf16
@@ -315,15 +322,13 @@ def _step_lowbit(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: 
         moments = tuple(state[f"{n}_{part}"] for n, _ in _MOMENTS for part in ("codes", "scales"))
     else:
         moments = tuple(state[n].view(-1) for n, _ in _MOMENTS)
-    fn = _native.kernel() if flat.device.type == "cpu" else None
-    if fn is not None and g.is_contiguous():
+    if native is not None:
         flags = ((_native.PARAM_BF16 if bf16 else 0) | (_native.QUANTIZED if quantized else 0)
                  | (_native.STOCHASTIC if rounding is Bf16Rounding.STOCHASTIC else 0)
                  | (_native.KAHAN if rounding is Bf16Rounding.KAHAN else 0)
                  | (_native.ADD_COMP if compensation is not None else 0))  # fmt: skip
-        scalars = torch.tensor(_scalars(h, step), dtype=torch.float32)
-        _native.step(fn, flat.numel(), flags, flat, g, moments, compensation, scalars, key,
-                     native_tables())  # fmt: skip
+        # (the state may drop the compensation before the task runs: `native` holds it)
+        native.add(flags, flat, g, moments, compensation, _scalars(h, step), key)
     else:
         chunk = _lowbit.chunk_elements()
         for lo in range(0, flat.numel(), chunk):

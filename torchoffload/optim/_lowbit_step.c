@@ -10,6 +10,7 @@
  * done whole by one thread, so the bits depend on no thread count or split. */
 
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -88,15 +89,48 @@ static inline void dequantize(const uint8_t *codes, float scale, const float *ma
     for (int i = 0; i < BLOCK; i++) out[i] = map[c[i]] * scale;
 }
 
-/* hs: the step's fp32 scalars, rounded from float64 as PyTorch rounds a Python scalar:
- * decay (1 - lr * weight_decay), w1 (1 - beta1), beta2, w2 (1 - beta2), the reciprocal of
- * sqrt(1 - beta2 ** step), eps and -lr / (1 - beta1 ** step) */
-void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param,
-                       const void *grad, uint8_t *m_codes, float *m_scales, uint8_t *v_codes,
-                       float *v_scales, float *m32, float *v32, uint16_t *comp,
-                       const float *hs, uint32_t key, const float *m_map,
-                       const int32_t *m_below, const float *m_next, const float *v_map,
-                       const int32_t *v_below, const float *v_next) {
+/* One parameter's step. hs: the step's fp32 scalars, rounded from float64 as PyTorch rounds
+ * a Python scalar: decay (1 - lr * weight_decay), w1 (1 - beta1), beta2, w2 (1 - beta2), the
+ * reciprocal of sqrt(1 - beta2 ** step), eps and -lr / (1 - beta1 ** step). */
+typedef struct {
+    int64_t n;
+    int64_t flags;
+    void *param;
+    const void *grad;
+    uint8_t *m_codes;
+    float *m_scales;
+    uint8_t *v_codes;
+    float *v_scales;
+    float *m32;
+    float *v32;
+    uint16_t *comp;
+    float hs[8]; /* 7 used */
+    int64_t key;
+} task_t;
+
+typedef struct {
+    const float *m_map;
+    const int32_t *m_below;
+    const float *m_next;
+    const float *v_map;
+    const int32_t *v_below;
+    const float *v_next;
+} tables_t;
+
+/* blocks [b0, b1) of one task */
+static void step_blocks(const task_t *t, int64_t b0, int64_t b1, const tables_t *tb) {
+    const int64_t n = t->n;
+    const int flags = (int)t->flags;
+    void *param = t->param;
+    const void *grad = t->grad;
+    uint8_t *m_codes = t->m_codes, *v_codes = t->v_codes;
+    float *m_scales = t->m_scales, *v_scales = t->v_scales, *m32 = t->m32, *v32 = t->v32;
+    uint16_t *comp = t->comp;
+    const float *hs = t->hs;
+    const uint32_t key = (uint32_t)t->key;
+    const float *m_map = tb->m_map, *m_next = tb->m_next, *v_map = tb->v_map,
+                *v_next = tb->v_next;
+    const int32_t *m_below = tb->m_below, *v_below = tb->v_below;
     const float decay = hs[0], w1 = hs[1], beta2 = hs[2], w2 = hs[3], inv_bc2 = hs[4],
                 eps = hs[5], neg_step = hs[6];
     const int bf16 = flags & PARAM_BF16, quantized = flags & QUANTIZED;
@@ -150,4 +184,57 @@ void lowbit_adamw_step(int64_t n, int64_t b0, int64_t b1, int flags, void *param
                 for (int i = 0; i < k; i++) comp[lo + i] = to_bf16(x[i] - from_bf16(p[i]));
         }
     }
+}
+
+/* The work of one thread: blocks [first, last) of the tasks' blocks laid end to end. */
+typedef struct {
+    const task_t *tasks;
+    int64_t count, first, last;
+    const tables_t *tables;
+} share_t;
+
+static void *run_share(void *arg) {
+    const share_t *sh = (const share_t *)arg;
+    int64_t start = 0; /* the first block of task k, counted end to end */
+    for (int64_t k = 0; k < sh->count && start < sh->last; k++) {
+        const int64_t blocks = (sh->tasks[k].n + BLOCK - 1) / BLOCK;
+        const int64_t b0 = sh->first > start ? sh->first - start : 0;
+        const int64_t b1 = sh->last - start < blocks ? sh->last - start : blocks;
+        if (b0 < b1) step_blocks(&sh->tasks[k], b0, b1, sh->tables);
+        start += blocks;
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 256
+#define MIN_BLOCKS 64 /* the fewest blocks worth a thread of their own */
+
+/* Step `count` tasks on up to `threads` threads (the caller's and threads - 1 started for the
+ * call): the blocks of all tasks, end to end, cut into equal contiguous shares. Returns 0, or
+ * the error of pthread_create (the shares it could not start are done on the caller's). */
+int lowbit_adamw_steps(const task_t *tasks, int64_t count, int64_t threads, const tables_t *tb) {
+    int64_t total = 0;
+    for (int64_t k = 0; k < count; k++) total += (tasks[k].n + BLOCK - 1) / BLOCK;
+    int64_t t = total / MIN_BLOCKS;
+    t = t < threads ? t : threads;
+    t = t < MAX_THREADS ? t : MAX_THREADS;
+    t = t < 1 ? 1 : t;
+    share_t shares[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS], error = 0;
+    for (int64_t i = 0; i < t; i++) {
+        shares[i] = (share_t){tasks, count, total * i / t, total * (i + 1) / t, tb};
+        started[i] = 0;
+    }
+    for (int64_t i = 1; i < t; i++) {
+        int e = pthread_create(&ids[i], NULL, run_share, &shares[i]);
+        if (e == 0) started[i] = 1;
+        else error = e;
+    }
+    run_share(&shares[0]);
+    for (int64_t i = 1; i < t; i++) {
+        if (started[i]) pthread_join(ids[i], NULL);
+        else run_share(&shares[i]);
+    }
+    return error;
 }

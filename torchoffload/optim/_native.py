@@ -39,7 +39,6 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +46,12 @@ import torch
 
 SOURCE = Path(__file__).with_name("_lowbit_step.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c99", "-fPIC",
-         "-shared")  # fmt: skip
+         "-shared", "-pthread")  # fmt: skip
 # flags of the kernel's `flags` argument (see the C source)
 PARAM_BF16, QUANTIZED, STOCHASTIC, KAHAN, ADD_COMP = 1, 2, 4, 8, 16
-MIN_SPLIT_BLOCKS = 64  # a parameter of fewer blocks is stepped on the calling thread
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "lib": the loaded kernel or None; "pool": (threads, executor)
+_state: dict[str, Any] = {}  # "lib": the loaded kernel or None
 
 
 def enabled() -> bool:
@@ -110,11 +108,9 @@ def _load() -> Any | None:
     except OSError as e:
         _warn(f"loading {path}: {e}")
         return None
-    fn = lib.lowbit_adamw_step
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [i64, i64, i64, ctypes.c_int, p, p, p, p, p, p, p, p, p, p, ctypes.c_uint32,
-                   p, p, p, p, p, p]  # fmt: skip
-    fn.restype = None
+    fn = lib.lowbit_adamw_steps
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -128,58 +124,81 @@ def _warn(why: str) -> None:
     )
 
 
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """An executor of ``threads - 1`` threads (the caller is the last one), kept while the
-    intra-op thread count stays."""
-    found = _state.get("pool")
-    if found is None or found[0] != threads:
-        with _lock:
-            found = _state.get("pool")
-            if found is None or found[0] != threads:
-                if found is not None:
-                    found[1].shutdown(wait=False)
-                found = (threads, ThreadPoolExecutor(threads - 1, "torchoffload-lowbit"))
-                _state["pool"] = found
-    return found[1]
+class _Task(ctypes.Structure):
+    """`task_t` of the C source: one parameter's step."""
+
+    _fields_ = (
+        [(name, ctypes.c_int64) for name in ("n", "flags")]
+        + [
+            (name, ctypes.c_void_p)
+            for name in (
+                "param",
+                "grad",
+                "m_codes",
+                "m_scales",
+                "v_codes",
+                "v_scales",
+                "m32",
+                "v32",
+                "comp",
+            )  # fmt: skip
+        ]
+        + [("hs", ctypes.c_float * 8), ("key", ctypes.c_int64)]
+    )
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
+class _Tables(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("m_map", "m_below", "m_next", "v_map",
+                                                     "v_below", "v_next")]  # fmt: skip
 
 
-def step(
-    fn: Any,
-    n: int,
-    flags: int,
-    param: torch.Tensor,
-    grad: torch.Tensor,
-    moments: tuple[torch.Tensor, ...],
-    compensation: torch.Tensor | None,
-    scalars: torch.Tensor,
-    key: int,
-    tables: tuple[torch.Tensor, ...],
-) -> None:
-    """Step ``n`` elements of contiguous CPU tensors in place. ``moments``: (m codes, m scales,
-    v codes, v scales) when ``flags`` has QUANTIZED, else (m, v) in fp32; ``scalars``: the 7
-    fp32 values the C source lists; ``tables``: `_lowbit.native_tables()`."""
-    if flags & QUANTIZED:
-        mc, ms, vc, vs = moments
-        m32 = v32 = None
-    else:
-        m32, v32 = moments
-        mc = ms = vc = vs = None
-    args = [flags, _ptr(param), _ptr(grad), _ptr(mc), _ptr(ms), _ptr(vc), _ptr(vs), _ptr(m32),
-            _ptr(v32), _ptr(compensation), _ptr(scalars), key & 0xFFFFFFFF,
-            *(_ptr(t) for t in tables)]  # fmt: skip
-    blocks = -(-n // 256)
-    most = torch.get_num_threads()
-    threads = min(most, blocks // MIN_SPLIT_BLOCKS)
-    if threads <= 1:
-        fn(n, 0, blocks, *args)
-        return
-    cuts = [blocks * k // threads for k in range(threads + 1)]
-    pool = _pool(most)
-    futures = [pool.submit(fn, n, cuts[k], cuts[k + 1], *args) for k in range(1, threads)]
-    fn(n, cuts[0], cuts[1], *args)
-    for f in futures:
-        f.result()
+class Steps:
+    """The native steps of one `step()` call, gathered, then run by one call into C (which
+    releases the GIL once and spreads all of their blocks over the intra-op threads)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self.tasks: list[_Task] = []
+        self.alive: list[Any] = []  # the tensors of the tasks' pointers, until `run` returns
+
+    def add(
+        self,
+        flags: int,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        moments: tuple[torch.Tensor, ...],
+        compensation: torch.Tensor | None,
+        scalars: list[float],
+        key: int,
+    ) -> None:
+        """Step contiguous CPU ``param`` (its flat view) in place at `run`. ``moments``: (m
+        codes, m scales, v codes, v scales) when ``flags`` has QUANTIZED, else (m, v) in fp32;
+        ``scalars``: the 7 values the C source lists, in float64 (rounded to fp32 here, as
+        PyTorch rounds a Python scalar for an fp32 op)."""
+        mc = ms = vc = vs = m32 = v32 = None
+        if flags & QUANTIZED:
+            mc, ms, vc, vs = moments
+        else:
+            m32, v32 = moments
+        task = _Task(param.numel(), flags, *(None if t is None else t.data_ptr() for t in
+                     (param, grad, mc, ms, vc, vs, m32, v32, compensation)))  # fmt: skip
+        task.hs[:7] = scalars
+        task.key = key & 0xFFFFFFFF
+        self.tasks.append(task)
+        self.alive.append((param, grad, moments, compensation))
+
+    def run(self, tables: tuple[torch.Tensor, ...]) -> None:
+        if not self.tasks:
+            return
+        array = (_Task * len(self.tasks))(*self.tasks)
+        ptrs = _Tables(*(t.data_ptr() for t in tables))
+        error = self.fn(array, len(self.tasks), torch.get_num_threads(), ctypes.byref(ptrs))
+        if error:  # the step is done all the same, on fewer threads
+            warnings.warn(
+                f"torchoffload: the native host step could not start a thread (error {error}); "
+                "it ran on fewer",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.tasks.clear()
+        self.alive.clear()
