@@ -4,10 +4,12 @@ intra-op threads.
 
 Note: [The native host step]
 Per-op PyTorch steps an 8-bit or bf16 state with about forty operations a chunk, each a pass
-over memory and several of them gathers: 12-16 ns a parameter on one thread against 1.26 ns
-for torch's fused fp32 AdamW (benchmarks/README.md, low-precision host state), so the state
-that takes fewer bytes took the longer step. The C kernel does one block of 256 elements at a
-time, everything in registers or a 4 KiB stack buffer, each byte of the parameter, gradient
+over memory and several of them gathers: on the H200 machine's host 18-21 ns a parameter on
+16 threads with 8-bit moments, against 0.25 for torch's fused fp32 AdamW, so the state that
+takes fewer bytes took a step 80 times longer. The kernel: 0.35-0.43 ns (8-bit moments; the
+code lookups bind it, not memory) and 0.21 (bf16 masters, fp32 moments), measured in
+benchmarks/log/2026-11-27-native-host-step.md. The C kernel does one block of 256 elements at a
+time, everything in registers or a few KiB of stack, each byte of the parameter, gradient
 and state read and written once.
 - Same bits: the C code does the per-op step's IEEE operations in its order (no fused
   multiply-add, a correctly rounded square root, wrapping 32-bit hash arithmetic), and the
@@ -16,10 +18,15 @@ and state read and written once.
   rounded). `tests/test_optim_lowbit.py` checks the two bitwise over every format, sizes with
   short last blocks, special values and thread counts, so a machine without a C compiler (or
   with ``TORCHOFFLOAD_NATIVE=0``) steps the same bits, only slower.
-- Threads: a parameter's blocks are split into one contiguous range per intra-op thread
-  (``torch.get_num_threads()``, which the host worker sets to ``host_threads``); ctypes
-  releases the GIL for each call, so a pool of Python threads runs them at once. A block is
-  done by one thread, so the split changes no bit.
+- Threads: `LowPrecisionAdamW.step` gathers its CPU parameters' steps and makes one call into
+  C, which releases the GIL once and spreads the blocks of all of them, end to end, in equal
+  contiguous shares over ``torch.get_num_threads()`` threads (the host worker sets that to
+  ``host_threads``), pthreads started for the call (one call a bucket).
+  A first version split each parameter over a pool of Python threads: each needed the GIL to
+  start and to finish its share while the main thread ran forward and backward, and the host
+  step of a Llama-3.2-3B shape with 8-bit moments took 1774 ms against 1269 ms so
+  (benchmarks/log/2026-11-27-native-host-step.md). A block is done by one thread, so the
+  split changes no bit.
 - Build: ``cc -O3 -march=native -ffp-contract=off -fno-math-errno``, once per source, flags,
   compiler and CPU (the name of the shared object hashes them all, so a home directory shared
   by different machines holds one per CPU), into ``$TORCHOFFLOAD_CACHE`` (default
