@@ -83,6 +83,7 @@ if os.environ.get("FUZZ_KNOWN_BROKEN"):
 EXAMPLES: dict[str, int] = {}  # examples run per engine, printed by `make fuzz`
 OPERATIONS: dict[str, int] = {}  # operations compared (both sides ran, or a refusal checked)
 REFUSED: dict[str, int] = {}
+DRAWN: dict[str, dict[str, int]] = {}  # per engine, the optimizers built on both sides
 
 
 def count(table: dict[str, int], engine: str) -> None:
@@ -200,8 +201,17 @@ OPTIMIZERS = {
     # L2 weight decay added into p.grad in place (Note: [A class that writes its gradients]):
     # drawn where the offloaded side is an OffloadedOptimizer
     "sgd_writes_grad": (SGDWritesGrad, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    # low-precision state (the native host step: Note: [The native host step]), every tensor
+    # in 8 bits; with a bf16 model, also on bf16 masters (``master_dtype``, drawn)
+    "adamw8bit": (to.optim.AdamW8bit, dict(lr=1e-2, weight_decay=0.1, min_8bit_numel=1)),
+    "lowprec_kahan": (
+        to.optim.LowPrecisionAdamW,
+        dict(lr=1e-2, weight_decay=0.1, bf16_rounding="kahan"),
+    ),  # fmt: skip
 }
 WRITES_GRADS = {"sgd_writes_grad"}
+# drawn where the offloaded side is an OffloadedOptimizer, for float32 and bfloat16 models
+LOW_PRECISION = {"adamw8bit", "lowprec_kahan"}
 
 
 def param_groups(model: torch.nn.Module, params, split: bool) -> list[dict]:
@@ -429,10 +439,16 @@ class TrainingMachine(RuleBasedStateMachine):
             self.stopped = True
             return
         names = [n for n in sorted(OPTIMIZERS) if self.OFFLOADED_OPTIMIZER or n not in WRITES_GRADS]
+        if not self.OFFLOADED_OPTIMIZER or spec.dtype not in ("float32", "bfloat16"):
+            names = [n for n in names if n not in LOW_PRECISION]
+        if os.environ.get("FUZZ_OPTIMIZERS"):  # e.g. "adamw8bit,lowprec_kahan": only those
+            names = [n for n in names if n in os.environ["FUZZ_OPTIMIZERS"].split(",")]
+            assume(names)
         name = data.draw(st.sampled_from(names), label="optimizer")
         cls, kw = OPTIMIZERS[name]
         self.opt_cls, self.opt_kw = cls, kw
         self.writes_grads = name in WRITES_GRADS
+        self.low_precision = name in LOW_PRECISION
         self.split = data.draw(st.booleans(), label="param groups")
         self.max_grad_norm = None
         self.by_model = False  # the OffloadedOptimizer is given model=
@@ -455,9 +471,13 @@ class TrainingMachine(RuleBasedStateMachine):
             self.off.handle.remove()
             self.off.handle = None
 
+    @property
+    def bf16_masters(self) -> bool:
+        return self.opt_config.get("master_dtype") == torch.bfloat16
+
     def ref_optimizer(self):
         dtype = self.spec.torch_dtype
-        if self.OFFLOADED_OPTIMIZER and dtype == torch.bfloat16:
+        if self.OFFLOADED_OPTIMIZER and dtype == torch.bfloat16 and not self.bf16_masters:
             return MasterRef(self.ref.model, self.opt_cls, self.opt_kw, self.split,
                              self.max_grad_norm, self.by_model, self.off.model)  # fmt: skip
         return PlainRef(self.ref.model, self.opt_cls, self.opt_kw, self.split, self.max_grad_norm,
@@ -488,12 +508,21 @@ class TrainingMachine(RuleBasedStateMachine):
                     and not self.op_ok("split_bf16_views")):  # fmt: skip
                 self.opt_config.pop("offload_fraction", None)
                 self.opt_config["bucket_bytes"] = None
+            if (self.low_precision and self.spec.dtype == "bfloat16"
+                    and data.draw(st.booleans(), label="bf16 masters")):  # fmt: skip
+                # the plain class steps the bf16 parameters themselves (PlainRef)
+                self.opt_config["master_dtype"] = torch.bfloat16
+                self.opt_config.pop("offload_fraction", None)  # refused with bf16 masters
         self.ref.opt = self.ref_optimizer()
         try:
             with refusal_allowed(lambda: values(self.off.model)):
                 self.off.opt = self.off_optimizer()
         except Refused:
             self.stopped = True
+            return
+        drawn = DRAWN.setdefault(self.ENGINE, {})
+        name = self.opt_cls.__name__ + (" bf16 masters" if self.bf16_masters else "")
+        drawn[name] = drawn.get(name, 0) + 1
 
     def optimizer_configs(self):
         return st.fixed_dictionaries(
@@ -1460,6 +1489,11 @@ def test_fuzz(engine):
         print(
             f"\nfuzz {engine}: {EXAMPLES.get(engine, 0)} examples, {OPERATIONS.get(engine, 0)} "
             f"operations compared ({REFUSED.get(engine, 0)} clear refusals) in {took:.1f} s"
+            + (
+                f"; optimizers built: {dict(sorted(DRAWN[engine].items()))}"
+                if engine in DRAWN
+                else ""
+            )  # fmt: skip
         )
 
 
