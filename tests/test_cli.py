@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from torchoffload.cli import main
 
@@ -99,6 +100,16 @@ def one_line_error(capsys, argv) -> str:
          "--offload-fraction: 0.5 of the optimizer state on the host needs --optimizer-state "
          "host or auto"),
         (["--kv-heads", "2"], "--kv-heads: only --model llama has it"),
+        (["--host-state", "bf16-8bit", "--optimizer", "sgd"],
+         "--host-state: bf16-8bit is AdamW's state: needs --optimizer adamw, got sgd"),
+        (["--host-state", "bf16", "--dtype", "fp32"],
+         "--host-state: bf16 keeps bf16 masters of bf16 parameters: needs --dtype bf16"),
+        (["--host-state", "8bit", "--optimizer-state", "device"],
+         "--host-state: 8bit is state on the host: needs --optimizer-state host or auto"),
+        (["--host-state", "8bit", "--offload-fraction", "0.5"],
+         "--host-state: 8bit is planned with all of the state on the host: needs "
+         "--offload-fraction 1 or auto, got 0.5"),
+        (["--host-step-rate", "0"], "--host-step-rate: must be a number > 0, got 0"),
         (["--plot", "/nonexistent/folder/memory.png"],
          "--plot: "),  # matplotlib missing, or the folder: either before any work
     ],
@@ -153,3 +164,35 @@ def test_plan_sgd_counts_momentum_and_streams_parameters(capsys):
     static = next(line for line in out.splitlines() if line.startswith("static:"))
     params = static.split("parameters ")[1].split(",")[0]
     assert f"optimizer state {params}" in static  # one momentum buffer per parameter
+
+
+def test_plan_low_precision_host_state_takes_its_bytes_and_measured_rate(capsys, monkeypatch):
+    """--host-state: the host bytes a parameter of that format and the host step's rate,
+    measured on this machine (here stubbed: the measuring is `measure_host_step`'s test) or
+    given; the predicted optimizer time follows the rate."""
+    from torchoffload import optim
+
+    calls = []
+
+    def measured(cls, **kw):
+        calls.append((cls.__name__, kw))
+        return 1e8
+
+    monkeypatch.setattr(optim, "measure_host_step", measured)
+    host = [*GPT_PLAN, "--optimizer-state", "host"]
+
+    def opt_ms(out):
+        row = next(line for line in out.splitlines() if line.startswith("no plan"))
+        return float(row.split()[-2])
+
+    assert main([*host, "--host-state", "bf16-8bit"]) == 0
+    captured = capsys.readouterr()
+    assert calls == [("AdamW8bit", {"master_dtype": torch.bfloat16})]
+    assert "host step measured: 0.10 B parameters a second (AdamW8bit" in captured.err
+    assert "host step 0.10 B parameters a second" in captured.out
+    assert "state at 10.06 bytes a parameter" in captured.out  # with copies aside
+    slow = opt_ms(captured.out)
+    assert main([*host, "--host-state", "bf16-8bit", "--host-step-rate", "1e10"]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 1 and "host step 10.00 B parameters a second" in out
+    assert opt_ms(out) < slow / 10

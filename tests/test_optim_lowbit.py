@@ -9,6 +9,7 @@ import copy
 import io
 import math
 import os
+import re
 import shutil
 
 import pytest
@@ -687,3 +688,22 @@ def test_bf16_masters_undo_steps_taken_during_backward_bitwise(name):
         ref.step(xs[-1])
         assert same_params(a, twin), step
     opt.remove()
+
+
+def test_measure_host_step_times_the_class_on_host_tensors_and_refuses_bad_input():
+    from torchoffload.optim import measure_host_step
+
+    for cls, master in ((torch.optim.AdamW, torch.float32), (AdamW8bit, BF16),
+                        (LowPrecisionAdamW, BF16)):  # fmt: skip
+        rate = measure_host_step(cls, master_dtype=master, numel=1 << 14, steps=1, threads=1)
+        assert math.isfinite(rate) and rate > 0
+    for kw, message in (
+        (dict(numel=0), "numel"),
+        (dict(numel=2, tensors=3), "tensors (3) must be at most numel (2)"),
+        (dict(master_dtype=torch.float16), "master_dtype must be"),
+        (dict(master_dtype=BF16), "AdamW does not step bf16 masters"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            measure_host_step(torch.optim.AdamW, **kw)
+    with pytest.raises(TypeError):  # the class's own refusal, raised on the caller's thread
+        measure_host_step(torch.optim.AdamW, numel=4, bogus=1)

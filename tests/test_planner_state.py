@@ -345,3 +345,24 @@ def test_low_precision_host_state_is_counted_at_its_bytes_per_parameter(profile)
     assert "masters, gradients and state at 6.03 bytes a parameter" in str(plan)
     with pytest.raises(ValueError, match="host_bytes_per_param must be > 0"):
         plan_from_profile(profile, None, hardware=HW, host_bytes_per_param=0.0)
+
+
+def test_plan_prices_the_host_step_at_the_rate_given(monkeypatch):
+    """``plan(host_step_params_per_s=...)``: the host step of that rate (a low-precision host
+    state's, from `measure_host_step`) instead of the hardware default; refused when bad."""
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, *a: HW))
+    with torch.device("meta"):
+        model = GPT(CFG).to(torch.bfloat16)
+    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    kw = dict(budget_bytes=None, loss_fn=lambda out: out.float().mean(), optimizer_state="host",
+              offload_fraction=1.0, host_budget_bytes=64 << 30)  # fmt: skip
+    default = torchoffload.plan(model, (x,), **kw)
+    slow = torchoffload.plan(model, (x,), **kw, host_step_params_per_s=1e6)
+    numel = sum(p.numel() for p in model.parameters())
+    assert slow.hardware.host_adam_params_per_s == 1e6
+    assert default.hardware.host_adam_params_per_s == HW.host_adam_params_per_s
+    # the host step is then all but the whole step: numel / rate, less what backward hides
+    assert slow.predicted.step_s > numel / 1e6 - default.predicted.step_s
+    assert slow.predicted.step_s > 100 * default.predicted.step_s
+    with pytest.raises(ValueError, match="host_step_params_per_s"):
+        torchoffload.plan(model, (x,), **kw, host_step_params_per_s=0)

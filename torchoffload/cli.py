@@ -407,6 +407,21 @@ def _check_plan_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> An
             f"argument {flag}: 'host' places optimizer state, and --optimizer none counts none: "
             "allowed with --optimizer adamw or sgd"
         )
+    if args.host_state != "fp32":
+        if args.optimizer != "adamw":
+            p.error(f"argument --host-state: {args.host_state} is AdamW's state: needs "
+                    f"--optimizer adamw, got {args.optimizer}")  # fmt: skip
+        if args.host_state.startswith("bf16") and args.dtype != "bf16":
+            p.error(f"argument --host-state: {args.host_state} keeps bf16 masters of bf16 "
+                    f"parameters: needs --dtype bf16, got {args.dtype}")  # fmt: skip
+        if args.optimizer_state == "device":
+            p.error(f"argument --host-state: {args.host_state} is state on the host: needs "
+                    "--optimizer-state host or auto")  # fmt: skip
+        if args.offload_fraction not in ("auto", 1.0):
+            p.error(f"argument --host-state: {args.host_state} is planned with all of the "
+                    f"state on the host: needs --offload-fraction 1 or auto, got "
+                    f"{args.offload_fraction}")  # fmt: skip
+        args.offload_fraction = 1.0  # bf16 masters refuse less; the device part would be fp32
     fraction = args.offload_fraction
     if fraction != "auto" and (
         args.optimizer_state == "device" or (args.parameters == "host" and fraction < 1.0)
@@ -439,6 +454,49 @@ def _unwritable(path: str) -> str | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"permission denied in {folder}"
     return None
+
+
+# --host-state: (class, master dtype, moments' bits, class options)
+HOST_STATES: dict[str, tuple[str, torch.dtype, int, dict[str, Any]]] = {
+    "fp32": ("AdamW", torch.float32, 32, {"fused": True}),
+    "bf16": ("LowPrecisionAdamW", torch.bfloat16, 32, {}),
+    "8bit": ("AdamW8bit", torch.float32, 8, {}),
+    "bf16-8bit": ("AdamW8bit", torch.bfloat16, 8, {}),
+}
+
+
+def _host_state_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--host-state", choices=list(HOST_STATES), default="fp32",
+        help="the format of optimizer state on the host: fp32 (fp32 masters and AdamW moments), "
+        "bf16 (bf16 masters, LowPrecisionAdamW), 8bit (fp32 masters, AdamW8bit) or bf16-8bit "
+        "(bf16 masters, AdamW8bit); the host step's rate is measured on this machine's CPU "
+        "for all but fp32",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-step-rate", type=_number(0), default=None,
+        help="parameters a second of the host step (default: measured for --host-state other "
+        "than fp32, else 3.5e9, fused fp32 AdamW on 16 cores)",
+    )  # fmt: skip
+
+
+def _host_state(args: argparse.Namespace) -> tuple[float | None, float | None]:
+    """The host state's bytes a parameter (None: fp32, the planner's default) and the host
+    step's rate (None: the hardware default), measured here for a low-precision state."""
+    from torchoffload import optim
+
+    name, master, bits, options = HOST_STATES[args.host_state]
+    rate = args.host_step_rate
+    if args.host_state == "fp32":
+        return None, rate
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    per = optim.host_bytes_per_param(dtype, master_dtype=master, state_bits=bits)
+    if rate is None:
+        cls = torch.optim.AdamW if name == "AdamW" else getattr(optim, name)
+        rate = optim.measure_host_step(cls, master_dtype=master, **options)
+        print(f"host step measured: {rate / 1e9:.2f} B parameters a second ({name}, "
+              f"{torch.get_num_threads()} threads)", file=sys.stderr)  # fmt: skip
+    return per, rate
 
 
 def _build_for_plan(args: argparse.Namespace, hf_config: Any) -> tuple[torch.nn.Module, dict, str]:
@@ -522,6 +580,7 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
         help="with the optimizer state on the host: the fraction of it there, the rest stepped "
         "on the device (auto: the fastest that fits; 1 for all of it)",
     )  # fmt: skip
+    _host_state_arguments(p)
     p.add_argument("--link-gbps", type=_number(0), default=None, help="default: measured, or 55")
     p.add_argument("--tflops", type=_number(0), default=None, help="default: measured, or 790")
     p.add_argument(
@@ -558,6 +617,9 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     hw = Hardware.detect(args.link_gbps, args.tflops)
     if args.efficiency is not None:
         hw = dataclasses.replace(hw, efficiency=args.efficiency)
+    host_bytes, rate = _host_state(args)
+    if rate is not None:
+        hw = dataclasses.replace(hw, host_adam_params_per_s=rate)
     try:
         with warnings.catch_warnings():  # a host need over this machine's: printed in the plan
             warnings.filterwarnings("ignore", message=".*more than this machine's")
@@ -567,7 +629,8 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
                                      optimizer_state=args.optimizer_state,
                                      host_budget_bytes=args.host_budget,
                                      parameters=args.parameters,
-                                     offload_fraction=args.offload_fraction)  # fmt: skip
+                                     offload_fraction=args.offload_fraction,
+                                     host_bytes_per_param=host_bytes)  # fmt: skip
     except InfeasibleBudgetError as e:
         print(f"torchoffload plan: {e}", file=sys.stderr)
         return 1

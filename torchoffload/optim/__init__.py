@@ -18,7 +18,9 @@ on the device with ``offload_fraction`` < 1), `_build` (the constructor's checks
 placement), `_state` (the state dict and stats), `_optimizer` (the public face, a
 `torch.optim.Optimizer`). Beside them, optimizer classes with low-precision state, for the
 host step or any other: `_lowbit` (8-bit moments, bf16 rounding) and `_adamw`
-(`LowPrecisionAdamW`, `AdamW8bit`).
+(`LowPrecisionAdamW`, `AdamW8bit`), whose host step on a CPU is the C kernel of `_native`
+(``_lowbit_step.c``); and `_rate` (`measure_host_step`, the host step's rate, for the
+planner).
 """
 
 from torchoffload.optim._adamw import AdamW8bit, Bf16Rounding, LowPrecisionAdamW
@@ -32,6 +34,7 @@ from torchoffload.optim._layout import (
     plan_layout,
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
+from torchoffload.optim._rate import measure_host_step
 
 __all__ = [
     "AdamW8bit",
@@ -47,5 +50,6 @@ __all__ = [
     "default_bucket_bytes",
     "host_bytes_per_param",
     "host_state_bytes",
+    "measure_host_step",
     "plan_layout",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import warnings
@@ -487,6 +488,7 @@ def plan(
     parameters: str = "auto",
     offload_fraction: float | str = "auto",
     host_bytes_per_param: float | None = None,
+    host_step_params_per_s: float | None = None,
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
@@ -495,8 +497,11 @@ def plan(
     ``host_bytes_per_param``: see `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
-    the defaults of one H200 on a machine without one. See Notes: [How a plan changes memory]
-    and [How a plan changes time]; `print(plan)` shows the decisions and predictions.
+    the defaults of one H200 on a machine without one. ``host_step_params_per_s``: the host
+    step's rate (`torchoffload.optim.measure_host_step` of the class and host state the
+    optimizer will use; None: ``Hardware.host_adam_params_per_s``, fused fp32 AdamW on 16
+    cores). See Notes: [How a plan changes memory] and [How a plan changes time];
+    `print(plan)` shows the decisions and predictions.
     """
     if budget_bytes is not None:
         check_int("budget_bytes", budget_bytes, minimum=1)
@@ -506,7 +511,8 @@ def plan(
         check_int("host_budget_bytes", host_budget_bytes, minimum=0)
     for name, value in (("prefetch_layers", prefetch_layers), ("defer_layers", defer_layers)):
         check_int(name, value, minimum=0)
-    for name, value in (("link_gbps", link_gbps), ("compute_tflops", compute_tflops)):
+    for name, value in (("link_gbps", link_gbps), ("compute_tflops", compute_tflops),
+                        ("host_step_params_per_s", host_step_params_per_s)):  # fmt: skip
         if value is not None:
             check_number(name, value)
     profile = trace(
@@ -519,6 +525,8 @@ def plan(
         progress=progress,
     )
     hw = Hardware.detect(link_gbps, compute_tflops)
+    if host_step_params_per_s is not None:
+        hw = dataclasses.replace(hw, host_adam_params_per_s=host_step_params_per_s)
     return plan_from_profile(
         profile, budget_bytes, hardware=hw, prefetch_layers=prefetch_layers,
         defer_layers=defer_layers, optimizer_state=optimizer_state,

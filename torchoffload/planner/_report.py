@@ -31,7 +31,12 @@ def describe(plan: Plan) -> str:
         f"torchoffload plan for {p.description}: {len(p.layers)} layers"
         + (f", {p.tokens} tokens per step" if p.tokens else ""),
         f"hardware: link {hw.link_gbps:.1f} GB/s each way, {hw.compute_tflops:.0f} TFLOP/s x "
-        f"{hw.efficiency:.2f} efficiency ({hw.source})",
+        f"{hw.efficiency:.2f} efficiency ({hw.source})"
+        + (
+            f"; host step {hw.host_adam_params_per_s / 1e9:.2f} B parameters a second"
+            if plan.optimizer_state == "host"
+            else ""
+        ),  # fmt: skip
         "",
         f"{'layer':>5}  {'saved MiB':>10}  {'offloadable':>11}  {'fwd GFLOP':>10}  "
         f"{'bwd GFLOP':>10}  decision",
