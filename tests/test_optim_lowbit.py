@@ -707,3 +707,18 @@ def test_measure_host_step_times_the_class_on_host_tensors_and_refuses_bad_input
             measure_host_step(torch.optim.AdamW, **kw)
     with pytest.raises(TypeError):  # the class's own refusal, raised on the caller's thread
         measure_host_step(torch.optim.AdamW, numel=4, bogus=1)
+
+
+def test_a_native_step_that_cannot_build_warns_once_and_steps_per_op(monkeypatch, tmp_path):
+    from torchoffload.optim import _native
+
+    monkeypatch.setattr(_native, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TORCHOFFLOAD_CACHE", str(tmp_path / "cache"))
+    with pytest.warns(RuntimeWarning, match="native low-precision host step is not available"):
+        assert _native.kernel() is None
+    assert _native.kernel() is None  # once: the failure is kept
+    p = torch.ones(300, dtype=BF16, requires_grad=True)
+    p.grad = torch.full_like(p, 0.5)
+    AdamW8bit([p], lr=0.1, min_8bit_numel=1).step()
+    assert bool((p < 1).all())
