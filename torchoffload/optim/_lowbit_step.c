@@ -1,6 +1,7 @@
-/* One LowPrecisionAdamW step of one parameter's blocks [b0, b1) on the host: the per-op
- * PyTorch step of torchoffload/optim/_adamw.py (`_step_chunk`), fused, each value read and
- * written once. Built and loaded by _native.py; see its Note: [The native host step].
+/* LowPrecisionAdamW's step of the CPU parameters of one `step()` call (`lowbit_adamw_steps`:
+ * one task a parameter, their blocks spread over threads): the per-op PyTorch step of
+ * torchoffload/optim/_adamw.py (`_step_chunk`), fused, each value read and written once.
+ * Built and loaded by _native.py; see its Note: [The native host step].
  *
  * Bits: every fp32 operation below is one IEEE operation in the order the per-op step does
  * it, so the two agree bit for bit (NaN payloads aside). That needs: no contraction into
