@@ -187,55 +187,60 @@ static void step_blocks(const task_t *t, int64_t b0, int64_t b1, const tables_t 
     }
 }
 
-/* The work of one thread: blocks [first, last) of the tasks' blocks laid end to end. */
+/* The work of the threads of one call: the tasks' blocks laid end to end, cut in pieces of
+ * PIECE blocks (64 KiB of fp32 values), each taken by the next thread free, so that a thread
+ * the host descheduled (the main thread's backward, the copies' work) leaves its share to the
+ * others instead of holding up the call. */
+#define PIECE 64
+#define MAX_THREADS 256
+
 typedef struct {
     const task_t *tasks;
-    int64_t count, first, last;
+    int64_t count, total;
     const tables_t *tables;
-} share_t;
+    int64_t next; /* the next piece, taken with an atomic add */
+} work_t;
 
-static void *run_share(void *arg) {
-    const share_t *sh = (const share_t *)arg;
+static void steps_between(const work_t *w, int64_t first, int64_t last) {
     int64_t start = 0; /* the first block of task k, counted end to end */
-    for (int64_t k = 0; k < sh->count && start < sh->last; k++) {
-        const int64_t blocks = (sh->tasks[k].n + BLOCK - 1) / BLOCK;
-        const int64_t b0 = sh->first > start ? sh->first - start : 0;
-        const int64_t b1 = sh->last - start < blocks ? sh->last - start : blocks;
-        if (b0 < b1) step_blocks(&sh->tasks[k], b0, b1, sh->tables);
+    for (int64_t k = 0; k < w->count && start < last; k++) {
+        const int64_t blocks = (w->tasks[k].n + BLOCK - 1) / BLOCK;
+        const int64_t b0 = first > start ? first - start : 0;
+        const int64_t b1 = last - start < blocks ? last - start : blocks;
+        if (b0 < b1) step_blocks(&w->tasks[k], b0, b1, w->tables);
         start += blocks;
     }
-    return NULL;
 }
 
-#define MAX_THREADS 256
-#define MIN_BLOCKS 64 /* the fewest blocks worth a thread of their own */
+static void *run_pieces(void *arg) {
+    work_t *w = (work_t *)arg;
+    for (;;) {
+        const int64_t first = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED) * PIECE;
+        if (first >= w->total) return NULL;
+        steps_between(w, first, first + PIECE < w->total ? first + PIECE : w->total);
+    }
+}
 
-/* Step `count` tasks on up to `threads` threads (the caller's and threads - 1 started for the
- * call): the blocks of all tasks, end to end, cut into equal contiguous shares. Returns 0, or
- * the error of pthread_create (the shares it could not start are done on the caller's). */
+/* Step `count` tasks on up to `threads` threads: the caller's and threads - 1 started for the
+ * call, at most one a piece. Returns 0, or the error of pthread_create (the threads it could
+ * not start leave their pieces to the others). */
 int lowbit_adamw_steps(const task_t *tasks, int64_t count, int64_t threads, const tables_t *tb) {
     int64_t total = 0;
     for (int64_t k = 0; k < count; k++) total += (tasks[k].n + BLOCK - 1) / BLOCK;
-    int64_t t = total / MIN_BLOCKS;
+    int64_t t = (total + PIECE - 1) / PIECE;
     t = t < threads ? t : threads;
     t = t < MAX_THREADS ? t : MAX_THREADS;
     t = t < 1 ? 1 : t;
-    share_t shares[MAX_THREADS];
+    work_t w = {tasks, count, total, tb, 0};
     pthread_t ids[MAX_THREADS];
     int started[MAX_THREADS], error = 0;
-    for (int64_t i = 0; i < t; i++) {
-        shares[i] = (share_t){tasks, count, total * i / t, total * (i + 1) / t, tb};
-        started[i] = 0;
-    }
     for (int64_t i = 1; i < t; i++) {
-        int e = pthread_create(&ids[i], NULL, run_share, &shares[i]);
-        if (e == 0) started[i] = 1;
-        else error = e;
+        int e = pthread_create(&ids[i], NULL, run_pieces, &w);
+        started[i] = e == 0;
+        if (e) error = e;
     }
-    run_share(&shares[0]);
-    for (int64_t i = 1; i < t; i++) {
+    run_pieces(&w);
+    for (int64_t i = 1; i < t; i++)
         if (started[i]) pthread_join(ids[i], NULL);
-        else run_share(&shares[i]);
-    }
     return error;
 }
