@@ -6,11 +6,11 @@ Note: [The native host step]
 Per-op PyTorch steps an 8-bit or bf16 state with about forty operations a chunk, each a pass
 over memory and several of them gathers: on the H200 machine's host 18-21 ns a parameter on
 16 threads with 8-bit moments, against 0.25 for torch's fused fp32 AdamW, so the state that
-takes fewer bytes took a step 80 times longer. The kernel: 0.35-0.43 ns (8-bit moments; the
-code lookups bind it, not memory) and 0.21 (bf16 masters, fp32 moments), measured in
-benchmarks/log/2026-11-27-native-host-step.md. The C kernel does one block of 256 elements at a
-time, everything in registers or a few KiB of stack, each byte of the parameter, gradient
-and state read and written once.
+takes fewer bytes took a step 80 times longer. The kernel: 0.26-0.28 ns (8-bit moments; the
+code lookups bind it, not memory) and 0.19 (bf16 masters, fp32 moments), against 0.30 for
+fused fp32 AdamW in the same run (benchmarks/log/2026-11-27-native-host-step.md). The C
+kernel does one block of 256 elements at a time, everything in registers or a few KiB of
+stack, each byte of the parameter, gradient and state read and written once.
 - Same bits: the C code does the per-op step's IEEE operations in its order (no fused
   multiply-add, a correctly rounded square root, wrapping 32-bit hash arithmetic), and the
   per-op step does nothing the C code cannot (its square root is taken in float64 on a CPU,
@@ -22,7 +22,8 @@ and state read and written once.
   C, which releases the GIL once and spreads the blocks of all of them, end to end, in pieces
   of 64 blocks that each of ``torch.get_num_threads()`` threads (the host worker sets that to
   ``host_threads``; pthreads started for the call, one call a bucket) takes in turn when free,
-  so a thread the host deschedules does not hold up the call.
+  so a thread the host deschedules does not hold up the call (with one static share a
+  thread, the 8-bit step took 0.35-0.43 ns a parameter on 16 threads, 0.26-0.28 so).
   A first version split each parameter over a pool of Python threads: each needed the GIL to
   start and to finish its share while the main thread ran forward and backward, and the host
   step of a Llama-3.2-3B shape with 8-bit moments took 1774 ms against 1269 ms so
