@@ -13,8 +13,9 @@ One state machine per engine (``make fuzz FUZZ_ENGINE=stream_weights`` runs one)
 in ``.hypothesis/``. ``KNOWN_BROKEN`` lists what issue 38 found and is being fixed: generation
 skips those operations (``FUZZ_KNOWN_BROKEN=1`` draws them too; ``FUZZ_NO_SHRINK=1`` reports
 the first failure as drawn, quickly). ``FUZZ_OPTIMIZERS=adamw8bit,lowprec_kahan`` draws only
-those optimizer classes (keys of ``OPTIMIZERS``); the summary line counts the classes built. The findings themselves are the corpus at the end of
-this file, each an ``xfail(strict=True)`` case of the same checks.
+those optimizer classes (keys of ``OPTIMIZERS``); the summary line counts the classes built.
+The findings themselves are the corpus at the end of this file, each an ``xfail(strict=True)``
+case of the same checks.
 """
 
 from __future__ import annotations
