@@ -44,7 +44,12 @@ import torch
 
 import torchoffload as to
 from torchoffload.models import GPT, GPTConfig
-from torchoffload.optim import AdamW8bit, LowPrecisionAdamW, host_bytes_per_param
+from torchoffload.optim import (
+    AdamW8bit,
+    LowPrecisionAdamW,
+    host_bytes_per_param,
+    measure_host_step,
+)
 
 BF16 = torch.bfloat16
 ROWS = {  # name: (optimizer class, master dtype, class options, seed)
@@ -154,13 +159,11 @@ SPEED = {  # name: (class, master dtype, class options)
 
 def speed(args) -> None:
     """Host step time per parameter of each way, as the host step runs it (the class over the
-    host masters: fp32 copies, or the bf16 parameters themselves)."""
-    chunk = 64 << 20
-    sizes = [min(chunk, args.speed_params - k) for k in range(0, args.speed_params, chunk)]
+    host masters: fp32 copies, or the bf16 parameters themselves): `measure_host_step`."""
+    tensors = -(-args.speed_params // (64 << 20))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; host step over "
-          f"{args.speed_params / 1e9:.2f} B parameters in {len(sizes)} tensors")  # fmt: skip
+          f"{args.speed_params / 1e9:.2f} B parameters in {tensors} tensors")  # fmt: skip
     print(f"{'way':<38} {'B/param':>7} {'ns/param':>9} {'8.03 B: s/step':>15}")
-    g = torch.Generator().manual_seed(0)
     ways = [
         (name, way, native)
         for name, way in SPEED.items()
@@ -171,24 +174,15 @@ def speed(args) -> None:
         os.environ["TORCHOFFLOAD_NATIVE"] = "1" if native else "0"
         if issubclass(cls, LowPrecisionAdamW):
             name += " (native)" if native else " (per-op)"
-        params = [(torch.randn(n, generator=g) * 0.02).to(master_dtype).requires_grad_()
-                  for n in sizes]  # fmt: skip
-        for p in params:
-            p.grad = (torch.randn(p.numel(), generator=g) * 1e-3).to(master_dtype)
-        opt = cls(params, lr=1e-4, **options)
-        opt.step()  # the state
-        times = []
-        for _ in range(args.speed_steps):
-            start = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - start)
-        ns = sorted(times)[len(times) // 2] / args.speed_params * 1e9
+        rate = measure_host_step(cls, master_dtype=master_dtype, numel=args.speed_params,
+                                 tensors=tensors, steps=args.speed_steps, lr=1e-4,
+                                 **options)  # fmt: skip
+        ns = 1e9 / rate
         bits = 8 if cls is AdamW8bit else 32
         rounding = {k: v for k, v in options.items() if k == "bf16_rounding"}
         per = host_bytes_per_param(BF16, master_dtype=master_dtype, state_bits=bits,
                                    overlap=False, **rounding)  # fmt: skip
         print(f"{name:<38} {per:>7.2f} {ns:>9.2f} {ns * 8.03:>15.1f}", flush=True)
-        del params, opt
 
 
 def main() -> None:

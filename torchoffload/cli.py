@@ -20,9 +20,11 @@ from typing import Any, NoReturn
 
 import torch
 
+from torchoffload import optim
 from torchoffload._transfer import compute_device
 from torchoffload.activations import offload_activations
 from torchoffload.models import GPT, GPTConfig
+from torchoffload.optim import AdamW8bit, LowPrecisionAdamW
 from torchoffload.weights import minimum_budget, stream_weights
 
 
@@ -457,11 +459,11 @@ def _unwritable(path: str) -> str | None:
 
 
 # --host-state: (class, master dtype, moments' bits, class options)
-HOST_STATES: dict[str, tuple[str, torch.dtype, int, dict[str, Any]]] = {
-    "fp32": ("AdamW", torch.float32, 32, {"fused": True}),
-    "bf16": ("LowPrecisionAdamW", torch.bfloat16, 32, {}),
-    "8bit": ("AdamW8bit", torch.float32, 8, {}),
-    "bf16-8bit": ("AdamW8bit", torch.bfloat16, 8, {}),
+HOST_STATES: dict[str, tuple[type | None, torch.dtype, int]] = {
+    "fp32": (None, torch.float32, 32),  # torch.optim.AdamW: the planner's defaults
+    "bf16": (LowPrecisionAdamW, torch.bfloat16, 32),
+    "8bit": (AdamW8bit, torch.float32, 8),
+    "bf16-8bit": (AdamW8bit, torch.bfloat16, 8),
 }
 
 
@@ -483,18 +485,15 @@ def _host_state_arguments(p: argparse.ArgumentParser) -> None:
 def _host_state(args: argparse.Namespace) -> tuple[float | None, float | None]:
     """The host state's bytes a parameter (None: fp32, the planner's default) and the host
     step's rate (None: the hardware default), measured here for a low-precision state."""
-    from torchoffload import optim
-
-    name, master, bits, options = HOST_STATES[args.host_state]
+    cls, master, bits = HOST_STATES[args.host_state]
     rate = args.host_step_rate
-    if args.host_state == "fp32":
+    if cls is None:
         return None, rate
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     per = optim.host_bytes_per_param(dtype, master_dtype=master, state_bits=bits)
     if rate is None:
-        cls = torch.optim.AdamW if name == "AdamW" else getattr(optim, name)
-        rate = optim.measure_host_step(cls, master_dtype=master, **options)
-        print(f"host step measured: {rate / 1e9:.2f} B parameters a second ({name}, "
+        rate = optim.measure_host_step(cls, master_dtype=master)
+        print(f"host step measured: {rate / 1e9:.2f} B parameters a second ({cls.__name__}, "
               f"{torch.get_num_threads()} threads)", file=sys.stderr)  # fmt: skip
     return per, rate
 

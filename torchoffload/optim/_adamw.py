@@ -353,7 +353,7 @@ def _step_chunk(
     """Elements [lo, hi) of `_step_lowbit`, per op (``lo`` a multiple of BLOCK)."""
     decay, w1, beta2, w2, inv_bc2, eps, neg_step = _scalars(h, step)
     bf16 = flat.dtype == torch.bfloat16
-    x = flat[lo:hi].float() if bf16 else flat[lo:hi].clone()
+    x = flat[lo:hi].float() if bf16 else flat[lo:hi]  # fp32: in place
     if compensation is not None:
         x.add_(compensation[lo:hi])
     gc = g[lo:hi].float()
@@ -379,7 +379,7 @@ def _step_chunk(
     elif rounding is Bf16Rounding.KAHAN:
         assert compensation is not None
         round_compensated_(flat[lo:hi], compensation[lo:hi], x)
-    else:
+    elif bf16:
         flat[lo:hi].copy_(x)
 
 

@@ -76,9 +76,9 @@ def refusal(host: HostMasters, rec: Record) -> str | None:
 def converted(host: HostMasters, rec: Record) -> str | None:
     """Why ``rec``'s parameter (not a streamed one) is refused for its device, dtype or
     shape, changed since the build (None: it is not)."""
-    p = local(rec.param)
     if rec.hosted is not None:
         return None
+    p = local(rec.param)
     if p.device != host.device:
         return (
             f"parameter {host.no(rec)} is now on {p.device}, was on {host.device} when "

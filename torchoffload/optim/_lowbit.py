@@ -44,6 +44,7 @@ Round-to-nearest ("nearest") is offered for comparison: it loses the small updat
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -63,7 +64,6 @@ def chunk_elements() -> int:
 
 _lock = threading.Lock()
 _tables: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-_native_tables: list[tuple[torch.Tensor, ...]] = []
 _TOP = 16  # a code is looked up by the top 32 - _TOP bits of a value (sign, exponent, fraction)
 # ... of a magnitude clamped to [2**-24, 2): a table of 2 x 3200 entries (25 KiB) in L1
 _LOW, _HIGH = (127 - 24) << 7, (127 << 7) | 127
@@ -159,19 +159,15 @@ def quantize_(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, signed
     codes.copy_(code)
 
 
+@functools.cache
 def native_tables() -> tuple[torch.Tensor, ...]:
     """The tables of `_lowbit_step.c`: for the signed map, then the unsigned one, on the CPU:
     the values, the codes below each pattern of top bits and the midpoint above them."""
-    if not _native_tables:
-        cpu = torch.device("cpu")
-        found: tuple[torch.Tensor, ...] = ()
-        for signed in (True, False):
-            values, mids, below = _table(signed, cpu)
-            found += (values, below, mids[below])
-        with _lock:
-            if not _native_tables:
-                _native_tables.append(found)
-    return _native_tables[0]
+    found: tuple[torch.Tensor, ...] = ()
+    for signed in (True, False):
+        values, mids, below = _table(signed, torch.device("cpu"))
+        found += (values, below, mids[below])
+    return found
 
 
 def sqrt_exact(x: torch.Tensor) -> torch.Tensor:

@@ -138,22 +138,10 @@ class _Task(ctypes.Structure):
 
     _fields_ = (
         [(name, ctypes.c_int64) for name in ("n", "flags")]
-        + [
-            (name, ctypes.c_void_p)
-            for name in (
-                "param",
-                "grad",
-                "m_codes",
-                "m_scales",
-                "v_codes",
-                "v_scales",
-                "m32",
-                "v32",
-                "comp",
-            )  # fmt: skip
-        ]
+        + [(name, ctypes.c_void_p) for name in ("param", "grad", "m_codes", "m_scales",
+                                                "v_codes", "v_scales", "m32", "v32", "comp")]
         + [("hs", ctypes.c_float * 8), ("key", ctypes.c_int64)]
-    )
+    )  # fmt: skip
 
 
 class _Tables(ctypes.Structure):
