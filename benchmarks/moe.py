@@ -226,16 +226,18 @@ def _noisy(router, routing: Routing, li: int):
 
 
 def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, handle,
-           graph: bool = False):  # fmt: skip
+           graph: bool = False, cache_len: int | None = None):  # fmt: skip
     """Teacher-forced decode after a prompt (``ids[0]``), one token a step (``ids[1 + i]``)
-    over a static cache, the step replayed by ``handle.cuda_graph`` when ``graph``: ms of
-    each timed step, every step's logits, and the handle's stats over the timed steps."""
+    over a static cache of ``cache_len`` positions (default: room for ``ids``), the step
+    replayed by ``handle.cuda_graph`` when ``graph``: ms of each timed step, every step's
+    logits, and the handle's stats over the timed steps. Rows compared bitwise need one
+    ``cache_len``: attention over a longer cache rounds differently on the CPU."""
     from transformers import StaticCache
 
     device = ids.device
     prompt = ids[:, : -(warmup + steps)]
     n = prompt.shape[1]
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + 1)
+    cache = StaticCache(config=model.config, max_cache_len=cache_len or ids.shape[1] + 1)
 
     def step(x, pos):
         out = model(input_ids=x, position_ids=pos.unsqueeze(0), cache_position=pos,
@@ -557,7 +559,8 @@ def main(argv=None) -> int:
                 fill(model, fill_ids, routing)
             # the same prompt and the first warmup + n of the resident row's steps
             times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
-                                       routing, row.handle, row.graph)  # fmt: skip
+                                       routing, row.handle, row.graph,
+                                       cache_len=ids.shape[1] + 1)  # fmt: skip
             per, hit = moved(st, n, weight_bytes)
             add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
             if isinstance(row.handle, to.ExpertStreamHandle) and not row.graph:
