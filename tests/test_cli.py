@@ -191,6 +191,7 @@ def test_plan_low_precision_host_state_takes_its_bytes_and_measured_rate(capsys,
     assert "host step measured: 0.10 B parameters a second (AdamW8bit" in captured.err
     assert "host step 0.10 B parameters a second" in captured.out
     assert "state at 10.06 bytes a parameter" in captured.out  # with copies aside
+    assert "2 bytes a parameter over the link each way" in captured.out  # bf16 masters
     slow = opt_ms(captured.out)
     assert main([*host, "--host-state", "bf16-8bit", "--host-step-rate", "1e10"]) == 0
     out = capsys.readouterr().out

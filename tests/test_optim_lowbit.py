@@ -23,6 +23,7 @@ from torchoffload.optim import (
     LowPrecisionAdamW,
     OptimizerOffloadConfig,
     host_bytes_per_param,
+    link_bytes_per_param,
 )
 from torchoffload.optim import _lowbit as lowbit
 
@@ -515,6 +516,8 @@ def test_the_host_step_is_bitwise_the_class_on_plain_host_tensors(
     bf16_masters = master_dtype == BF16
     crossing = 2 if bf16_masters or convert_on == "host" else 4
     assert stats.d2h_bytes == stats.h2d_bytes == 4 * numel * crossing
+    # what the planner prices the link at
+    assert crossing == link_bytes_per_param(BF16, master_dtype=master_dtype, convert_on=convert_on)
     per = 4 if bf16_masters else 8 + (2 if convert_on == "host" else 0)  # master, grad, staging
     assert per * numel <= stats.pinned_bytes < per * numel + 3 * 64 * 6
     assert (opt.state_dict()["master_params"] == {}) == bf16_masters

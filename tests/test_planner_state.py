@@ -366,3 +366,31 @@ def test_plan_prices_the_host_step_at_the_rate_given(monkeypatch):
     assert slow.predicted.step_s > 100 * default.predicted.step_s
     with pytest.raises(ValueError, match="host_step_params_per_s"):
         torchoffload.plan(model, (x,), **kw, host_step_params_per_s=0)
+
+
+def test_plan_prices_the_link_at_the_bytes_given(monkeypatch):
+    """``plan(link_bytes_per_param=...)``: a hosted parameter's gradient and new value cross
+    the link at that many bytes each way (2 for bf16 masters, `link_bytes_per_param`), not
+    fp32's 4; where the link binds, the predicted step halves. Refused when bad."""
+    from torchoffload.optim import link_bytes_per_param
+
+    slow_link = dataclasses.replace(HW, link_gbps=0.01)  # the link binds the step
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, *a: slow_link))
+    with torch.device("meta"):
+        model = GPT(CFG).to(torch.bfloat16)
+    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    kw = dict(budget_bytes=None, loss_fn=lambda out: out.float().mean(), optimizer_state="host",
+              offload_fraction=1.0, host_budget_bytes=64 << 30)  # fmt: skip
+    fp32 = torchoffload.plan(model, (x,), **kw)  # link-bound: beside backward and the tail
+    bf16 = torchoffload.plan(
+        model, (x,), **kw, link_bytes_per_param=link_bytes_per_param(master_dtype=torch.bfloat16)
+    )
+    numel = sum(p.numel() for p in model.parameters())
+    link_s = 4 * numel / (slow_link.link_gbps * 1e9)
+    assert fp32.link_bytes_per_param is None and bf16.link_bytes_per_param == 2
+    assert fp32.predicted.optimizer_s > link_s  # fp32 crosses 4 bytes each way
+    assert bf16.predicted.optimizer_s == pytest.approx(fp32.predicted.optimizer_s / 2, rel=1e-3)
+    assert "2 bytes a parameter over the link each way" in str(bf16)
+    assert "4 bytes a parameter over the link each way" in str(fp32)
+    with pytest.raises(ValueError, match="link_bytes_per_param"):
+        torchoffload.plan(model, (x,), **kw, link_bytes_per_param=-1)

@@ -482,20 +482,22 @@ def _host_state_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _host_state(args: argparse.Namespace) -> tuple[float | None, float | None]:
-    """The host state's bytes a parameter (None: fp32, the planner's default) and the host
-    step's rate (None: the hardware default), measured here for a low-precision state."""
+def _host_state(args: argparse.Namespace) -> tuple[float | None, float | None, int | None]:
+    """The host state's bytes a parameter (None: fp32, the planner's default), the host
+    step's rate (None: the hardware default), measured here for a low-precision state, and
+    the bytes a parameter over the link each way (None: the planner's default, 4)."""
     cls, master, bits = HOST_STATES[args.host_state]
     rate = args.host_step_rate
     if cls is None:
-        return None, rate
+        return None, rate, None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     per = optim.host_bytes_per_param(dtype, master_dtype=master, state_bits=bits)
+    link = optim.link_bytes_per_param(dtype, master_dtype=master)
     if rate is None:
         rate = optim.measure_host_step(cls, master_dtype=master)
         print(f"host step measured: {rate / 1e9:.2f} B parameters a second ({cls.__name__}, "
               f"{torch.get_num_threads()} threads)", file=sys.stderr)  # fmt: skip
-    return per, rate
+    return per, rate, link
 
 
 def _build_for_plan(args: argparse.Namespace, hf_config: Any) -> tuple[torch.nn.Module, dict, str]:
@@ -616,7 +618,7 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     hw = Hardware.detect(args.link_gbps, args.tflops)
     if args.efficiency is not None:
         hw = dataclasses.replace(hw, efficiency=args.efficiency)
-    host_bytes, rate = _host_state(args)
+    host_bytes, rate, link_bytes = _host_state(args)
     if rate is not None:
         hw = dataclasses.replace(hw, host_adam_params_per_s=rate)
     try:
@@ -629,7 +631,8 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
                                      host_budget_bytes=args.host_budget,
                                      parameters=args.parameters,
                                      offload_fraction=args.offload_fraction,
-                                     host_bytes_per_param=host_bytes)  # fmt: skip
+                                     host_bytes_per_param=host_bytes,
+                                     link_bytes_per_param=link_bytes)  # fmt: skip
     except InfeasibleBudgetError as e:
         print(f"torchoffload plan: {e}", file=sys.stderr)
         return 1

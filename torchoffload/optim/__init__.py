@@ -31,6 +31,7 @@ from torchoffload.optim._layout import (
     default_bucket_bytes,
     host_bytes_per_param,
     host_state_bytes,
+    link_bytes_per_param,
     plan_layout,
 )
 from torchoffload.optim._optimizer import OffloadedOptimizer
@@ -50,6 +51,7 @@ __all__ = [
     "default_bucket_bytes",
     "host_bytes_per_param",
     "host_state_bytes",
+    "link_bytes_per_param",
     "measure_host_step",
     "plan_layout",
 ]

@@ -175,3 +175,26 @@ def host_bytes_per_param(
     master_and_state = own.itemsize + compensation + state_tensors * moment
     aside = master_and_state if overlap else 0
     return master_and_state + own.itemsize + staging + aside
+
+
+def link_bytes_per_param(
+    param_dtype: torch.dtype = torch.bfloat16,
+    *,
+    master_dtype: torch.dtype = torch.float32,
+    convert_on: str = "device",
+) -> int:
+    """Bytes an `OffloadedOptimizer` moves over the link per trainable element of a parameter
+    of ``param_dtype``, in each direction (its gradient down, its new value up): the master's
+    dtype where the copies convert on the device (the default, Note: [Where the conversions
+    run]: a bf16 parameter with an fp32 master crosses as 4 bytes each way), the parameter's
+    own with ``convert_on="host"``, and 2 for a bf16 parameter with a bf16 master
+    (``master_dtype=torch.bfloat16``). The planner takes it (``plan(...,
+    link_bytes_per_param=...)``)."""
+    if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
+    if master_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"master_dtype must be torch.float32 or bfloat16, got {master_dtype}")
+    if convert_on not in ("device", "host"):
+        raise ValueError(f"convert_on must be 'device' or 'host', got {convert_on!r}")
+    own = param_dtype if param_dtype == master_dtype else torch.float32
+    return (param_dtype if convert_on == "host" else own).itemsize

@@ -155,6 +155,7 @@ class CostModel:
         host_optimizer: bool = False,
         host_params: bool = False,
         host_fraction: float = 1.0,
+        link_bytes: float = 4.0,
     ):
         self.p, self.hw, self.defer, self.prefetch = profile, hw, defer, prefetch
         self.host_optimizer = host_optimizer
@@ -247,25 +248,9 @@ class CostModel:
         self.gpu_out_b = gpu(profile.outside_bwd_ops, profile.outside_bwd_flops)
         self.host_out_f = len(profile.outside_fwd_ops) * hw.host_us_fwd * us
         self.host_out_b = len(profile.outside_bwd_ops) * hw.host_us_bwd * us
-        moved = profile.param_bytes * 2 + profile.grad_bytes + profile.optimizer_bytes * 2
-        bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
-        self.t_opt = moved / bw if profile.optimizer_bytes else 0.0
-        self.bw = hw.link_gbps * 1e9
-        # The host optimizer's work beside backward, and its upload tail.
-        # Gradients and new values cross in fp32 (Note: [Where the conversions run]).
-        numel = profile.trainable_numel
-        hosted = numel * f if host_optimizer else numel
-        self.t_host = hosted / hw.host_adam_params_per_s
-        self.t_link = 4 * hosted / self.bw
-        self.t_tail = min(4 * hosted, 2 * bucket_bytes(profile)) / self.bw
-        if host_optimizer:  # the device part's step (fp32 masters and state), memory-bound
-            self.t_opt = (1.0 - f) * numel * _device_step_bytes_per_param(profile) / bw
-        self.t_params = profile.param_bytes / self.bw if host_params else 0.0
-        if host_params:
-            self.t_tail = 0.0
-            # the new values are rounded into the host store: fp32 read, the dtype written
-            written = 0 if _fp32(profile) else profile.trainable_bytes
-            self.t_host += (4 * numel + written) / (hw.host_memory_gbps * 1e9) if written else 0
+        (self.t_opt, self.bw, self.t_host, self.t_link, self.t_tail, self.t_params) = (
+            _optimizer_times(profile, hw, f, host_optimizer, host_params, link_bytes)
+        )
 
     def exposed_optimizer(self, backward: float) -> float:
         """The optimizer's time not hidden by a backward of ``backward`` seconds."""
@@ -389,6 +374,36 @@ class CostModel:
         f, b, o = self.time(decisions)
         moved = sum(self.moved[i][x] for i, x in enumerate(decisions))
         return Prediction(self.peak(decisions), f + b + o, f, b, o, moved)
+
+
+def _optimizer_times(
+    profile: Profile, hw: Hardware, f: float, host_optimizer: bool, host_params: bool,
+    link_bytes: float,
+) -> tuple[float, float, float, float, float, float]:  # fmt: skip
+    """The optimizer's times (device step, link bytes a second, host step, link, upload tail,
+    parameters over the link): on the device (memory-bound), or the host optimizer's work
+    beside backward, its link time and its upload tail. Gradients and new values cross as
+    ``link_bytes`` an element each way: 4 where they convert on the device (Note: [Where the
+    conversions run]), 2 for bf16 masters (`torchoffload.optim.link_bytes_per_param`)."""
+    moved = profile.param_bytes * 2 + profile.grad_bytes + profile.optimizer_bytes * 2
+    bw = hw.hbm_gbps * 1e9 * hw.memory_efficiency
+    t_opt = moved / bw if profile.optimizer_bytes else 0.0
+    link = hw.link_gbps * 1e9
+    numel = profile.trainable_numel
+    hosted = numel * f if host_optimizer else numel
+    t_host = hosted / hw.host_adam_params_per_s
+    t_link = link_bytes * hosted / link
+    tail = 2 * bucket_bytes(profile) * link_bytes / 4  # a bf16 bucket's upload in fp32
+    t_tail = min(link_bytes * hosted, tail) / link
+    if host_optimizer:  # the device part's step (fp32 masters and state), memory-bound
+        t_opt = (1.0 - f) * numel * _device_step_bytes_per_param(profile) / bw
+    t_params = profile.param_bytes / link if host_params else 0.0
+    if host_params:
+        t_tail = 0.0
+        # the new values are rounded into the host store: fp32 read, the dtype written
+        written = 0 if _fp32(profile) else profile.trainable_bytes
+        t_host += (4 * numel + written) / (hw.host_memory_gbps * 1e9) if written else 0
+    return t_opt, link, t_host, t_link, t_tail, t_params
 
 
 def bucket_bytes(profile: Profile) -> int:

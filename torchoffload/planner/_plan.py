@@ -89,6 +89,9 @@ class Plan:
     # host bytes per trainable parameter of the optimizer on the host (None: fp32 masters and
     # gradients, the traced state in fp32; `torchoffload.optim.host_bytes_per_param`)
     host_bytes_per_param: float | None = None
+    # bytes over the link per hosted parameter, each way (None: 4, fp32 gradients and new
+    # values; `torchoffload.optim.link_bytes_per_param`)
+    link_bytes_per_param: float | None = None
 
     def __post_init__(self) -> None:
         if self.parameters not in ("device", "host"):
@@ -204,6 +207,7 @@ class Plan:
             self.profile, self.hardware, self.defer_layers, self.prefetch_layers,
             host_optimizer=self.optimizer_state == OptimizerState.HOST,
             host_params=self.parameters == "host", host_fraction=self.offload_fraction,
+            link_bytes=self.link_bytes_per_param or 4.0,
         )  # fmt: skip
         base = model.timeline([KEEP] * len(self.decisions))
         return base, model.stream()[1] if self.stream else model.timeline(self.decisions)
@@ -258,6 +262,7 @@ def plan_from_profile(
     parameters: str = "auto",
     offload_fraction: float | str = "auto",
     host_bytes_per_param: float | None = None,
+    link_bytes_per_param: float | None = None,
 ) -> Plan:
     """Choose decisions for a traced (or synthetic) profile: per layer, keep, offload or
     recompute; where the optimizer state lives (``optimizer_state``: "device", "host" or
@@ -272,11 +277,16 @@ def plan_from_profile(
     offloaded activations; default: this host's physical memory). ``host_bytes_per_param``:
     the host bytes of the optimizer on the host per trainable parameter, for low-precision
     host state (`torchoffload.optim.host_bytes_per_param`: 6.03 for bf16 masters and 8-bit
-    AdamW moments; None: fp32 masters and gradients and the traced state in fp32). Raises
+    AdamW moments; None: fp32 masters and gradients and the traced state in fp32).
+    ``link_bytes_per_param``: the bytes of a hosted parameter's gradient and new value over
+    the link, each way (`torchoffload.optim.link_bytes_per_param`: 2 for bf16 masters of bf16
+    parameters; None: 4, fp32 converted on the device). Raises
     `InfeasibleBudgetError`, naming the least peak and what it is made of, when nothing fits."""
     hw = hardware or Hardware()
-    if host_bytes_per_param is not None:
-        check_number("host_bytes_per_param", host_bytes_per_param)
+    for name, value in (("host_bytes_per_param", host_bytes_per_param),
+                        ("link_bytes_per_param", link_bytes_per_param)):  # fmt: skip
+        if value is not None:
+            check_number(name, value)
     where = OptimizerState.parse(optimizer_state)
     _check_parameters(parameters, where)
     fractions = _fractions(offload_fraction)
@@ -298,7 +308,8 @@ def plan_from_profile(
 
     def attempt(host: bool, params: bool, fraction: float = 1.0) -> None:
         model = CostModel(profile, hw, defer_layers, prefetch_layers, host_optimizer=host,
-                          host_params=params, host_fraction=fraction)  # fmt: skip
+                          host_params=params, host_fraction=fraction,
+                          link_bytes=link_bytes_per_param or 4.0)  # fmt: skip
         decisions, pred, baseline, floor = _choose(profile, model, limit)
         host_need = (
             (host_optimizer_bytes(profile, fraction, host_bytes_per_param) if host else 0)
@@ -352,6 +363,7 @@ def plan_from_profile(
         parameter_budget_bytes=param_working_bytes(profile) if params else 0,
         offload_fraction=fraction if host else 1.0,
         host_bytes_per_param=host_bytes_per_param,
+        link_bytes_per_param=link_bytes_per_param,
     )
 
 
@@ -489,12 +501,13 @@ def plan(
     offload_fraction: float | str = "auto",
     host_bytes_per_param: float | None = None,
     host_step_params_per_s: float | None = None,
+    link_bytes_per_param: float | None = None,
 ) -> Plan:
     """Trace one training step of ``model`` under fake tensors (`trace`) and choose, per layer,
     whether to keep, offload or recompute its activations so that the predicted peak stays
     within ``budget_bytes`` at the least predicted step time, and where the optimizer state
     lives (``optimizer_state``, ``host_budget_bytes``, ``parameters``, ``offload_fraction``,
-    ``host_bytes_per_param``: see `plan_from_profile`).
+    ``host_bytes_per_param``, ``link_bytes_per_param``: see `plan_from_profile`).
 
     ``link_gbps`` and ``compute_tflops``: None measures them on this machine's GPU, or takes
     the defaults of one H200 on a machine without one. ``host_step_params_per_s``: the host
@@ -532,6 +545,7 @@ def plan(
         defer_layers=defer_layers, optimizer_state=optimizer_state,
         host_budget_bytes=host_budget_bytes, parameters=parameters,
         offload_fraction=offload_fraction, host_bytes_per_param=host_bytes_per_param,
+        link_bytes_per_param=link_bytes_per_param,
     )  # fmt: skip
 
 

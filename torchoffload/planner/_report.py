@@ -33,7 +33,8 @@ def describe(plan: Plan) -> str:
         f"hardware: link {hw.link_gbps:.1f} GB/s each way, {hw.compute_tflops:.0f} TFLOP/s x "
         f"{hw.efficiency:.2f} efficiency ({hw.source})"
         + (
-            f"; host step {hw.host_adam_params_per_s / 1e9:.2f} B parameters a second"
+            f"; host step {hw.host_adam_params_per_s / 1e9:.2f} B parameters a second, "
+            f"{plan.link_bytes_per_param or 4:g} bytes a parameter over the link each way"
             if plan.optimizer_state == "host"
             else ""
         ),  # fmt: skip
