@@ -1311,6 +1311,7 @@ class ExpertHost(ExpertGraph):
             policy=data.draw(st.sampled_from(["all", "split"]), label="host policy"),
             link_bytes_per_s=data.draw(st.sampled_from([1.0, 3.0]), label="link rate"),
             host_bytes_per_s=data.draw(st.sampled_from([1.0, 3.0]), label="host rate"),
+            host_fixed_s=data.draw(st.sampled_from([None, 0.0, 1e3, 1e12]), label="host job cost"),
         )
         ExpertGraph.setup(self, data)
 

@@ -92,6 +92,10 @@ def test_split():
     assert split(8, 1.0, 3.0) == 2  # max(6, 6): a host expert costs three copies
     assert split(8, 1.0, 1e9) == 0 and split(8, 1e9, 1.0) == 8
     assert split(3, 2.0, 1.0) == 2  # max(2, 2) against max(4, 1)
+    # a host job's fixed cost is paid once, whatever its experts
+    assert split(8, 1.0, 1.0, 2.0) == 3  # max(5, 2 + 3) against max(4, 2 + 4)
+    assert split(8, 1.0, 1.0, 8.0) == 0  # the host never beats the link's 8
+    assert split(8, 1.0, 3.0, 0.0) == split(8, 1.0, 3.0) == 2
 
 
 @pytest.mark.parametrize("policy", ["all", "split"])
@@ -313,6 +317,7 @@ def test_options(monkeypatch):
     hc = h.host_compute
     assert hc.policy is HostPolicy.SPLIT and hc.max_tokens == 4 and hc.host_threads is None
     assert hc.link_bytes_per_s > 0 and hc.host_bytes_per_s > 0  # measured at setup
+    assert hc.host_fixed_s >= 0  # with the host rate: jobs of one and of several experts
     # Note: [The host experts' worker]: the measurement's worker is stopped
     assert len(workers()) == running
     h.remove()
@@ -335,10 +340,32 @@ def test_options(monkeypatch):
     h.remove()
     given = HostCompute(link_bytes_per_s=2e10, host_bytes_per_s=1e10)
     h = stream(model, "least", given)
-    assert h.host_compute == given  # nothing measured
+    assert h.host_compute == given  # nothing measured: no fixed cost unless given
+    h.remove()
+    h = stream(model, "least", HostCompute(host_bytes_per_s=1e10))
+    assert h.host_compute.host_fixed_s is None and h.host_compute.link_bytes_per_s > 0
     h.remove()
     h = stream(model, "least", False)
     assert h.host_compute is None and h._runtime.host is None
+    h.remove()
+
+
+def test_the_measured_host_rate_leaves_out_a_jobs_fixed_cost(monkeypatch):
+    """"auto" times host jobs of one and of several experts: the fixed cost (staging, the
+    worker's wake-up, the copy back) is measured apart, not charged to each expert."""
+    jobs = []
+
+    def timed(host, layer, experts, dtype):
+        jobs.append(len(experts))
+        return 0.010 + 0.002 * len(experts)
+
+    monkeypatch.setattr(_host, "_job_seconds", timed)
+    model = qwen3()
+    h = stream(model, "least", "auto")
+    hc, expert = h.host_compute, h._runtime.layout.layers[0].expert_bytes
+    assert jobs[0] == 1 and jobs[1] > 1
+    assert hc.host_fixed_s == pytest.approx(0.010)
+    assert hc.host_bytes_per_s == pytest.approx(expert / 0.002)
     h.remove()
 
 
@@ -368,6 +395,7 @@ def test_bad_options_are_refused_changing_nothing():
         (dict(link_bytes_per_s=0), ValueError, "link_bytes_per_s must be > 0"),
         (dict(host_bytes_per_s=float("nan")), ValueError, "host_bytes_per_s must be finite"),
         (dict(host_bytes_per_s="fast"), TypeError, "host_bytes_per_s must be a number"),
+        (dict(host_fixed_s=-1e-3), ValueError, "host_fixed_s must be >= 0"),
     ]:
         with pytest.raises(exc, match=match):
             HostCompute(**kw)

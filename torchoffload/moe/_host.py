@@ -6,11 +6,14 @@ Note: [Cold experts on the host]
 Which experts, in a block call of at most ``max_tokens`` tokens (`HostCompute`): among the
 routed experts the cache lacks when the block routes (its *misses*, in expert order), policy
 "all" computes every one on the host; "split" the last ``h`` of ``m``, with ``h`` minimizing
-``max((m - h) * link_s, h * host_s)`` (the fewest among equals), where ``link_s`` is an
-expert's bytes over the link rate and ``host_s`` over the host rate (`split`). The link copies
-misses in expert order, so the last ones would arrive last: those go to the host. The rates
-are given or measured once at setup (`measure`), so the choice is a function of the routing
-and the cache, the same in every run of a handle. Larger blocks copy every miss.
+``max((m - h) * link_s, fixed_s + h * host_s)`` (``fixed_s`` only when ``h`` > 0; the fewest
+among equals), where ``link_s`` is an expert's bytes over the link rate, ``host_s`` over the
+host rate and ``fixed_s`` a host job's own cost, whatever its experts (staging the rows,
+waking the worker, copying the outputs back: `split`). The link copies misses in expert
+order, so the last ones would arrive last: those go to the host. The rates are given or
+measured once at setup (`measure`: jobs of one and of several experts, so that the fixed
+cost is not charged to each expert), so the choice is a function of the routing and the
+cache, the same in every run of a handle. Larger blocks copy every miss.
 The stream order, per block call (C: the compute stream, read at the call; D: the D2H copy
 stream; W: the worker thread):
 - The host experts' input rows and routing weights are gathered on C (``hidden_states[
@@ -103,7 +106,10 @@ class HostCompute:
     host_bytes_per_s`` on the host, and the two run at once. A rate left None is measured at
     setup (the link: copies of an expert into the cache; the host: an expert of
     ``max_tokens`` rows from the copy of its rows to the host to its output back on the
-    device, the slowest case the policy serves). ``"all"`` uses no rates. ``host_threads``:
+    device, the slowest case the policy serves, in jobs of one and of several experts).
+    ``host_fixed_s``: a host job's cost beside its experts' (staging, the worker's wake-up,
+    the copy back), measured with the host rate, else 0. ``"all"`` uses no rates.
+    ``host_threads``:
     the intra-op threads of the worker that computes them (`torch.set_num_threads` on its
     thread, Note: [Host threads] in optim/_worker.py); None keeps the process's setting (on a
     CPU device, the setting under which the results are the device's, bitwise).
@@ -114,6 +120,7 @@ class HostCompute:
     link_bytes_per_s: float | None = None
     host_bytes_per_s: float | None = None
     host_threads: int | None = None
+    host_fixed_s: float | None = None
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, minimum=1, maximum=_MAX_TOKENS)
@@ -123,6 +130,8 @@ class HostCompute:
         for name in ("link_bytes_per_s", "host_bytes_per_s"):
             if getattr(self, name) is not None:
                 check_number(name, getattr(self, name))
+        if self.host_fixed_s is not None:
+            check_number("host_fixed_s", self.host_fixed_s, positive=False)
 
     @classmethod
     def parse(cls, value: object) -> HostCompute | None:
@@ -164,10 +173,15 @@ def check_host_layout(layout: ExpertLayout) -> None:
             )
 
 
-def split(misses: int, link_s: float, host_s: float) -> int:
+def split(misses: int, link_s: float, host_s: float, fixed_s: float = 0.0) -> int:
     """How many of a block's ``misses`` the host computes: the ``h`` minimizing ``max((misses -
-    h) * link_s, h * host_s)``, the fewest among equals."""
-    return min(range(misses + 1), key=lambda h: (max((misses - h) * link_s, h * host_s), h))
+    h) * link_s, fixed_s + h * host_s)`` (no ``fixed_s`` for ``h`` = 0), the fewest among
+    equals."""
+
+    def cost(h: int) -> tuple[float, int]:
+        return max((misses - h) * link_s, (fixed_s if h else 0.0) + h * host_s), h
+
+    return min(range(misses + 1), key=cost)
 
 
 def expert_output(act_fn: Any, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
@@ -204,13 +218,18 @@ class HostExperts:
         self.config = config
         if config.measures:
             try:
-                link, host = measure(self, config.max_tokens)
+                link, host, fixed = measure(self, config.max_tokens)
             finally:  # Note: [The host experts' worker]: started again at the first use
                 self._stop()
             self.config = replace(
                 config,
                 link_bytes_per_s=config.link_bytes_per_s or link,
                 host_bytes_per_s=config.host_bytes_per_s or host,
+                host_fixed_s=(
+                    config.host_fixed_s
+                    if config.host_bytes_per_s or config.host_fixed_s is not None
+                    else fixed
+                ),
             )
 
     def serves(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
@@ -234,7 +253,8 @@ class HostExperts:
         cfg = self.config
         if cfg.policy is HostPolicy.SPLIT:
             b = self.rt.layout.layers[li].expert_bytes
-            h = split(len(misses), b / cfg.link_bytes_per_s, b / cfg.host_bytes_per_s)
+            h = split(len(misses), b / cfg.link_bytes_per_s, b / cfg.host_bytes_per_s,
+                      cfg.host_fixed_s or 0.0)  # fmt: skip
         room, chosen = self.nbytes, []
         for e in reversed(misses[len(misses) - h :]):
             need = sum(n for _, n in _pieces(counts[e], hidden, dtypes))
@@ -456,10 +476,13 @@ def host_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
     return final_hidden_states
 
 
-def measure(host: HostExperts, tokens: int) -> tuple[float, float]:
-    """(link, host) bytes per second at setup, on the first layer's expert 0: the median of
-    its copies into the cache's first slot (empty at setup), and of `_Job` runs of ``tokens``
-    rows of zeros, each from the copy of its rows to the host to its output on the device."""
+def measure(host: HostExperts, tokens: int) -> tuple[float, float, float]:
+    """(link bytes a second, host bytes a second, host job seconds) at setup, on the first
+    layer's experts: the median of expert 0's copies into the cache's first slot (empty at
+    setup), and of `_Job` runs of ``tokens`` rows of zeros through one expert and through
+    ``k`` (up to 4), each from the copy of its rows to the host to its outputs on the device.
+    The host's time per expert is the difference over ``k - 1`` experts, its fixed cost what
+    is left of the one-expert job (with one expert in the layer: that job over its bytes)."""
     rt = host.rt
     layer = rt.layout.layers[0]
     nbytes = layer.expert_bytes
@@ -472,25 +495,39 @@ def measure(host: HostExperts, tokens: int) -> tuple[float, float]:
         pairs.append((data[start : start + member.nbytes],
                       rt.store.source(0, piece, offset, member.nbytes)))  # fmt: skip
     dtype = layer.members[0].dtype
+    k = min(4, layer.experts, rt.layout.top_k)  # the staging holds top_k experts' rows
     with torch.inference_mode(False), torch.no_grad():
         x = torch.zeros(tokens, layer.members[0].size[-1], dtype=dtype, device=rt.device)
         w = torch.zeros(tokens, 1, dtype=dtype, device=rt.device)
-        link, compute = [], []
+        link = []
         for _ in range(_REPEATS):
             t0 = time.perf_counter()
             _complete(rt.engine.load(pairs, []))
             link.append(time.perf_counter() - t0)
-        for _ in range(_REPEATS):
-            t0 = time.perf_counter()
-            job = host.start(0, layer.container.act_fn, [(0, x, w)], dtype)
-            try:
-                job.result(0)
-                _complete(rt.engine.record())
-            finally:
-                job.close()
-            compute.append(time.perf_counter() - t0)
-    return (nbytes / max(statistics.median(link[1:]), 1e-9),
-            nbytes / max(statistics.median(compute[1:]), 1e-9))  # fmt: skip
+        one, several = (_job_seconds(host, layer, [(e, x, w) for e in range(n)], dtype)
+                        for n in (1, k))  # fmt: skip
+    per = (several - one) / (k - 1) if k > 1 else 0.0
+    if per <= 0.0:  # one expert, or noise larger than an expert's work: no fixed cost
+        per, fixed = (several / k if k > 1 else one), 0.0
+    else:
+        fixed = max(one - per, 0.0)
+    return nbytes / max(statistics.median(link[1:]), 1e-9), nbytes / max(per, 1e-9), fixed
+
+
+def _job_seconds(host: HostExperts, layer: Any, experts: list, dtype: torch.dtype) -> float:
+    """The median of `_REPEATS` - 1 timed runs (after one) of a host job over ``experts``."""
+    times = []
+    for _ in range(_REPEATS):
+        t0 = time.perf_counter()
+        job = host.start(0, layer.container.act_fn, experts, dtype)
+        try:
+            for i in range(len(experts)):
+                job.result(i)
+            _complete(host.rt.engine.record())
+        finally:
+            job.close()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
 
 
 def _complete(event: Any) -> None:
