@@ -351,7 +351,7 @@ def test_options(monkeypatch):
 
 
 def test_the_measured_host_rate_leaves_out_a_jobs_fixed_cost(monkeypatch):
-    """"auto" times host jobs of one and of several experts: the fixed cost (staging, the
+    """Host compute "auto" times jobs of one and of several experts: the fixed cost (staging, the
     worker's wake-up, the copy back) is measured apart, not charged to each expert."""
     jobs = []
 
