@@ -725,3 +725,71 @@ def test_a_native_step_that_cannot_build_warns_once_and_steps_per_op(monkeypatch
     p.grad = torch.full_like(p, 0.5)
     AdamW8bit([p], lr=0.1, min_8bit_numel=1).step()
     assert bool((p < 1).all())
+
+
+def test_fp32_moments_of_a_parameter_over_one_chunk_load_into_8bit_ones(monkeypatch):
+    """`_adopt` quantizes loaded fp32 moments chunk by chunk: a parameter of several chunks
+    gets the codes of one whole pass (once a RuntimeError: the chunk size became a tensor)."""
+    n = 5 * lowbit.BLOCK + 7
+    p = nn.Parameter(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    ref = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    ref.step()
+    whole = AdamW8bit([p], min_8bit_numel=1)
+    whole.load_state_dict(copy.deepcopy(ref.state_dict()))
+    monkeypatch.setattr(lowbit, "chunk_elements", lambda: 2 * lowbit.BLOCK)
+    chunked = AdamW8bit([p], min_8bit_numel=1)
+    chunked.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for key, value in whole.state[p].items():
+        assert torch.equal(chunked.state[p][key], value), key
+
+
+@pytest.mark.parametrize("change", ["strided codes", "float64 scales"])
+def test_loaded_8bit_state_of_another_layout_steps_as_its_values(change, monkeypatch):
+    """The native kernel reads the state by address: a loaded state dict whose codes are a
+    strided view, or whose scales are float64, is stepped as its values say, as per op."""
+    from torchoffload.optim import _native
+
+    if _native.kernel() is None:
+        pytest.skip("no C compiler: the per-op step is the only one here")
+    gen = torch.Generator().manual_seed(0)
+    p = nn.Parameter(torch.randn(1000, generator=gen))
+    opt = AdamW8bit([p], lr=1e-2, min_8bit_numel=1)
+    p.grad = torch.randn(1000, generator=gen)
+    opt.step()
+    grad = torch.randn(1000, generator=gen)
+    sd = copy.deepcopy(opt.state_dict())
+    for name in ("exp_avg", "exp_avg_sq"):
+        if change == "strided codes":
+            codes = sd["state"][0][f"{name}_codes"]
+            wide = torch.zeros(2 * codes.numel(), dtype=torch.uint8)
+            wide[::2] = codes
+            sd["state"][0][f"{name}_codes"] = wide[::2]
+        else:
+            sd["state"][0][f"{name}_scales"] = sd["state"][0][f"{name}_scales"].double()
+    stepped = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("TORCHOFFLOAD_NATIVE", native)
+        q = nn.Parameter(p.detach().clone())
+        twin = AdamW8bit([q], lr=1e-2, min_8bit_numel=1)
+        twin.load_state_dict(copy.deepcopy(sd))
+        q.grad = grad.clone()
+        twin.step()
+        stepped.append(q.detach())
+    assert _same_bits(stepped[0], stepped[1])
+    # and as the optimizer that saved it
+    p.grad = grad.clone()
+    opt.step()
+    assert _same_bits(stepped[0], p.detach())
+
+
+def test_a_loaded_compensation_of_another_size_is_refused():
+    p = nn.Parameter(torch.randn(1000).to(BF16))
+    opt = LowPrecisionAdamW([p], bf16_rounding="kahan")
+    p.grad = torch.randn(1000).to(BF16)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["compensation"] = sd["state"][0]["compensation"][:10].clone()
+    twin = LowPrecisionAdamW([nn.Parameter(p.detach().clone())], bf16_rounding="kahan")
+    with pytest.raises(ValueError, match="compensation does not fit it"):
+        twin.load_state_dict(sd)

@@ -391,8 +391,10 @@ def _adopt(p: torch.Tensor, saved: dict[str, Any], hyper: _Hyper, index: Any) ->
     n = p.numel()
     for name, signed in _MOMENTS:
         if f"{name}_codes" in saved:
-            codes = saved[f"{name}_codes"].to(p.device)
-            scales = saved[f"{name}_scales"].to(p.device)
+            # contiguous fp32 scales: the native step reads them by address (a float64 copy
+            # of fp32 scales converts exactly)
+            codes = saved[f"{name}_codes"].to(p.device).contiguous()
+            scales = saved[f"{name}_scales"].to(p.device, torch.float32).contiguous()
             if (codes.dtype, codes.numel(), scales.numel()) != (torch.uint8, blocks_of(n) * BLOCK,
                                                                 blocks_of(n)):  # fmt: skip
                 raise ValueError(f"state of parameter {index}: {name}_codes does not fit it")
@@ -415,12 +417,16 @@ def _adopt(p: torch.Tensor, saved: dict[str, Any], hyper: _Hyper, index: Any) ->
             for lo in range(0, n, chunk):
                 hi = min(lo + chunk, n)
                 blocks = slice(lo // BLOCK, blocks_of(hi))
-                chunk = padded(values[lo:hi].contiguous())
+                part = padded(values[lo:hi].contiguous())
                 quantize_(codes[blocks.start * BLOCK : blocks.stop * BLOCK], scales[blocks],
-                          chunk, signed)  # fmt: skip
+                          part, signed)  # fmt: skip
             state[f"{name}_codes"], state[f"{name}_scales"] = codes, scales
         else:
             state[name] = values.reshape(p.shape).contiguous()
     if "compensation" in saved and p.dtype == torch.bfloat16:
-        state["compensation"] = saved["compensation"].to(p.device, torch.bfloat16)
+        compensation = saved["compensation"]
+        if compensation.numel() != n:
+            raise ValueError(f"state of parameter {index}: compensation does not fit it")
+        compensation = compensation.to(p.device, torch.bfloat16).reshape(p.shape)
+        state["compensation"] = compensation.contiguous()
     return state
