@@ -793,3 +793,51 @@ def test_a_loaded_compensation_of_another_size_is_refused():
     twin = LowPrecisionAdamW([nn.Parameter(p.detach().clone())], bf16_rounding="kahan")
     with pytest.raises(ValueError, match="compensation does not fit it"):
         twin.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_state_that_no_longer_fits_its_parameter_is_refused_before_anything_changes(
+    native, bits, monkeypatch
+):
+    """A parameter whose data was replaced by a larger one after its first step: refused with
+    nothing changed (per op the step failed part way; the native kernel stepped the new size
+    over the old state's memory: out of bounds, a crash)."""
+    monkeypatch.setenv("TORCHOFFLOAD_NATIVE", native)
+    gen = torch.Generator().manual_seed(0)
+    first, p = (nn.Parameter(torch.randn(300, generator=gen).to(BF16)) for _ in range(2))
+    opt = LowPrecisionAdamW([first, p], state_bits=bits, min_8bit_numel=1)
+    for q in (first, p):
+        q.grad = torch.randn(300, generator=gen).to(BF16)
+    opt.step()
+    p.data = torch.randn(300_000, generator=gen).to(BF16)
+    p.grad = torch.randn(300_000, generator=gen).to(BF16)
+    before = copy.deepcopy(opt.state_dict()), first.detach().clone(), p.detach().clone()
+    with pytest.raises(RuntimeError, match="was the parameter's data replaced"):
+        opt.step()
+    after = opt.state_dict(), first.detach(), p.detach()
+    assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+    for k in (0, 1):
+        for key, value in before[0]["state"][k].items():
+            assert torch.equal(after[0]["state"][k][key], value), key
+
+
+def test_a_strided_8bit_state_is_stepped_per_op_not_read_by_address(monkeypatch):
+    """State tensors set by hand (not through `load_state_dict`) as strided views: the native
+    kernel would read them as contiguous; the step takes them per op, the same bits."""
+    stepped = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("TORCHOFFLOAD_NATIVE", native)
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(torch.randn(1000, generator=gen))
+        opt = AdamW8bit([p], lr=1e-2, min_8bit_numel=1)
+        p.grad = torch.randn(1000, generator=gen)
+        opt.step()
+        codes = opt.state[p]["exp_avg_codes"]
+        wide = torch.zeros(2 * codes.numel(), dtype=torch.uint8)
+        wide[::2] = codes
+        opt.state[p]["exp_avg_codes"] = wide[::2]
+        p.grad = torch.randn(1000, generator=gen)
+        opt.step()
+        stepped.append((p.detach(), wide.clone()))
+    assert _same_bits(stepped[0][0], stepped[1][0]) and torch.equal(stepped[0][1], stepped[1][1])

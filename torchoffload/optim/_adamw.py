@@ -108,6 +108,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         for group in self.param_groups:  # changes
             for p in group["params"]:
                 _check_param(p, p.grad)
+                if p.grad is not None and self.state.get(p):
+                    _check_state(p, self.state[p])
         fn = _native.kernel()
         native = None if fn is None else _native.Steps(fn)
         for group, hyper in zip(self.param_groups, hypers, strict=True):
@@ -229,6 +231,31 @@ def _check_param(p: torch.Tensor, grad: torch.Tensor | None) -> None:
         )
 
 
+def _check_state(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """Refuse a state that no longer fits ``p`` (its data replaced by one of another size or
+    device after its first step, or the state edited): per op the step would fail part way
+    through the parameters, the native kernel read and write out of bounds."""
+    n = p.numel()
+    expected: dict[str, tuple[torch.dtype, int]] = {}
+    for name, _ in _MOMENTS:
+        if f"{name}_codes" in state:
+            expected[f"{name}_codes"] = (torch.uint8, blocks_of(n) * BLOCK)
+            expected[f"{name}_scales"] = (torch.float32, blocks_of(n))
+        else:
+            expected[name] = (torch.float32, n)
+    if "compensation" in state and p.dtype == torch.bfloat16:
+        expected["compensation"] = (torch.bfloat16, n)
+    for key, (dtype, numel) in expected.items():
+        t = state.get(key)
+        found = (t.dtype, t.numel(), t.device) if isinstance(t, torch.Tensor) else None
+        if found != (dtype, numel, p.device):
+            raise RuntimeError(
+                f"the optimizer state {key!r} of a parameter of {n} elements on {p.device} is "
+                f"{found}, not ({dtype}, {numel}, {p.device}): was the parameter's data "
+                "replaced after its first step?"
+            )
+
+
 class _Hyper:
     """A group's values, as the step reads them."""
 
@@ -322,7 +349,7 @@ def _step_lowbit(flat: torch.Tensor, g: torch.Tensor, state: dict[str, Any], h: 
         moments = tuple(state[f"{n}_{part}"] for n, _ in _MOMENTS for part in ("codes", "scales"))
     else:
         moments = tuple(state[n].view(-1) for n, _ in _MOMENTS)
-    if native is not None:
+    if native is not None and all(t.is_contiguous() for t in moments):
         flags = ((_native.PARAM_BF16 if bf16 else 0) | (_native.QUANTIZED if quantized else 0)
                  | (_native.STOCHASTIC if rounding is Bf16Rounding.STOCHASTIC else 0)
                  | (_native.KAHAN if rounding is Bf16Rounding.KAHAN else 0)
