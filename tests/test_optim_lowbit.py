@@ -841,3 +841,40 @@ def test_a_strided_8bit_state_is_stepped_per_op_not_read_by_address(monkeypatch)
         opt.step()
         stepped.append((p.detach(), wide.clone()))
     assert _same_bits(stepped[0][0], stepped[1][0]) and torch.equal(stepped[0][1], stepped[1][1])
+
+
+def test_a_parameter_listed_twice_is_stepped_twice_in_order(monkeypatch):
+    """torch.optim only warns of a parameter listed twice in a group: per op it is stepped
+    twice, one step after the other. The native steps of one call run at once, a block's two
+    steps maybe on two threads: they must not be in one call."""
+    from torchoffload.optim import _native
+
+    if _native.kernel() is None:
+        pytest.skip("no C compiler: the per-op step is the only one here")
+    calls = []
+    run = _native.Steps.run
+
+    def recorded(self, tables):
+        calls.append([task.param for task in self.tasks])
+        run(self, tables)
+
+    monkeypatch.setattr(_native.Steps, "run", recorded)
+    stepped = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("TORCHOFFLOAD_NATIVE", native)
+        gen = torch.Generator().manual_seed(0)
+        p = nn.Parameter(torch.randn(256 * 64 * 3, generator=gen).to(BF16))
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            opt = AdamW8bit([p, p], lr=1e-2)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            for _ in range(2):
+                p.grad = torch.randn(p.shape, generator=gen).to(BF16)
+                opt.step()
+        finally:
+            torch.set_num_threads(saved)
+        assert float(opt.state[p]["step"]) == 4
+        stepped.append(p.detach())
+    assert calls and all(len(set(c)) == len(c) for c in calls), calls
+    assert _same_bits(stepped[0], stepped[1])

@@ -112,10 +112,17 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                     _check_state(p, self.state[p])
         fn = _native.kernel()
         native = None if fn is None else _native.Steps(fn)
+        queued: set[int] = set()
         for group, hyper in zip(self.param_groups, hypers, strict=True):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if native is not None and id(p) in queued:
+                    # a parameter listed twice (torch.optim only warns) is stepped twice, in
+                    # order: its first step runs before the second reads it
+                    native.run(native_tables())
+                    queued.clear()
+                queued.add(id(p))
                 state = self.state[p]
                 if not state:
                     _init_state(p, state, hyper)
