@@ -11,6 +11,9 @@ import math
 import os
 import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -878,3 +881,42 @@ def test_a_parameter_listed_twice_is_stepped_twice_in_order(monkeypatch):
         stepped.append(p.detach())
     assert calls and all(len(set(c)) == len(c) for c in calls), calls
     assert _same_bits(stepped[0], stepped[1])
+
+
+def test_a_cached_kernel_cut_short_is_built_again(tmp_path):
+    """A cached shared object cut short (a full disk, a crash) is built again, not loaded:
+    dlopen maps it without a complaint and the first touch of its missing part kills the
+    process with a SIGBUS (a child process here, so that the old behaviour fails the test
+    rather than the run). $CC may hold arguments; a failed build leaves no temporary file."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler: the per-op step is the only one here")
+    code = (
+        "import warnings; warnings.simplefilter('error')\n"
+        "from torchoffload.optim import _native, AdamW8bit\n"
+        "import torch\n"
+        "assert _native.kernel() is not None\n"
+        "p = torch.nn.Parameter(torch.ones(300)); p.grad = torch.ones(300)\n"
+        "AdamW8bit([p], min_8bit_numel=1).step(); assert bool((p < 1).all())\n"
+    )
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, TORCHOFFLOAD_CACHE=str(tmp_path), PYTHONPATH=root, CC=f"{cc} -w")
+    env.pop("TORCHOFFLOAD_NATIVE", None)
+
+    def child():
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=240)  # fmt: skip
+
+    first = child()
+    assert first.returncode == 0, first.stderr[-2000:]
+    (built,) = tmp_path.glob("*.so")
+    whole = built.read_bytes()
+    for cut in (0, len(whole) // 2):
+        built.write_bytes(whole[:cut])
+        again = child()
+        assert again.returncode == 0, (cut, again.returncode, again.stderr[-2000:])
+        assert built.read_bytes() == whole
+    env["CC"] = str(tmp_path / "no-such-cc")
+    failed = child()
+    assert "not available" in failed.stderr
+    assert list(tmp_path.glob("tmp*")) == []

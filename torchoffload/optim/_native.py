@@ -33,8 +33,10 @@ stack, each byte of the parameter, gradient and state read and written once.
   compiler and CPU (the name of the shared object hashes them all, so a home directory shared
   by different machines holds one per CPU), into ``$TORCHOFFLOAD_CACHE`` (default
   ``~/.cache/torchoffload``), written to a temporary name and renamed, so processes building
-  at once do not see half a file. ``$CC`` picks the compiler. A failed build warns once and
-  the per-op step is used.
+  at once do not see half a file; a cached file shorter than its ELF headers say (a full
+  disk, a crash before the data reached it) is built again, since loading it would be a
+  SIGBUS. ``$CC`` picks the compiler (with its arguments, if any). A failed build warns once
+  and the per-op step is used.
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import struct
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
@@ -88,29 +93,21 @@ def _cpu_id() -> str:
 
 
 def _load() -> Any | None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = os.environ.get("CC")  # may hold arguments ("ccache gcc"), as make's $CC does
+    found = shutil.which("cc") or shutil.which("gcc")
+    command = shlex.split(cc) if cc else [found] if found else []
+    if not command:
         _warn("no C compiler found (set CC)")
         return None
     source = SOURCE.read_bytes()
-    parts = [" ".join(FLAGS), compiler, _cpu_id(), platform.machine()]
+    parts = [" ".join(FLAGS), " ".join(command), _cpu_id(), platform.machine()]
     digest = hashlib.sha256(b"\0".join([source, *(x.encode() for x in parts)])).hexdigest()[:16]
     cache = Path(os.environ.get("TORCHOFFLOAD_CACHE") or Path.home() / ".cache" / "torchoffload")
     path = cache / f"lowbit_step-{digest}.so"
-    if not path.exists():
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
-            os.close(fd)
-            run = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                 capture_output=True, text=True, timeout=120)  # fmt: skip
-            if run.returncode != 0:
-                os.unlink(tmp)
-                _warn(f"{compiler} failed: {run.stderr.strip()[-300:]}")
-                return None
-            os.replace(tmp, path)
-        except (OSError, subprocess.SubprocessError) as e:
-            _warn(f"{type(e).__name__}: {e}")
+    if not _whole(path):  # absent, or cut short (a full disk, a crash): built again
+        why = _build(command, cache, path)
+        if why is not None:
+            _warn(why)
             return None
     try:
         lib = ctypes.CDLL(str(path))
@@ -121,6 +118,52 @@ def _load() -> Any | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     return fn
+
+
+def _build(command: list[str], cache: Path, path: Path) -> str | None:
+    """Build the kernel into ``path`` (through a temporary file, renamed); None, or why not."""
+    tmp = None
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so")
+        os.close(fd)
+        run = subprocess.run([*command, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+        if run.returncode != 0:
+            return f"{command[0]} failed: {run.stderr.strip()[-300:]}"
+        os.replace(tmp, path)
+        tmp = None
+        return None
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _whole(path: Path) -> bool:
+    """Whether the shared object at ``path`` is there and, on Linux, as long as its ELF headers
+    say: dlopen maps a file cut short without a complaint, and the first touch of the missing
+    part is a SIGBUS that kills the process."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if not sys.platform.startswith("linux"):
+        return True
+    if len(data) < 64 or data[:5] != b"\x7fELF\x02":  # ELF, 64-bit
+        return False
+    order = "<" if data[5] == 1 else ">"
+    phoff, shoff = struct.unpack_from(order + "QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from(order + "HHHH", data, 0x36)
+    end = shoff + shentsize * shnum
+    for k in range(phnum):
+        at = phoff + k * phentsize
+        if at + 40 > len(data):
+            return False
+        offset, _, _, size = struct.unpack_from(order + "QQQQ", data, at + 8)
+        end = max(end, offset + size)
+    return end <= len(data)
 
 
 def _warn(why: str) -> None:
