@@ -601,6 +601,58 @@ def test_bf16_masters_state_dict_round_trip_continues_bitwise():
         o.remove()
 
 
+@pytest.mark.parametrize("master_dtype", [BF16, torch.float32], ids=["bf16-masters", "fp32"])
+def test_loaded_groups_lacking_a_key_take_the_class_default_as_the_plain_class(master_dtype):
+    """A torch.optim.AdamW state dict has no state_bits nor bf16_rounding: loaded into groups
+    that set their own, the plain class takes its defaults for them (the loaded groups replace
+    the optimizer's); so does the OffloadedOptimizer, which kept the groups' own before (fp32
+    moments and Kahan for the first layer where the plain class quantizes: other bits)."""
+    a = model()
+
+    def groups(m, masters=None):
+        if masters is None:
+            first, rest = [m[0].weight, m[0].bias], [*m[2].parameters(), *m[4].parameters()]
+        else:
+            first, rest = masters[:2], masters[2:]
+        return [{"params": first, "state_bits": 32, "bf16_rounding": "kahan"}, {"params": rest}]
+
+    adamw = to.OffloadedOptimizer([{"params": g["params"]} for g in groups(a)], torch.optim.AdamW,
+                                  lr=1e-3, bucket_bytes=8192)  # fmt: skip
+    for i in range(2):
+        loss_of(a, batch(i)).backward()
+        adamw.step()
+        adamw.zero_grad()
+    sd = _save_load(adamw.state_dict())
+    adamw.remove()
+    b = copy.deepcopy(a)
+    ref = Reference(copy.deepcopy(a), AdamW8bit, master_dtype, lr=1e-3)
+    ref.opt = AdamW8bit(groups(None, ref.masters), lr=1e-3)
+    with torch.no_grad():
+        for i, m in enumerate(ref.masters):
+            if m.dtype == torch.float32 and i in sd["master_params"]:
+                m.copy_(sd["master_params"][i])
+    ref.opt.load_state_dict(copy.deepcopy({k: v for k, v in sd.items() if k != "master_params"}))
+    opt = to.OffloadedOptimizer(groups(b), AdamW8bit, lr=1e-3, bucket_bytes=8192,
+                                master_dtype=master_dtype)  # fmt: skip
+    opt.load_state_dict(copy.deepcopy(sd))
+    for mine, theirs in zip(opt.param_groups, ref.opt.param_groups, strict=True):
+        assert (mine["state_bits"], mine["bf16_rounding"]) == (8, "stochastic")
+        assert {k: v for k, v in mine.items() if k != "params"} == {
+            k: v for k, v in theirs.items() if k != "params"
+        }
+    for i in range(2, 5):
+        loss_of(b, batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.step(batch(i))
+        assert same_params(b, ref.twin), i
+    mine, theirs = opt.state_dict()["state"], ref.opt.state_dict()["state"]
+    for i in theirs:
+        assert mine[i].keys() == theirs[i].keys()
+        assert all(torch.equal(mine[i][k], theirs[i][k]) for k in theirs[i])
+    opt.remove()
+
+
 @pytest.mark.parametrize("max_norm", [1e-3, 1e3], ids=["clipped", "not-clipped"])
 def test_bf16_masters_clip_like_clip_grad_norm_on_the_bf16_gradients(max_norm):
     a = model()

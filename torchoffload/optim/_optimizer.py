@@ -224,7 +224,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``"master_params"`` when present (they must round to the current parameters: load the
         model's state dict from the same checkpoint first), else from the parameters."""
         self._live().check_idle("load_state_dict()")
-        load_state(self._runtime, self._device, self._host_index, self.param_groups, state_dict)
+        load_state(self._runtime, self._device, self._host_index, self.param_groups, state_dict,
+                   self.defaults)  # fmt: skip
 
     # - torchoffload
     def stats(self) -> OptimizerStats:

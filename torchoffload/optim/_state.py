@@ -10,7 +10,7 @@ import torch
 
 from torchoffload.optim._config import OptimizerStats
 from torchoffload.optim._device import DeviceStep
-from torchoffload.optim._params import shape_of, value_of
+from torchoffload.optim._params import hyper, shape_of, value_of
 from torchoffload.optim._runtime import HostStepRuntime
 
 
@@ -61,9 +61,11 @@ def load_state(
     host_index: list[int],
     param_groups: list[dict[str, Any]],
     state_dict: dict[str, Any],
+    defaults: dict[str, Any],
 ) -> None:
     """Load ``state_dict`` (of `state_dict_of` or of the plain class) into an idle optimizer,
-    after checking it all: its groups' sizes and that its masters round to the parameters."""
+    after checking it all: its groups' sizes and that its masters round to the parameters.
+    ``defaults``: the class's, for a group that no instance of the class holds."""
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or len(saved) != len(param_groups):
         raise ValueError(
@@ -84,11 +86,20 @@ def load_state(
     if dev is not None:
         every += list(zip(dev.index, dev.params, strict=True))
     _check_masters(every, order, masters)
-    for mine, theirs in zip(param_groups, saved, strict=True):
-        mine.update({k: v for k, v in theirs.items() if k != "params"})
-    _load_host(rt, host_index, order, state, param_groups)
+    # Each instance of the class loads the saved groups' values as they are, and the groups
+    # become what the class made of them, as with the plain class: a key the saved groups
+    # lack (a torch.optim.AdamW state dict has no state_bits) takes the class's value (its
+    # default), not the one this optimizer's group had before
+    theirs = [{k: v for k, v in g.items() if k != "params"} for g in saved]
+    loaded = _load_host(rt, host_index, order, state, theirs)
     if dev is not None:
-        _load_device(dev, order, state, masters, param_groups)
+        loaded.update(_load_device(dev, order, state, masters, theirs))
+    for g, mine in enumerate(param_groups):
+        found = loaded.get(g)
+        values = hyper(found) if found is not None else {**defaults, **theirs[g]}
+        kept = {k: mine[k] for k in ("params", "param_names") if k in mine}
+        mine.clear()
+        mine.update({**values, **kept})
     for k, rec in enumerate(rt.records):
         m = masters.get(order[host_index[k]])
         if m is not None:
@@ -117,8 +128,11 @@ def _check_masters(every: list[tuple[int, torch.Tensor]], order: list[int], mast
             )
 
 
-def _load_host(rt: HostStepRuntime, gidx, order, state, user_groups) -> None:
-    """Each bucket's instance of the optimizer class loads its parameters' saved state."""
+def _load_host(rt: HostStepRuntime, gidx, order, state, theirs) -> dict[int, dict[str, Any]]:
+    """Each bucket's instance of the optimizer class loads its parameters' saved state and
+    the saved values of their groups (``theirs``); returns a loaded group of each user group
+    it holds."""
+    loaded: dict[int, dict[str, Any]] = {}
     for bucket in rt.buckets:
         local_groups, local_state, slot = [], {}, 0
         by_master = {id(r.master): r for r in bucket.records}
@@ -131,15 +145,18 @@ def _load_host(rt: HostStepRuntime, gidx, order, state, user_groups) -> None:
                     local_state[slot] = state[key]
                 ids.append(slot)
                 slot += 1
-            local_groups.append({**{k: v for k, v in host_group.items() if k != "params"},
-                                 "params": ids})  # fmt: skip
+            local_groups.append({"params": ids})
         for host_group, g in zip(local_groups, bucket.groups, strict=True):
-            host_group.update({k: v for k, v in user_groups[g].items() if k != "params"})
+            host_group.update(theirs[g])
         bucket.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+        for host_group, g in zip(bucket.optimizer.param_groups, bucket.groups, strict=True):
+            loaded.setdefault(g, host_group)
+    return loaded
 
 
-def _load_device(dev: DeviceStep, order, state, masters, user_groups) -> None:
-    """`load_state_dict` for the device part: its state and masters from the saved ones."""
+def _load_device(dev: DeviceStep, order, state, masters, theirs) -> dict[int, dict[str, Any]]:
+    """`load_state_dict` for the device part: its state and masters from the saved ones, its
+    groups' values from ``theirs``; returns its loaded group of each user group it holds."""
     local_state, local_groups, slot = {}, [], 0
     position = {id(m): k for k, m in enumerate(dev.masters)}
     for group, g in zip(dev.optimizer.param_groups, dev.groups, strict=True):
@@ -150,8 +167,7 @@ def _load_device(dev: DeviceStep, order, state, masters, user_groups) -> None:
                 local_state[slot] = state[key]
             ids.append(slot)
             slot += 1
-        local_groups.append({**{k: v for k, v in user_groups[g].items() if k != "params"},
-                             "params": ids})  # fmt: skip
+        local_groups.append({**theirs[g], "params": ids})
     dev.optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
     for k, master in enumerate(dev.masters):
         m = masters.get(order[dev.index[k]])
@@ -160,6 +176,7 @@ def _load_device(dev: DeviceStep, order, state, masters, user_groups) -> None:
             dev.synced[k] = (dev.params[k]._version, dev.params[k].data_ptr())
         else:
             dev.reload(k)
+    return dict(zip(dev.groups, dev.optimizer.param_groups, strict=True))
 
 
 def stats_of(rt: HostStepRuntime, dev: DeviceStep | None) -> OptimizerStats:
