@@ -235,6 +235,36 @@ def test_qwen3_moe_placeholders_serve_reads_and_writes():
     assert same(snapshot(model), snapshot(ref))
 
 
+@pytest.mark.parametrize("root", ["model", "layer"])
+def test_qwen3_moe_refused_assign_loads_nothing(root):
+    """load_state_dict(assign=True) is refused before any tensor is assigned (the experts'
+    parameters kept: the forward reads their host store); a later load without assign, as the
+    error says, reaches the outputs. A state dict without expert keys assigns as resident."""
+    ref, model = qwen3(), qwen3()
+    h = stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model), pin_memory=False)
+    params = dict(model.named_parameters())
+    new = {k: v * 2 for k, v in ref.state_dict().items()}
+    at = "model.layers.1."
+    target = model if root == "model" else model.model.layers[1]
+    sd = new if root == "model" else {k[len(at) :]: v for k, v in new.items() if k.startswith(at)}
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\) would replace"):
+        target.load_state_dict(sd, assign=True)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    x = prompt()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    ref.load_state_dict(new)
+    model.load_state_dict(new)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    w = ref.lm_head.weight.detach() * 3
+    for m in (ref, model):
+        m.load_state_dict({"lm_head.weight": w.clone()}, strict=False, assign=True)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+    h.remove()
+
+
 def test_qwen3_grouped_mm_is_refused_with_the_fix():
     model = qwen3(impl="grouped_mm")
     before = snapshot(model)

@@ -193,8 +193,8 @@ class _ExpertPost(_ExpertPre):
             )
 
 
-def install(rt: ExpertRuntime) -> list[Any]:
-    """Drive ``rt`` from the model's forward and serve ``state_dict`` from the host store.
+def install(rt: ExpertRuntime, model: nn.Module) -> list[Any]:
+    """Drive ``rt`` from ``model``'s forward and serve ``state_dict`` from the host store.
     Returns objects whose ``remove()`` undoes each part."""
     undo: list[Any] = []
     try:
@@ -205,6 +205,7 @@ def install(rt: ExpertRuntime) -> list[Any]:
             else:
                 undo += _list_hooks(rt, li, layer)
             undo += _state_dict_hooks(rt, li, layer)
+        undo += _assign_hooks(rt, model)
     except BaseException:
         for u in undo:
             u.remove()
@@ -234,7 +235,20 @@ def _state_dict_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[An
     hooks = []
     for module, names in owned.values():
         hooks.append(module.register_state_dict_post_hook(_StateDict(rt, li, names)))
-        hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(rt, li)))
+    return hooks
+
+
+def _assign_hooks(rt: ExpertRuntime, model: nn.Module) -> list[Any]:
+    """``load_state_dict(assign=True)`` refused, before any tensor is assigned, on the model and
+    on every submodule that holds expert tensors: each such module checks its expert keys
+    before its own tensors and its children are loaded (the root first), so a refusal leaves
+    the model as it was. Only where the state dict holds an expert key."""
+    names = [p.name for layer in rt.layout.layers for p in layer.pieces]
+    hooks = []
+    for q, module in model.named_modules():
+        rels = names if not q else [n[len(q) + 1 :] for n in names if n.startswith(q + ".")]
+        if rels:
+            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(rt, 0, rels)))
     return hooks
 
 
@@ -256,13 +270,23 @@ class _StateDict(_Entry):
 
 
 class _RefuseAssign(_Entry):
+    """Raises (an error appended to ``load_state_dict``'s list is raised only after every
+    module was loaded, the expert tensors replaced by then: the forward would no longer read
+    the module's tensors)."""
+
+    def __init__(self, rt: ExpertRuntime, li: int, names: list[str]):
+        super().__init__(rt, li)
+        self.names = names  # the expert tensors' names relative to the module
+
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any,
                  strict: bool, missing: list, unexpected: list, errors: list) -> None:  # fmt: skip
-        if meta.get("assign_to_params_buffers", False):
-            errors.append(
+        if self.rt.removed or not meta.get("assign_to_params_buffers", False):
+            return
+        if any(prefix + n in state_dict for n in self.names):
+            raise RuntimeError(
                 "load_state_dict(assign=True) would replace streamed expert tensors; load "
                 "without assign while stream_experts is active, or call the handle's remove() "
-                "first"
+                "first. Nothing was loaded"
             )
 
 

@@ -345,7 +345,7 @@ def stream_experts(
         if host is not None:  # its rates may be measured now (Note: [Cold experts on the host])
             runtime.host = HostExperts(runtime, host)
         _move_dense(layout, config.device, moved)
-        undo = install(runtime)
+        undo = install(runtime, model)
     except BaseException:  # out of memory: the model as it was
         _restore(runtime)
         _move_back(moved)
