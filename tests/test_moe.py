@@ -265,6 +265,42 @@ def test_qwen3_moe_refused_assign_loads_nothing(root):
     h.remove()
 
 
+def test_qwen3_moe_expert_parameter_replaced_on_its_module():
+    """``experts.down_proj = nn.Parameter(new)`` while the experts stream: the forward, which
+    computes from the replaced tensor's host store, refuses (eager and graph calls);
+    state_dict holds the new tensor's values; after remove() the outputs are the resident
+    model's with the new tensor. A list expert reads its module's tensors: bitwise."""
+    ref, model = qwen3(), qwen3()
+    h = stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model), pin_memory=False)
+    graphed = h.cuda_graph(lambda ids: model(input_ids=ids).logits)
+    x, one = prompt(), prompt()[:1, :1]
+    with torch.no_grad():
+        for _ in range(3):  # eager, captured, replayed
+            assert torch.equal(graphed(one), ref(one).logits)
+    new = ref.model.layers[0].mlp.experts.down_proj.detach() * 2
+    for m in (ref, model):
+        m.model.layers[0].mlp.experts.down_proj = nn.Parameter(new.clone())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="was replaced on its module"):
+        model(x)
+    with pytest.raises(RuntimeError, match="was replaced on its module"):
+        graphed(one)
+    assert same(snapshot(model), snapshot(ref))
+    h.remove()
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+
+    ref, model = moe(), moe()
+    h = stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model), pin_memory=False)
+    w = ref.blocks[1].experts[2].w1.weight.detach() * 2
+    for m in (ref, model):
+        m.blocks[1].experts[2].w1.weight = nn.Parameter(w.clone())
+    with torch.no_grad():
+        for x in inputs():
+            assert torch.equal(model(x), ref(x))
+    assert same(snapshot(model), snapshot(ref))
+    h.remove()
+
+
 def test_qwen3_grouped_mm_is_refused_with_the_fix():
     model = qwen3(impl="grouped_mm")
     before = snapshot(model)

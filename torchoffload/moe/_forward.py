@@ -17,7 +17,7 @@ from torchoffload._calls import eager_call, hook_caller
 from torchoffload.moe._graphed import graphed_forward
 from torchoffload.moe._host import host_forward
 from torchoffload.moe._layout import ExpertLayer, LayoutKind
-from torchoffload.moe._runtime import ExpertRuntime
+from torchoffload.moe._runtime import ExpertRuntime, _held
 
 __all__ = ["NO_COPY", "install"]
 
@@ -55,6 +55,7 @@ class FusedForward(_Entry):
         rt, li = self.rt, self.li
         module = self.module()
         n = rt.layout.layers[li].experts
+        rt.check_held(li)
         if rt.graphing:  # a captured call: Note: [Routed experts in a CUDA graph]
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
         if rt.host is not None and rt.host.serves(hidden_states, top_k_index):
@@ -263,9 +264,11 @@ class _StateDict(_Entry):
         with self.rt._lock:
             self.rt._check_live()
             self.rt._reap()
+            pieces = self.rt.layout.layers[self.li].pieces
             for attr, pi in self.names:
                 key = prefix + attr
-                if key in state_dict:
+                # a tensor assigned to the module since (module.w = ...) is its own value
+                if key in state_dict and _held(module, attr) is pieces[pi].tensor:
                     state_dict[key] = self.rt.store.host_value(self.li, pi)
 
 

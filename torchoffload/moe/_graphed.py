@@ -530,6 +530,7 @@ class ExpertGraphs:
         with rt._lock:
             rt._check_live()
             _idle(rt, "a captured call")
+            rt.check_held()
             tables = tables_of(rt)
             tables.push()
             tables.copies.warm_up()
@@ -553,6 +554,7 @@ class ExpertGraphs:
         with rt._lock:
             rt._check_live()
             _idle(rt, "a graph replay")
+            rt.check_held()
             tables_of(rt).push()
             yield _Replay()
 
