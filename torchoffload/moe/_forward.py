@@ -16,8 +16,8 @@ from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
 from torchoffload.moe._graphed import graphed_forward
 from torchoffload.moe._host import host_forward
-from torchoffload.moe._layout import ExpertLayer, LayoutKind
-from torchoffload.moe._runtime import ExpertRuntime, _held
+from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_held, held
+from torchoffload.moe._runtime import ExpertRuntime
 
 __all__ = ["NO_COPY", "install"]
 
@@ -55,7 +55,7 @@ class FusedForward(_Entry):
         rt, li = self.rt, self.li
         module = self.module()
         n = rt.layout.layers[li].experts
-        rt.check_held(li)
+        check_held(rt.layout, li)
         if rt.graphing:  # a captured call: Note: [Routed experts in a CUDA graph]
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
         if rt.host is not None and rt.host.serves(hidden_states, top_k_index):
@@ -268,7 +268,7 @@ class _StateDict(_Entry):
             for attr, pi in self.names:
                 key = prefix + attr
                 # a tensor assigned to the module since (module.w = ...) is its own value
-                if key in state_dict and _held(module, attr) is pieces[pi].tensor:
+                if key in state_dict and held(module, attr) is pieces[pi].tensor:
                     state_dict[key] = self.rt.store.host_value(self.li, pi)
 
 

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
-from torchoffload.moe._layout import ALIGN, LayoutKind
+from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 
 # Note: [Prefetch by the next router]
 # A block's experts can be copied only after its router ran, so in a graph call the link idles
@@ -530,7 +530,7 @@ class ExpertGraphs:
         with rt._lock:
             rt._check_live()
             _idle(rt, "a captured call")
-            rt.check_held()
+            check_held(rt.layout)
             tables = tables_of(rt)
             tables.push()
             tables.copies.warm_up()
@@ -554,7 +554,7 @@ class ExpertGraphs:
         with rt._lock:
             rt._check_live()
             _idle(rt, "a graph replay")
-            rt.check_held()
+            check_held(rt.layout)
             tables_of(rt).push()
             yield _Replay()
 

@@ -507,3 +507,28 @@ def _same_code(a: Any, b: Any) -> bool:
         elif type(x) is not type(y) or x != y:
             return False
     return True
+
+
+def held(module: Any, attr: str) -> Any:
+    """The tensor ``module`` holds under ``attr`` now (a parameter or a buffer), or None."""
+    t = module._parameters.get(attr)
+    return t if t is not None else module._buffers.get(attr)
+
+
+def check_held(layout: ExpertLayout, li: int | None = None) -> None:
+    """Refuse a fused experts module (layer ``li``, or every one) whose module no longer holds
+    the tensors streamed for it (``module.down_proj = nn.Parameter(...)``): its forward
+    computes from the host store of the tensors it replaced. A list expert's forward reads its
+    module's own tensors, whatever they are."""
+    for layer in layout.layers if li is None else (layout.layers[li],):
+        if layer.kind is not LayoutKind.FUSED:
+            continue
+        for p in layer.pieces:
+            if held(p.module, p.attr) is not p.tensor:
+                raise RuntimeError(
+                    f"{p.name!r} was replaced on its module ({type(p.module).__name__}."
+                    f"{p.attr} = ...) while stream_experts streams it: the experts' forward "
+                    "computes from the host store of the tensor it replaced. Write new values "
+                    "in place instead (p.copy_(new) under torch.no_grad(), or load_state_dict), "
+                    "or remove() the handle, assign, and stream again"
+                )

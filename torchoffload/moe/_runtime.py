@@ -46,7 +46,7 @@ from torchoffload import _hosted
 from torchoffload._calls import running
 from torchoffload._transfer import copy_engine
 from torchoffload.moe._cache import CachePolicy, ExpertCache, Key, Slot
-from torchoffload.moe._layout import ExpertLayout, LayoutKind
+from torchoffload.moe._layout import ExpertLayout
 from torchoffload.moe._routing import NO_RECORDER, Recorder
 from torchoffload.moe._store import ExpertStore
 
@@ -330,25 +330,6 @@ class ExpertRuntime:
         if self.device.type != "cpu":
             torch.get_device_module(self.device.type).synchronize(self.device)
 
-    def check_held(self, li: int | None = None) -> None:
-        """Refuse a fused experts module (layer ``li``, or every one) whose module no longer
-        holds the tensors streamed for it (``module.down_proj = nn.Parameter(...)``): its
-        forward computes from the host store of the tensors it replaced. A list expert's
-        forward reads its module's own tensors, whatever they are."""
-        for layer in self.layout.layers if li is None else (self.layout.layers[li],):
-            if layer.kind is not LayoutKind.FUSED:
-                continue
-            for p in layer.pieces:
-                if _held(p.module, p.attr) is not p.tensor:
-                    raise RuntimeError(
-                        f"{p.name!r} was replaced on its module ({type(p.module).__name__}."
-                        f"{p.attr} = ...) while stream_experts streams it: the experts' "
-                        "forward computes from the host store of the tensor it replaced. "
-                        "Write new values in place instead (p.copy_(new) under "
-                        "torch.no_grad(), or load_state_dict), or remove() the handle, "
-                        "assign, and stream again"
-                    )
-
     # -- remove -------------------------------------------------------------------------------
 
     def _check_live(self) -> None:
@@ -376,12 +357,6 @@ class ExpertRuntime:
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
-
-
-def _held(module: Any, attr: str) -> Any:
-    """The tensor ``module`` holds under ``attr`` now (a parameter or a buffer), or None."""
-    t = module._parameters.get(attr)
-    return t if t is not None else module._buffers.get(attr)
 
 
 def load(rt: ExpertRuntime, slot: Slot, key: Key) -> None:
