@@ -1093,6 +1093,37 @@ class InferenceMachine(RuleBasedStateMachine):
 
         self.both(fn, "p.norm()")
 
+    @precondition(lambda self: self.live() and not self.pending and self.op_ok("assign"))
+    @rule(data=st.data())
+    def load_assign(self, data):
+        """``load_state_dict(assign=True)``: new tensors for the module's, or a clear refusal
+        that changes nothing."""
+        scale = data.draw(st.sampled_from([1.0, 0.5]), label="scale")
+
+        def fn(model, call):
+            sd = {k: (v * scale).detach().clone() for k, v in model.state_dict().items()}
+            model.load_state_dict(sd, assign=True)
+
+        self.both(fn, "load_state_dict(assign=True)")
+
+    @precondition(lambda self: self.live() and not self.pending and self.op_ok("assign"))
+    @rule(data=st.data())
+    def assign_parameter(self, data):
+        """``module.weight = nn.Parameter(...)``: the module computes with the new tensor, or
+        its next use is refused clearly."""
+        names = [n for n, _ in self.ref.named_parameters()]
+        name = data.draw(st.sampled_from(names), label="parameter")
+        owner, _, attr = name.rpartition(".")
+
+        def fn(model, call):
+            old = model.get_parameter(name)
+            with torch.no_grad():
+                new = (old * 0.5).detach().clone()
+            setattr(model.get_submodule(owner), attr,
+                    torch.nn.Parameter(new, requires_grad=old.requires_grad))  # fmt: skip
+
+        self.both(fn, f"{name} = nn.Parameter(...)")
+
     @precondition(lambda self: self.live() and not self.pending)
     @rule(data=st.data())
     def save_and_load(self, data):

@@ -239,6 +239,20 @@ def test_state_dict_returns_host_values_and_load_state_dict_writes_them():
     m.load_state_dict(want)
 
 
+def test_a_parameter_assigned_to_a_streamed_module_is_in_the_state_dict():
+    """``module.weight = nn.Parameter(w)`` while streamed: state_dict holds the new tensor, as
+    the plain model's does (the hook had served the replaced tensor's host values)."""
+    m, ref = gpt(), gpt()
+    handle = to.stream_parameters(m, 3 * block_bytes(m))
+    for model in (m, ref):
+        with torch.no_grad():
+            w = model.layers[0].fc1.weight * 0.5
+        model.layers[0].fc1.weight = nn.Parameter(w.detach().clone())
+    got, want = m.state_dict(), ref.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    handle.remove()
+
+
 def test_bad_input_is_refused_before_anything_changes():
     m = gpt()
     with pytest.raises(ValueError, match="minimum budget"):

@@ -149,6 +149,46 @@ def test_load_state_dict_rejects_what_does_not_fit():
     h.remove()
 
 
+@pytest.mark.parametrize("on", ["model", "layer"])
+def test_load_state_dict_assign_is_refused_before_anything_is_assigned(on):
+    """The refusal comes before any module loads (an error appended to load_state_dict's list
+    is raised after every module has: the tensors were replaced by then, resident ones too)."""
+    model = make()
+    h = stream(model, 1 << 22, resident=("ln_f",))
+    target = model if on == "model" else model.layers[0]
+    before = {n: (p, p.detach().clone()) for n, p in target.named_parameters()}
+    sd = {k: v * 2 for k, v in target.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"assign=True.*Nothing was loaded"):
+        target.load_state_dict(sd, assign=True)
+    for n, p in target.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+    # a state dict of resident tensors only is not the streamed ones': assigned as usual
+    w = model.ln_f.weight.detach() * 3
+    model.load_state_dict({"ln_f.weight": w}, strict=False, assign=True)
+    assert model.ln_f.weight is not before.get("ln_f.weight", (None,))[0]
+    h.remove()
+
+
+def test_a_parameter_assigned_to_a_streamed_module_is_the_modules_own():
+    """``module.weight = nn.Parameter(w)`` while streaming: the module computes with it, and
+    state_dict and load_state_dict read and write it, as in the resident model (the engine's
+    state_dict hook had served the replaced tensor's host values)."""
+    ref, model = make(), make()
+    h = stream(model, 1 << 22)
+    for m in (ref, model):
+        with torch.no_grad():
+            w = m.layers[0].fc1.weight * 0.5
+        m.layers[0].fc1.weight = nn.Parameter(w.detach().clone())
+    assert torch.equal(outputs(model, [tokens()])[0], outputs(ref, [tokens()])[0])
+    assert torch.equal(model.state_dict()["layers.0.fc1.weight"], ref.layers[0].fc1.weight)
+    new = {k: v + 1 for k, v in ref.state_dict().items()}
+    ref.load_state_dict(new)
+    model.load_state_dict(new)
+    assert torch.equal(outputs(model, [tokens()])[0], outputs(ref, [tokens()])[0])
+    assert torch.equal(model.layers[0].fc1.weight, new["layers.0.fc1.weight"])
+    h.remove()
+
+
 def test_composite_weights_state_dict_round_trip():
     x = torch.randn(5, 32)
     ref = QuantStack()

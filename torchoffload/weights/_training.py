@@ -632,7 +632,7 @@ class _Accumulated(_Hook):
 class _StateDict(_Hook):
     def __init__(self, ref: weakref.ref, layout: _layout.Layout):
         self.ref = ref
-        self.names = [(s.tensor, [q for _, _, q in s.where]) for s in layout.streamed]
+        self.names = [(s.tensor, [(m, q) for m, _, q in s.where]) for s in layout.streamed]
 
     def __call__(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any):
         rt = self.ref()
@@ -640,9 +640,13 @@ class _StateDict(_Hook):
             return
         copies: dict[int, torch.Tensor] = {}
         for t, names in self.names:
-            for q in names:
+            for m, q in names:
                 key = prefix + q
-                if key in state_dict:
+                # a tensor assigned to the module since (m.weight = ...) is its own value
+                attr = q.rsplit(".", 1)[-1]
+                held = m._parameters.get(attr)
+                held = held if held is not None else m._buffers.get(attr)
+                if key in state_dict and held is t:
                     if id(t) not in copies:
                         copies[id(t)] = rt.host_value(t).clone()
                     state_dict[key] = copies[id(t)]
