@@ -2304,3 +2304,140 @@ def test_a_write_of_zero_over_minus_zero_after_backward_is_stepped(overlap):
     opt.synchronize()
     assert torch.equal(p.detach().view(torch.int32), master.detach().view(torch.int32))
     opt.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "clip"])
+@pytest.mark.parametrize("action", ["drop", "replace"])
+def test_a_gradient_dropped_or_replaced_after_it_left_is_stepped_as_set(dtype, mode, action):
+    """Note: [A gradient set after it left]: ``p.grad = None`` (or another tensor) between
+    the final backward and `step()`, without reading the moved gradient, is what torch.optim
+    steps: no step (not even weight decay) for a dropped one, the new tensor for a replaced
+    one (found by a helper: the moved gradients were stepped, 0.003 off after one AdamW step;
+    a loop dropping every gradient to skip a step had every parameter stepped)."""
+    a = model(dtype)
+    twin = copy.deepcopy(a)
+    cls, kw = OPTIMIZERS["adamw"]
+    clip = 0.05 if mode == "clip" else None
+    ref = Reference(twin, cls, max_grad_norm=clip, **kw)
+    extra = {"overlap": {}, "at-step": dict(overlap=False), "clip": dict(max_grad_norm=clip),
+             "ahead": dict(step_ahead=True, model=a)}[mode]  # fmt: skip
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024, **extra, **kw)
+    n = len(list(a.parameters()))
+    for i in range(4):
+        x = batch(i, dtype)
+        loss_of(a, x).backward()
+        ref.backward(x)
+        for b in opt._runtime.buckets:  # each bucket's gradients left (and, with the
+            assert b.handled.wait(10)  # overlap, it was stepped) before the gradient is set
+        # one parameter in some steps, every one in the last (a loop skipping a step)
+        chosen = range(n) if i == 3 else [(3 * i) % n, (3 * i + 1) % n]
+        for k in chosen:
+            for m in (a, twin):
+                p = list(m.parameters())[k]
+                p.grad = None if action == "drop" else torch.full_like(p, 0.01 * (i + 1))
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        opt.synchronize()
+        assert same_params(a, twin), i
+    assert same_state(opt, ref)
+    opt.remove()
+
+
+def test_a_gradient_set_after_a_step_that_wrote_its_gradients_is_refused():
+    """Note: [A gradient set after it left]: stepping the bucket again without the dropped
+    gradient needs the others as backward produced them, which the class overwrote: `step()`
+    is refused before anything changes, and `zero_grad()` goes on from there."""
+    a = model()
+    twin = copy.deepcopy(a)
+    ref = Reference(twin, SGDWritesGrad, lr=0.1)
+    opt = to.OffloadedOptimizer(a.parameters(), SGDWritesGrad, lr=0.1, bucket_bytes=1 << 20)
+    loss_of(a, batch(0)).backward()  # one bucket, stepped during backward: gradients written
+    for b in opt._runtime.buckets:
+        assert b.handled.wait(10)
+    assert [b.grads_written for b in opt._runtime.buckets] == [True]
+    list(a.parameters())[0].grad = None
+    before = copy.deepcopy(a)
+    with pytest.raises(RuntimeError, match=r"dropped or replaced \(param.grad set\)"):
+        opt.step()
+    assert same_params(a, before)
+    opt.zero_grad()
+    twin.zero_grad()
+    for i in (1, 2):  # nothing is stepped during backward any more: served from here
+        loss_of(a, batch(i)).backward()
+        ref.backward(batch(i))
+        for m in (a, twin):
+            list(m.parameters())[0].grad = None
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+    opt.synchronize()
+    assert same_params(a, twin)
+    opt.remove()
+
+
+def test_a_gradient_set_beside_a_streamed_one_that_left_is_refused():
+    """Note: [A gradient set after it left]: a streamed parameter's gradient cannot come back
+    to the device, so a bucket that holds one and a gradient dropped since it left cannot be
+    stepped again: `step()` is refused before anything changes, `zero_grad()` goes on; a
+    bucket whose every gradient was dropped needs nothing back and is not stepped."""
+    from torchoffload.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(hidden=32, layers=2, heads=4, vocab=64, max_seq=16))
+    twin = copy.deepcopy(m)
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    handle = to.stream_parameters(m, 10 << 20, unit="blocks", device="cpu")
+    opt = to.OffloadedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=1 << 20)
+    m.loss(x).backward()
+    for b in opt._runtime.buckets:
+        assert b.handled.wait(10)
+    bucket = next(b for b in opt._runtime.buckets if len(b.records) > 1)
+    bucket.records[0].param.grad = None
+    with pytest.raises(RuntimeError, match=r"streamed by stream_parameters: .*Nothing was"):
+        opt.step()
+    opt.zero_grad()
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    dropped = {r.entry.index for r in bucket.records}  # all of the bucket's: stepped as set
+    for _ in range(2):
+        for model_, step in ((m, opt), (twin, ref)):
+            model_.loss(x).backward()
+            for k, p in enumerate(model_.parameters()):
+                if k in dropped:
+                    p.grad = None
+            step.step()
+            step.zero_grad()
+    opt.remove()
+    handle.remove()
+    assert same_params(m, twin)
+
+
+@pytest.mark.parametrize("mode", ["overlap", "at-step", "clip"])
+def test_a_step_skipped_with_the_models_zero_grad_steps_the_next_backwards_gradients(mode):
+    """Note: [A gradient set after it left]: a loop that skips a step with
+    ``model.zero_grad()`` (which sets every ``.grad`` to None behind the optimizer's back)
+    and runs the next backward: torch.optim steps that backward's gradients only (the
+    buckets, sent in the skipped backward, were stepped with the old ones: 0.005 off)."""
+    a = model()
+    twin = copy.deepcopy(a)
+    cls, kw = OPTIMIZERS["adamw"]
+    clip = 0.05 if mode == "clip" else None
+    ref = Reference(twin, cls, max_grad_norm=clip, **kw)
+    extra = {"overlap": {}, "at-step": dict(overlap=False),
+             "clip": dict(max_grad_norm=clip)}[mode]  # fmt: skip
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024, **extra, **kw)
+    for i in range(4):
+        loss_of(a, batch(i)).backward()
+        ref.backward(batch(i))
+        if i % 2 == 0:  # skipped, once each bucket sent was stepped (with the overlap)
+            for b in opt._runtime.buckets:
+                assert not b.dispatched or b.handled.wait(10)
+            a.zero_grad()
+            twin.zero_grad()
+            continue
+        opt.step()
+        a.zero_grad()
+        ref.step()
+        assert same_params(a, twin), i
+    opt.remove()

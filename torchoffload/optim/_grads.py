@@ -22,8 +22,10 @@ class GradsWritten(MovedGradError):
     changed (Notes: [A class that writes its gradients], [Written gradients brought back]).
     ``when``: "step" (`step()`: every step taken during backward undone, nothing stepped),
     "unscale" (a GradScaler), "backward" (a second backward, before it accumulated anything),
-    "read" (an operation on a moved gradient) or "write" (`step()` after a parameter of the
-    bucket was written in place: Note: [Written after its gradient left])."""
+    "read" (an operation on a moved gradient), "write" (`step()` after a parameter of the
+    bucket was written in place: Note: [Written after its gradient left]) or "set" (`step()`
+    after a gradient of the bucket was dropped or replaced: Note: [A gradient set after it
+    left])."""
 
     _WHY = {
         "step": "this step must undo it and take it again with the gradients as they were; "
@@ -36,6 +38,9 @@ class GradsWritten(MovedGradError):
         "step() or zero_grad() go on as before it",
         "write": "a parameter of it was written in place since its gradient left, and the "
         "step must be taken again from the written value with the gradients as they were: "
+        "step() is refused before anything changed; zero_grad() goes on from here",
+        "set": "a gradient of it was dropped or replaced (param.grad set) since it left the "
+        "device, and the step must be taken again with the others as backward produced them: "
         "step() is refused before anything changed; zero_grad() goes on from here",
     }
 

@@ -66,6 +66,22 @@ from torchoffload.optim._step import HostStep
 # lost in every mode, up to 0.22 off with SGD at lr 0.1).
 
 
+# Note: [A gradient set after it left]
+# torch.optim steps ``param.grad`` as it is at `step()`: a loop may drop some gradients
+# (``p.grad = None``: that parameter is not stepped, not even decayed) or replace them with
+# tensors of its own between the final backward and `step()`, without reading the moved ones
+# (a read brings the bucket back: Note: [A second backward]). The bucket was sent with the
+# gradients backward produced, and may have been stepped with them. So `step()`, before its
+# call opens, looks at every sent bucket's records (metadata: is ``param.grad`` still the
+# record's `MovedGrad`?) and recalls each bucket with one that is not: its step is undone, the
+# gradients still moved come back to the device, the dropped or replaced ones are left as the
+# loop set them, and the bucket is sent again by `step()` with ``param.grad`` as it is then.
+# Found by a helper: the dropped parameters were stepped with their old gradients, silently
+# (0.003 off after one AdamW step at lr 3e-3). Where the other gradients cannot come back (a
+# streamed parameter of the bucket, or a step that wrote them) `step()` is refused before
+# anything changes.
+
+
 # Note: [Written gradients brought back]
 # The gradients of a bucket whose step taken during backward wrote them (Note: [A class that
 # writes its gradients]) cannot come back to the device: undoing the step puts back the
@@ -219,6 +235,31 @@ class Recalls:
                 if _edited(rec):
                     check_record(self.host, rec)
 
+    def follow_grads(self) -> None:
+        """`step()`, before its call opens: a bucket one of whose gradients was dropped or
+        replaced (``param.grad`` set) since it left the device is brought back and sent
+        again at `step()`, with the gradients as they are now (Note: [A gradient set after it
+        left])."""
+        stale = [b for b in self.host.buckets if b.dispatched and any(map(_replaced, b.records))]
+        if not stale:
+            return
+        for bucket in stale:
+            for rec in bucket.records:
+                if rec.hosted is not None and _moved(rec):
+                    bad = next(r for r in bucket.records if _replaced(r))
+                    raise RuntimeError(
+                        f"step(): the gradient of parameter {self.host.no(bad)} was dropped or "
+                        "replaced (param.grad set) after it left the device, and parameter "
+                        f"{self.host.no(rec)} of its bucket is streamed by stream_parameters: "
+                        "its gradient cannot come back for the bucket to be stepped again. "
+                        "Nothing was stepped; zero_grad() goes on. Set or drop gradients before "
+                        "the final backward (with its earlier backwards inside "
+                        "optimizer.accumulating())"
+                    )
+        self.refuse_written(stale, "set")
+        for bucket in stale:
+            self.recall(bucket)
+
     def predicts_accumulation(self) -> bool:
         """Called by each final gradient outside `accumulating()`: counts this backward, and
         says whether it is predicted to be followed by another before `step()`."""
@@ -237,7 +278,7 @@ class Recalls:
     def recall(self, bucket: Bucket) -> None:
         """Bring ``bucket``'s gradients back to the device and undo its step, if taken."""
         for rec in bucket.records:
-            if rec.has_grad and rec.hosted is not None:
+            if rec.has_grad and rec.hosted is not None and _moved(rec):
                 raise MovedGradError(
                     f"parameter {self.host.no(rec)} is streamed by stream_parameters: its "
                     "gradient left the device in the final backward and cannot come back to be "
@@ -254,7 +295,7 @@ class Recalls:
         pairs = []
         for rec in bucket.records:
             rec.final = False
-            if not rec.has_grad:
+            if not rec.has_grad or not _moved(rec):  # dropped or replaced: left as it is
                 continue
             dst = torch.empty_like(local(rec.param), memory_format=torch.preserve_format)
             # Before the worker took it with host conversions, the staging buffer holds it
@@ -322,6 +363,13 @@ def _written(bucket: Bucket, rec: Record) -> bool:
     else:
         rec.synced = (rec.hosted.version, -2)
     return False
+
+
+def _replaced(rec: Record) -> bool:
+    """``rec``'s gradient left the device in a backward of this step, and ``param.grad`` was
+    set since (to None or to another tensor) without reading it (Note: [A gradient set after
+    it left])."""
+    return rec.has_grad and not rec.dtensor and not _moved(rec)
 
 
 def _moved(rec: Record) -> bool:

@@ -125,6 +125,7 @@ class HostStepRuntime:
         for the worker (the device part of an ``offload_fraction`` split steps there)."""
         self.settle()
         self.refuse_consumed("step()")
+        self.recalls.follow_grads()  # Note: [A gradient set after it left]
         self.dispatch.check_rest()
         self.recalls.follow_writes()  # Note: [Written after its gradient left]
         called = self._begin(step_rest=True)
