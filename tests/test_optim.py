@@ -2441,3 +2441,53 @@ def test_a_step_skipped_with_the_models_zero_grad_steps_the_next_backwards_gradi
         ref.step()
         assert same_params(a, twin), i
     opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5], ids=["host", "split"])
+def test_state_is_a_read_only_view_of_the_host_state(fraction):
+    """``opt.state`` was an empty dict that the host never read: a loop resetting the state
+    (``opt.state.clear()``) was silently ignored (0.010 off two steps later), logging a moment
+    raised KeyError, and `torch.distributed.checkpoint`'s ``get_optimizer_state_dict``, which
+    takes an empty ``state`` for an optimizer never stepped, stepped it once more with zero
+    gradients (AdamW's step count and moments moved: 0.0034 off). Now it holds what the plain
+    class's holds, read-only; a reset goes through `load_state_dict()`."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    a = model()
+    twin = copy.deepcopy(a)
+    cls, kw = OPTIMIZERS["adamw"]
+    ref = torch.optim.AdamW(twin.parameters(), **kw)
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024,
+                                offload_fraction=fraction, **kw)  # fmt: skip
+    assert not opt.state and len(opt.state) == 0
+    first = next(a.parameters())
+    assert dict(opt.state[first]) == {}  # as torch.optim's defaultdict
+    for i in range(4):
+        for m, o in ((a, opt), (twin, ref)):
+            loss_of(m, batch(i)).backward()
+            if i == 1 and o is opt:
+                with pytest.raises(RuntimeError, match="between the final backward and step"):
+                    len(o.state)
+            o.step()
+            o.zero_grad()
+            _init_optim_state(o)  # what get_optimizer_state_dict runs first: nothing here
+        assert len(opt.state) == len(ref.state) == len(list(a.parameters()))
+        for p, q in zip(a.parameters(), twin.parameters(), strict=True):
+            assert opt.state[p].keys() == ref.state[q].keys()
+            for k, v in ref.state[q].items():
+                assert torch.equal(opt.state[p][k].cpu(), v), (i, k)
+        if i == 1:  # a reset: refused on the view, done by load_state_dict
+            for what in (lambda: opt.state.clear(), lambda: setattr(opt, "state", {}),
+                         lambda: opt.state.__setitem__(first, {})):  # fmt: skip
+                with pytest.raises(RuntimeError, match="read-only view"):
+                    what()
+            with pytest.raises(TypeError):
+                opt.state[first]["step"] = 0
+            ref.state.clear()
+            sd = opt.state_dict()
+            sd["state"] = {}
+            opt.load_state_dict(sd)
+            assert len(opt.state) == 0
+    opt.synchronize()
+    assert same_params(a, twin)
+    opt.remove()

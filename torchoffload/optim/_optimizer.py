@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -227,6 +228,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         load_state(self._runtime, self._device, self._host_index, self.param_groups, state_dict,
                    self.defaults)  # fmt: skip
 
+    @property
+    def state(self) -> Mapping[torch.Tensor, Mapping[str, Any]]:  # type: ignore[override]
+        """The optimizer class's state of each parameter that has one, read-only: host
+        tensors (device ones for the device part), as `state_dict()` holds them. Between the
+        final backward and `step()` refused, as `state_dict()` is. The state is changed with
+        `load_state_dict()` only (a state dict with an empty ``"state"`` starts it over)."""
+        return HostStateView(self)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if not getattr(self, "_building", False):  # torch.optim.Optimizer.__init__'s own
+            raise RuntimeError(_STATE_READ_ONLY)
+
     # - torchoffload
     def stats(self) -> OptimizerStats:
         self._live().settle()
@@ -269,6 +283,63 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         raise TypeError(
             "an OffloadedOptimizer cannot be copied: build another and load_state_dict()"
         )
+
+
+_STATE_READ_ONLY = (
+    "OffloadedOptimizer.state is a read-only view of the state the host steps: change it "
+    'with load_state_dict() (to start it over, load a state_dict() whose "state" is {})'
+)
+
+
+class HostStateView(Mapping):
+    """`OffloadedOptimizer.state`: parameter -> the optimizer class's state of it (a
+    read-only mapping of host tensors), for the parameters that have one, as the plain class's
+    ``state`` holds them. Its truth, length and keys are the plain class's: code that looks at
+    them (`torch.distributed.checkpoint`'s ``get_optimizer_state_dict`` takes an empty one for
+    an optimizer never stepped, and steps it once with zero gradients) sees what it would see.
+    Writes are refused (they were silently dropped: the host never read this dict)."""
+
+    def __init__(self, opt: OffloadedOptimizer):
+        self._opt = opt
+
+    def _entries(self) -> dict[torch.Tensor, Any]:
+        opt = self._opt
+        rt = opt._live()
+        rt.check_idle("reading optimizer.state")  # and no copy aside ahead: it may be edited
+        out: dict[torch.Tensor, Any] = {}
+        for rec in rt.records:
+            st = rt.buckets[rec.entry.bucket].optimizer.state.get(rec.master)
+            if st:
+                out[rec.param] = types.MappingProxyType(st)
+        dev = opt._device
+        if dev is not None:
+            for p, master in zip(dev.params, dev.masters, strict=True):
+                st = dev.optimizer.state.get(master)
+                if st:
+                    out[p] = types.MappingProxyType(st)
+        return out
+
+    def __getitem__(self, param: torch.Tensor) -> Mapping[str, Any]:
+        entries = self._entries()
+        if param in entries:
+            return entries[param]
+        if any(param is p for g in self._opt.param_groups for p in g["params"]):
+            return types.MappingProxyType({})  # not stepped yet: torch.optim's empty dict
+        raise KeyError(param)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self._entries())
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(_STATE_READ_ONLY)
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __repr__(self) -> str:
+        return f"HostStateView({len(self)} parameters with state)"
 
 
 def _zeros_like(p: torch.Tensor) -> torch.Tensor:
