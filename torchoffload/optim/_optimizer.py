@@ -230,16 +230,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> Mapping[torch.Tensor, Mapping[str, Any]]:  # type: ignore[override]
-        """The optimizer class's state of each parameter that has one, read-only: host
-        tensors (device ones for the device part), as `state_dict()` holds them. Between the
-        final backward and `step()` refused, as `state_dict()` is. The state is changed with
-        `load_state_dict()` only (a state dict with an empty ``"state"`` starts it over)."""
+        """Each parameter's state, read-only (`HostStateView`): see `load_state_dict()`."""
         return HostStateView(self)
 
     @state.setter
-    def state(self, value: Any) -> None:
-        if not getattr(self, "_building", False):  # torch.optim.Optimizer.__init__'s own
-            raise RuntimeError(_STATE_READ_ONLY)
+    def state(self, value: Any) -> None:  # allowed in torch.optim.Optimizer.__init__ only
+        if not getattr(self, "_building", False):
+            _refuse_state()
 
     # - torchoffload
     def stats(self) -> OptimizerStats:
@@ -249,8 +246,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm of the last step (with ``max_grad_norm``), before clipping."""
-        rt = self._live()
-        rt.settle()
+        (rt := self._live()).settle()
         return rt.stepper.grad_norm
 
     def remove(self) -> None:
@@ -291,12 +287,18 @@ _STATE_READ_ONLY = (
 )
 
 
+def _refuse_state(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(_STATE_READ_ONLY)
+
+
 class HostStateView(Mapping):
     """`OffloadedOptimizer.state`: parameter -> the optimizer class's state of it (a
-    read-only mapping of host tensors), for the parameters that have one, as the plain class's
-    ``state`` holds them. Its truth, length and keys are the plain class's: code that looks at
-    them (`torch.distributed.checkpoint`'s ``get_optimizer_state_dict`` takes an empty one for
-    an optimizer never stepped, and steps it once with zero gradients) sees what it would see.
+    read-only mapping of host tensors, device ones for the device part), for the parameters
+    that have one, as the plain class's ``state`` holds them; refused between the final
+    backward and `step()`, as `state_dict()` is. Its truth, length and keys are the plain
+    class's: code that looks at them (`torch.distributed.checkpoint`'s
+    ``get_optimizer_state_dict`` takes an empty one for an optimizer never stepped, and steps
+    it once with zero gradients) sees what it would see.
     Writes are refused (they were silently dropped: the host never read this dict)."""
 
     def __init__(self, opt: OffloadedOptimizer):
@@ -333,10 +335,7 @@ class HostStateView(Mapping):
     def __len__(self) -> int:
         return len(self._entries())
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(_STATE_READ_ONLY)
-
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse_state
 
     def __repr__(self) -> str:
         return f"HostStateView({len(self)} parameters with state)"

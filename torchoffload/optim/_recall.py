@@ -76,10 +76,9 @@ from torchoffload.optim._step import HostStep
 # record's `MovedGrad`?) and recalls each bucket with one that is not: its step is undone, the
 # gradients still moved come back to the device, the dropped or replaced ones are left as the
 # loop set them, and the bucket is sent again by `step()` with ``param.grad`` as it is then.
-# Found by a helper: the dropped parameters were stepped with their old gradients, silently
-# (0.003 off after one AdamW step at lr 3e-3). Where the other gradients cannot come back (a
-# streamed parameter of the bucket, or a step that wrote them) `step()` is refused before
-# anything changes.
+# Without this, a dropped parameter is stepped with its old gradient (0.003 off after one
+# AdamW step at lr 3e-3). Where the other gradients cannot come back (a streamed parameter of
+# the bucket, or a step that wrote them) `step()` is refused before anything changes.
 
 
 # Note: [Written gradients brought back]
