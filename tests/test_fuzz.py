@@ -699,6 +699,22 @@ class TrainingMachine(RuleBasedStateMachine):
         self.touched = True
         self.both(fn, f"edit {how} {name}")
 
+    @precondition(lambda self: self.can("set_grad"))
+    @rule(data=st.data())
+    def set_grad(self, data):
+        """``p.grad = None`` (a parameter skipped this step) or ``p.grad = <a tensor>`` between
+        a backward and `step()`, without reading the gradient (Note: [A gradient set after it
+        left])."""
+        names = [n for n, _ in self.ref.model.named_parameters()]
+        name = data.draw(st.sampled_from(names), label="parameter")
+        how = data.draw(st.sampled_from(["none", "replace"]), label="grad")
+
+        def fn(side):
+            p = side.model.get_parameter(name)
+            p.grad = None if how == "none" else torch.full(p.shape, 0.01, dtype=p.dtype)
+
+        self.both(fn, f"{name}.grad = {how}")
+
     @precondition(lambda self: self.can("read"))
     @rule()
     def read(self):
