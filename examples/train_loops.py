@@ -15,6 +15,13 @@ keeps fp32 masters, so the runs differ by design and it prints both.
 Steps the host takes during backward are speculative and undone exactly when the loop does
 what they did not foresee (a second backward of an accumulation, clipping): see "Steps taken
 during backward" in docs/training-state.md.
+
+``Trainer`` reads every gradient's norm at every step (to clip and to log it), which would
+bring every bucket of gradients back to the device; the Trainer run here therefore adds one
+line, ``torchoffload.integrations.hf.offload_trainer(trainer)``, with the optimizer built with
+``max_grad_norm=trainer_max_grad_norm(args)`` and ``model=model``: the norm and the clip are
+then the optimizer's, on the host, and the script prints how many buckets were brought back
+(none).
 """
 
 from __future__ import annotations
@@ -61,18 +68,30 @@ def make_optimizer(kind, model):
 def trainer_run(kind, device, dtype, steps):
     import transformers
 
+    from torchoffload.integrations.hf import offload_trainer, trainer_max_grad_norm
+
     model = llama(device, dtype)
-    opt = make_optimizer(kind, model)
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
             output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
             max_steps=steps, learning_rate=3e-3, logging_steps=1, save_strategy="no",
             report_to=[], seed=0, use_cpu=device == "cpu", disable_tqdm=True,
         )  # fmt: skip
+        if kind == "torch.optim":
+            opt = make_optimizer(kind, model)
+        else:  # clipping on the host, summed in model.parameters() order
+            opt = torchoffload.OffloadedOptimizer(
+                model.parameters(), torch.optim.AdamW, lr=3e-3, weight_decay=0.1, model=model,
+                max_grad_norm=trainer_max_grad_norm(args),
+            )  # fmt: skip
         t = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
-                                 optimizers=(opt, None))  # the only change  # fmt: skip
+                                 optimizers=(opt, None))  # fmt: skip
+        if kind != "torch.optim":
+            offload_trainer(t)  # the one line the loop gains
         t.train()
     logs = [(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
+    if kind != "torch.optim":
+        print(f"trainer: buckets brought back to the device: {opt.stats().recalled}")
     return logs, model
 
 

@@ -38,6 +38,7 @@ LAYERS: dict[str, int] = {
     # above the engines: the planner, the user check, test helpers, example models
     "planner": 5,
     "verify": 5,
+    "integrations": 5,
     "testing": 5,
     "models": 5,
     # entry points

@@ -110,22 +110,39 @@ def test_an_accelerate_loop_trains_bitwise_as_the_plain_optimizer():
 
 
 # - Hugging Face Trainer
-def trainer(kind, out_dir, max_steps=4, resume=None, save_steps=2):
+def trainer(kind, out_dir, max_steps=4, resume=None, save_steps=2, max_grad_norm=1.0,
+            stats=None):  # fmt: skip
+    """``kind``: "plain", "offloaded" (the optimizer swapped, nothing else), or "integrated"
+    / "streamed" (`offload_trainer`; "streamed" with `stream_parameters` too)."""
+    from torchoffload.integrations.hf import offload_trainer, trainer_max_grad_norm
+
     args = transformers.TrainingArguments(
         output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=max_steps, learning_rate=3e-3, weight_decay=0.1, logging_steps=1,
         save_steps=save_steps, save_strategy="steps", use_cpu=True, report_to=[], seed=0,
         data_seed=0, dataloader_num_workers=0, disable_tqdm=True, lr_scheduler_type="linear",
-        warmup_steps=1,
+        warmup_steps=1, max_grad_norm=max_grad_norm,
     )  # fmt: skip
     model = llama()
-    opt = optimizer(kind, model, lr=3e-3, weight_decay=0.1)
+    handle = to.stream_parameters(model, budget_bytes=1 << 16) if kind == "streamed" else None
+    if kind in ("integrated", "streamed"):
+        opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, bucket_bytes=4096,
+                                    lr=3e-3, weight_decay=0.1, model=model,
+                                    max_grad_norm=trainer_max_grad_norm(args))  # fmt: skip
+    else:
+        opt = optimizer(kind, model, lr=3e-3, weight_decay=0.1)
     t = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                              optimizers=(opt, None))  # fmt: skip
+    if kind in ("integrated", "streamed"):
+        offload_trainer(t)
     t.train(resume_from_checkpoint=resume)
     logs = [(h["loss"], h["grad_norm"]) for h in t.state.log_history if "loss" in h]
-    if kind == "offloaded":
+    if kind != "plain":
+        if stats is not None:
+            stats.update(recalled=opt.stats().recalled, speculated=opt._runtime.stepper.speculated)
         opt.remove()
+    if handle is not None:
+        handle.remove()
     return logs, weights(model)
 
 
@@ -154,3 +171,36 @@ def test_trainer_resumes_from_its_checkpoint_bitwise(tmp_path):
     assert len(runs["plain"][0]) == 4
     assert runs["plain"][0] == runs["offloaded"][0]
     assert_equal(runs["plain"][1], runs["offloaded"][1])
+
+
+@pytest.mark.parametrize("kind", ["integrated", "streamed"])
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0], ids=["clip", "log-only"])
+def test_offload_trainer_keeps_the_gradients_on_the_host_bitwise(kind, max_grad_norm, tmp_path):
+    """`offload_trainer`: Trainer's clipping and logged norm come from the optimizer's host
+    clipping (Note: [Trainer's gradient norm]), so no bucket is brought back to the device (a
+    plain Trainer reads every gradient each step and recalls every bucket), with
+    `stream_parameters` too (where a plain Trainer is refused); bitwise as the plain class."""
+    plain = trainer("plain", tmp_path / "plain", max_grad_norm=max_grad_norm)
+    stats = {}
+    mine = trainer(kind, tmp_path / kind, max_grad_norm=max_grad_norm, stats=stats)
+    assert len(plain[0]) == 4 and all(math.isfinite(n) for _, n in plain[0])
+    assert plain[0] == mine[0]  # losses and gradient norms, as logged
+    assert_equal(plain[1], mine[1])
+    assert stats["recalled"] == 0
+    if max_grad_norm == 0.0:  # the norm only: steps are still taken during backward
+        assert stats["speculated"] > 0
+
+
+def test_offload_trainer_refuses_what_it_cannot_serve(tmp_path):
+    from torchoffload.integrations.hf import offload_trainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                          max_grad_norm=1.0)  # fmt: skip
+    model = llama()
+    plain = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match="needs Trainer.*OffloadedOptimizer"):
+        offload_trainer(transformers.Trainer(model=model, args=args, optimizers=(plain, None)))
+    opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW)  # no max_grad_norm
+    with pytest.raises(ValueError, match=r"max_grad_norm=None and the Trainer at 1.0"):
+        offload_trainer(transformers.Trainer(model=model, args=args, optimizers=(opt, None)))
+    opt.remove()

@@ -23,8 +23,11 @@ class OptimizerOffloadConfig:
       ``model.parameters()`` when the optimizer is given ``model``, else in the order the
       parameters were given: Note: [The order of the clipping norm]). The step then starts
       only once every gradient has arrived; the copies still overlap backward. ``None``: no
-      clipping. Clip here, not with ``clip_grad_norm_`` on the model: its gradients have left
-      the device by then (reading them raises).
+      clipping; ``float("inf")``: the norm only (``grad_norm``), no gradient scaled, as
+      ``clip_grad_norm_(params, inf)`` (steps are still taken during backward). Clip here
+      rather than with ``clip_grad_norm_`` on the model: reading a gradient that left the
+      device brings its bucket back (exact, without the overlap); under Hugging Face
+      ``Trainer``, `torchoffload.integrations.hf.offload_trainer` routes its clipping here.
     - ``norm_type``: the norm's p (``float('inf')`` for the max norm).
     - ``overlap``: step each bucket on the host as soon as its gradients arrive, while backward
       goes on. ``False``: step everything when `step()` is called (the gradients still leave
@@ -87,7 +90,7 @@ class OptimizerOffloadConfig:
             check_int("host_threads", self.host_threads, minimum=1)
         if self.bucket_bytes is not None:
             check_int("bucket_bytes", self.bucket_bytes, minimum=1)
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is not None and self.max_grad_norm != float("inf"):
             check_number("max_grad_norm", self.max_grad_norm)
         if self.norm_type != float("inf"):
             check_number("norm_type", self.norm_type, positive=True)
@@ -105,7 +108,9 @@ class OptimizerStats:
     `step()` blocked its caller. ``overlap``: the fraction of ``host_step_ms`` hidden behind
     backward. ``device_params``/``device_state_bytes``:
     trainable parameters stepped on the device (``offload_fraction`` < 1) and the device bytes
-    of their fp32 masters and optimizer state."""
+    of their fp32 masters and optimizer state. ``recalled``: buckets whose gradients were
+    brought back to the device (a read of a moved gradient, a second backward), in total:
+    each such bucket loses its overlap."""
 
     steps: int
     buckets: int
@@ -120,3 +125,4 @@ class OptimizerStats:
     grad_norm: float | None
     device_params: int = 0
     device_state_bytes: int = 0
+    recalled: int = 0

@@ -204,4 +204,5 @@ def stats_of(rt: HostStepRuntime, dev: DeviceStep | None) -> OptimizerStats:
         grad_norm=None if step.grad_norm is None else float(step.grad_norm),
         device_params=0 if dev is None else sum(dev.trainable),
         device_state_bytes=0 if dev is None else dev.state_bytes(),
+        recalled=rt.recalls.recalled,
     )

@@ -439,7 +439,9 @@ def clip_coefficient(
     ordered = [norms[i] for i in sorted(norms, key=clip_order.__getitem__)]
     total = torch.linalg.vector_norm(torch.stack(ordered), config.norm_type)
     coefficient = config.max_grad_norm / (total + 1e-6)
-    if not (bool(coefficient < 1.0) or not bool(torch.isfinite(coefficient))):
+    # at least 1, +inf included (``max_grad_norm=inf``: the norm only), changes no gradient;
+    # a NaN coefficient makes every gradient NaN, as clip_grad_norm_'s does
+    if not bool(coefficient < 1.0) and not bool(torch.isnan(coefficient)):
         return total, None
     return total, torch.clamp(coefficient, max=1.0)
 

@@ -1,0 +1,1 @@
+"""Integrations with training loops that need one (Hugging Face `Trainer`: `hf`)."""
