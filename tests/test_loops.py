@@ -124,7 +124,8 @@ def trainer(kind, out_dir, max_steps=4, resume=None, save_steps=2, max_grad_norm
         warmup_steps=1, max_grad_norm=max_grad_norm,
     )  # fmt: skip
     model = llama()
-    handle = to.stream_parameters(model, budget_bytes=1 << 16) if kind == "streamed" else None
+    streamed = kind == "streamed"  # on the CPU, where this Trainer runs (use_cpu=True)
+    handle = to.stream_parameters(model, 1 << 16, device="cpu") if streamed else None
     if kind in ("integrated", "streamed"):
         opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, bucket_bytes=4096,
                                     lr=3e-3, weight_decay=0.1, model=model,
