@@ -24,6 +24,17 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 64
 
 
+@pytest.fixture(autouse=True)
+def fresh_gradient_state():
+    """accelerate's GradientState is process-wide, and the optimizer reads its
+    ``sync_gradients`` (Note: [A micro-batch that accelerate says is not the last]): each test
+    leaves it as it found it, so that no later test of the process sees this one's."""
+    from accelerate.state import GradientState
+
+    yield
+    GradientState._reset_state()
+
+
 def llama(seed=0):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
@@ -205,3 +216,57 @@ def test_offload_trainer_refuses_what_it_cannot_serve(tmp_path):
     with pytest.raises(ValueError, match=r"max_grad_norm=None and the Trainer at 1.0"):
         offload_trainer(transformers.Trainer(model=model, args=args, optimizers=(opt, None)))
     opt.remove()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["host", "stream_parameters"])
+def test_an_accelerate_loop_clipping_on_the_host_recalls_nothing(streamed):
+    """accelerate marks each micro-batch but the last with ``sync_gradients`` False: their
+    gradients stay on the device from the first step on (Note: [A micro-batch that accelerate
+    says is not the last]), so with the clip on the host (``max_grad_norm``) no bucket comes
+    back, and `stream_parameters` trains too (a streamed gradient cannot come back); bitwise
+    the plain class clipping with ``accelerator.clip_grad_norm_``."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    runs = {}
+    for kind in ("plain", "offloaded"):
+        set_seed(0)
+        acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        model = llama()
+        handle = None
+        if kind == "plain":
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        else:
+            if streamed:
+                handle = to.stream_parameters(model, 1 << 16, device="cpu")
+            opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-3,
+                                        weight_decay=0.1, bucket_bytes=4096, model=model,
+                                        max_grad_norm=0.5)  # fmt: skip
+        loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        losses, norms = [], []
+        for i, batch in enumerate(loader):
+            if i >= 8:
+                break
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)
+                losses.append(loss.detach())
+                if acc.sync_gradients and kind == "plain":
+                    norms.append(acc.clip_grad_norm_(model.parameters(), 0.5))
+                opt.step()
+                if acc.sync_gradients and kind != "plain":
+                    norms.append(opt.optimizer.grad_norm)
+                opt.zero_grad()
+        runs[kind] = (losses, norms, weights(acc.unwrap_model(model)))
+        if kind != "plain":
+            assert opt.optimizer.stats().recalled == 0
+            opt.optimizer.remove()
+        if handle is not None:
+            handle.remove()
+        acc.free_memory()
+    (la, na, wa), (lb, nb, wb) = runs["plain"], runs["offloaded"]
+    assert len(na) == 4 and all(torch.equal(a, b) for a, b in zip(la, lb, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(na, nb, strict=True))
+    assert any(float(n) > 0.5 for n in na)  # clipping happened
+    assert_equal(wa, wb)

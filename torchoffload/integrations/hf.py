@@ -13,11 +13,9 @@ order of the clipping norm]): the trainer's ``_clip_grad_norm`` and ``_get_grad_
 0-d tensor whose ``item()`` is the norm of the step it precedes, read when `Trainer` logs it
 (after that step). With ``max_grad_norm=0`` the optimizer is built with
 ``max_grad_norm=float("inf")``: the norm only, no gradient scaled.
-With gradient accumulation, the micro-batches before the last of a step run inside
-`OffloadedOptimizer.accumulating()` (`Trainer` sets accelerate's ``sync_gradients`` before
-each): their gradients stay on the device, where the next backward accumulates into them
-(without it the first step's would leave and be brought back, and a streamed parameter's
-cannot come back). Nothing else of the loop changes.
+With gradient accumulation, `Trainer` sets accelerate's ``sync_gradients`` before each
+micro-batch, which keeps the gradients of all but the last on the device (Note: [A
+micro-batch that accelerate says is not the last]). Nothing else of the loop changes.
 """
 
 from __future__ import annotations
@@ -68,17 +66,8 @@ def offload_trainer(trainer: Any) -> Any:
     def norm(self: Any, model: Any, grad_norm: Any = None) -> Any:
         return grad_norm if grad_norm is not None else _Norm.of(opt)
 
-    step = trainer.training_step
-
-    def training_step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.accelerator.sync_gradients:  # the step's last micro-batch
-            return step(*args, **kwargs)
-        with opt.accumulating():
-            return step(*args, **kwargs)
-
     trainer._clip_grad_norm = types.MethodType(clip, trainer)
     trainer._get_grad_norm = types.MethodType(norm, trainer)
-    trainer.training_step = types.MethodType(training_step, trainer)
     return trainer
 
 

@@ -11,6 +11,7 @@ sequences a step over its parts, each built here from values and handed the othe
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import weakref
@@ -101,7 +102,7 @@ class HostStepRuntime:
     # - Hooks (autograd's threads)
     def on_grad(self, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook. See Note: [When a gradient is final]."""
-        if self.dispatch.depth or self.closed or self.recalls.predicts_accumulation():
+        if _not_final(self):
             return
         if self.ahead.running is not None:
             self.settle()
@@ -299,3 +300,33 @@ def close_soon(runtime: HostStepRuntime) -> None:
                          daemon=True).start()  # fmt: skip
     else:
         runtime.close()
+
+
+# Note: [A micro-batch that accelerate says is not the last]
+# accelerate's ``Accelerator.accumulate`` (and Hugging Face Trainer, which sets it itself)
+# marks the backward of each micro-batch but the last of a step with ``sync_gradients``
+# False in its process-wide ``GradientState``. Such a backward's gradients are not final:
+# the next backward accumulates into them. Read here (only where accelerate is imported, and
+# without initializing its state), it keeps them on the device as `accumulating()` does, from
+# the first step on: otherwise they leave and come back (a recall for each bucket in the
+# first step, counted by `Recalls.predicts_accumulation` from then on), and a streamed
+# parameter's cannot come back at all. It is a hint only: a final gradient kept on the device
+# is sent at `step()`, exactly, so a stale False (an accelerate loop left before its step's
+# last micro-batch) costs the overlap, never a bit.
+
+
+def _not_final(rt: HostStepRuntime) -> bool:
+    """Whether a gradient just accumulated stays on the device: inside `accumulating()`, the
+    runtime closed, a micro-batch accelerate says is not the last, or a backward predicted to
+    be followed by another (which counts this one: `Recalls.predicts_accumulation`)."""
+    return bool(rt.dispatch.depth or rt.closed or _accelerate_defers()
+                or rt.recalls.predicts_accumulation())  # fmt: skip
+
+
+def _accelerate_defers() -> bool:
+    """Whether accelerate marks the running backward as one of a micro-batch before the last
+    of its step (Note: [A micro-batch that accelerate says is not the last])."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "GradientState", None), "_shared_state", None)
+    get = getattr(shared, "get", None)
+    return get is not None and get("sync_gradients", True) is False
