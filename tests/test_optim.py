@@ -2187,6 +2187,18 @@ def test_a_host_step_of_one_thread_on_a_host_of_several_cores_is_warned():
             to.OffloadedOptimizer(model().parameters(), torch.optim.SGD, lr=0.1).remove()
 
 
+def adamw_in_mode(dtype, mode):
+    """A model, its `Reference` (AdamW) and an `OffloadedOptimizer` of it in one of the modes
+    "overlap", "at-step", "clip" (``max_grad_norm`` 0.05) or "ahead" (``step_ahead``)."""
+    a = model(dtype)
+    cls, kw = OPTIMIZERS["adamw"]
+    clip = 0.05 if mode == "clip" else None
+    ref = Reference(copy.deepcopy(a), cls, max_grad_norm=clip, **kw)
+    extra = {"overlap": {}, "at-step": dict(overlap=False), "clip": dict(max_grad_norm=clip),
+             "ahead": dict(step_ahead=True, model=a)}[mode]  # fmt: skip
+    return a, ref, to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024, **extra, **kw)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["overlap", "at-step", "ahead", "clip"])
 def test_a_parameter_written_after_its_gradient_left_is_stepped_from_the_written_value(dtype, mode):
@@ -2196,14 +2208,8 @@ def test_a_parameter_written_after_its_gradient_left_is_stepped_from_the_written
     the step taken from the master read at the dispatch; up to 0.22 off with SGD at lr 0.1).
     The master follows the parameter as after any write outside the optimizer: it is read
     again from it (the reference does the same with its fp32 copy)."""
-    a = model(dtype)
-    twin = copy.deepcopy(a)
-    cls, kw = OPTIMIZERS["adamw"]
-    clip = 0.05 if mode == "clip" else None
-    ref = Reference(twin, cls, max_grad_norm=clip, **kw)
-    extra = {"overlap": {}, "at-step": dict(overlap=False), "clip": dict(max_grad_norm=clip),
-             "ahead": dict(step_ahead=True, model=a)}[mode]  # fmt: skip
-    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024, **extra, **kw)
+    a, ref, opt = adamw_in_mode(dtype, mode)
+    twin = ref.twin
     n = len(list(a.parameters()))
     for i in range(4):
         x = batch(i, dtype)
@@ -2315,14 +2321,8 @@ def test_a_gradient_dropped_or_replaced_after_it_left_is_stepped_as_set(dtype, m
     steps: no step (not even weight decay) for a dropped one, the new tensor for a replaced
     one (found by a helper: the moved gradients were stepped, 0.003 off after one AdamW step;
     a loop dropping every gradient to skip a step had every parameter stepped)."""
-    a = model(dtype)
-    twin = copy.deepcopy(a)
-    cls, kw = OPTIMIZERS["adamw"]
-    clip = 0.05 if mode == "clip" else None
-    ref = Reference(twin, cls, max_grad_norm=clip, **kw)
-    extra = {"overlap": {}, "at-step": dict(overlap=False), "clip": dict(max_grad_norm=clip),
-             "ahead": dict(step_ahead=True, model=a)}[mode]  # fmt: skip
-    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024, **extra, **kw)
+    a, ref, opt = adamw_in_mode(dtype, mode)
+    twin = ref.twin
     n = len(list(a.parameters()))
     for i in range(4):
         x = batch(i, dtype)

@@ -347,15 +347,22 @@ def test_low_precision_host_state_is_counted_at_its_bytes_per_parameter(profile)
         plan_from_profile(profile, None, hardware=HW, host_bytes_per_param=0.0)
 
 
-def test_plan_prices_the_host_step_at_the_rate_given(monkeypatch):
-    """``plan(host_step_params_per_s=...)``: the host step of that rate (a low-precision host
-    state's, from `measure_host_step`) instead of the hardware default; refused when bad."""
-    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, *a: HW))
+def all_state_on_the_host():
+    """A bf16 GPT on the meta device, its input, and `plan`'s arguments for all of its
+    optimizer state on the host."""
     with torch.device("meta"):
         model = GPT(CFG).to(torch.bfloat16)
     x = torch.zeros(2, 128, dtype=torch.long, device="meta")
     kw = dict(budget_bytes=None, loss_fn=lambda out: out.float().mean(), optimizer_state="host",
               offload_fraction=1.0, host_budget_bytes=64 << 30)  # fmt: skip
+    return model, x, kw
+
+
+def test_plan_prices_the_host_step_at_the_rate_given(monkeypatch):
+    """``plan(host_step_params_per_s=...)``: the host step of that rate (a low-precision host
+    state's, from `measure_host_step`) instead of the hardware default; refused when bad."""
+    monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, *a: HW))
+    model, x, kw = all_state_on_the_host()
     default = torchoffload.plan(model, (x,), **kw)
     slow = torchoffload.plan(model, (x,), **kw, host_step_params_per_s=1e6)
     numel = sum(p.numel() for p in model.parameters())
@@ -376,11 +383,7 @@ def test_plan_prices_the_link_at_the_bytes_given(monkeypatch):
 
     slow_link = dataclasses.replace(HW, link_gbps=0.01)  # the link binds the step
     monkeypatch.setattr(Hardware, "detect", classmethod(lambda cls, *a: slow_link))
-    with torch.device("meta"):
-        model = GPT(CFG).to(torch.bfloat16)
-    x = torch.zeros(2, 128, dtype=torch.long, device="meta")
-    kw = dict(budget_bytes=None, loss_fn=lambda out: out.float().mean(), optimizer_state="host",
-              offload_fraction=1.0, host_budget_bytes=64 << 30)  # fmt: skip
+    model, x, kw = all_state_on_the_host()
     fp32 = torchoffload.plan(model, (x,), **kw)  # link-bound: beside backward and the tail
     bf16 = torchoffload.plan(
         model, (x,), **kw, link_bytes_per_param=link_bytes_per_param(master_dtype=torch.bfloat16)
