@@ -6,9 +6,10 @@ import contextlib
 import fnmatch
 from collections.abc import Callable, Iterable, Iterator
 
+import torch
 from torch import nn
 
-__all__ = ["checkpointed", "find_layers", "matches"]
+__all__ = ["checkpointed", "find_layers", "held", "matches"]
 
 
 @contextlib.contextmanager
@@ -80,3 +81,11 @@ def matches(name: str, patterns: Iterable[str]) -> str | None:
                 if fnmatch.fnmatchcase(".".join(parts[start:end]), pattern):
                     return pattern
     return None
+
+
+def held(module: nn.Module, attr: str) -> torch.Tensor | None:
+    """The tensor ``module`` holds under ``attr`` now (a parameter or a buffer), or None: an
+    engine that streams a tensor tells by it whether the module still holds that tensor or one
+    assigned since (``module.weight = nn.Parameter(w)``)."""
+    t = module._parameters.get(attr)
+    return t if t is not None else module._buffers.get(attr)

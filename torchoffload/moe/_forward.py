@@ -14,9 +14,10 @@ from torch import nn
 
 from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
+from torchoffload._modules import held
 from torchoffload.moe._graphed import graphed_forward
 from torchoffload.moe._host import host_forward
-from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_held, held
+from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_held
 from torchoffload.moe._runtime import ExpertRuntime
 
 __all__ = ["NO_COPY", "install"]

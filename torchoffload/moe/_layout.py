@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchoffload._modules import held
+
 __all__ = [
     "ExpertLayer",
     "ExpertLayout",
@@ -507,12 +509,6 @@ def _same_code(a: Any, b: Any) -> bool:
         elif type(x) is not type(y) or x != y:
             return False
     return True
-
-
-def held(module: Any, attr: str) -> Any:
-    """The tensor ``module`` holds under ``attr`` now (a parameter or a buffer), or None."""
-    t = module._parameters.get(attr)
-    return t if t is not None else module._buffers.get(attr)
 
 
 def check_held(layout: ExpertLayout, li: int | None = None) -> None:

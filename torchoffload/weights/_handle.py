@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
+from torchoffload._modules import held
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
@@ -454,8 +455,7 @@ def _holds(module: nn.Module, name: str, slot: Any) -> bool:
     """Whether ``module`` still holds ``slot``'s tensor under ``name``: a tensor assigned to the
     module since (``module.weight = nn.Parameter(w)``) is the module's own, read and loaded as
     any resident tensor."""
-    t = module._parameters.get(name)
-    return (t if t is not None else module._buffers.get(name)) is slot.tensor
+    return held(module, name) is slot.tensor
 
 
 def _refuse_assign(names: list[str]):

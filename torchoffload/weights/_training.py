@@ -56,6 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchoffload import _hosted
 from torchoffload._hosted import HOSTED, MANAGED
+from torchoffload._modules import held
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
@@ -643,10 +644,7 @@ class _StateDict(_Hook):
             for m, q in names:
                 key = prefix + q
                 # a tensor assigned to the module since (m.weight = ...) is its own value
-                attr = q.rsplit(".", 1)[-1]
-                held = m._parameters.get(attr)
-                held = held if held is not None else m._buffers.get(attr)
-                if key in state_dict and held is t:
+                if key in state_dict and held(m, q.rsplit(".", 1)[-1]) is t:
                     if id(t) not in copies:
                         copies[id(t)] = rt.host_value(t).clone()
                     state_dict[key] = copies[id(t)]
