@@ -47,6 +47,13 @@ BACKGROUND = {
         "benchmarks/moe.py", "--shape", "small", "--layers", "2", "--prompt", "8",
         "--warmup", "1", "--tokens", "2", "--prefill", "16", "--caches", "0.01", "--host-compute",
     ), needs=("transformers",)),
+    # Trainer at a tiny shape: offload_trainer keeps every bucket on the host, the optimizer
+    # swapped in alone brings them back (its clip reads the gradients).
+    "test_trainer_benchmark_smoke": Job((
+        "benchmarks/trainer.py", "--layers", "2", "--hidden", "128", "--intermediate", "256",
+        "--heads", "4", "--kv-heads", "2", "--vocab", "512", "--seq", "32", "--steps", "1",
+        "--rows", "offload,offload-plain",
+    ), needs=("transformers",)),
     # Two decoder layers (the default is four): the AOTInductor compile is most of the time,
     # and it grows with the layers; two still stream through a budget below the weights.
     # Last here, so first in the background (the longest).
@@ -180,3 +187,12 @@ def test_moe_benchmark_smoke():
                "stream_weights 0.1 GiB")  # fmt: skip
     assert names == [name for name in engines for _ in ("uniform", "zipf")], out
     assert all(line.endswith("| True |") for line in rows), out
+
+
+def test_trainer_benchmark_smoke():
+    pytest.importorskip("transformers")
+    out = script_output("test_trainer_benchmark_smoke")
+    rows = {line.split("|")[1].strip(): line.split("|")[-2].strip()
+            for line in out.splitlines() if line.startswith("| offload")}  # fmt: skip
+    assert rows == {"offload": "0.0", "offload-plain": rows["offload-plain"]}
+    assert float(rows["offload-plain"]) > 0
