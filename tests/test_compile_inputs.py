@@ -69,3 +69,52 @@ def test_the_catalog_form_round_trips_and_refuses_what_it_cannot_read():
     ):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             InputSpec.from_obj(bad)
+
+
+class _Scaled(nn.Module):
+    def forward(self, x, scale: float = 2.0):
+        return x * scale
+
+
+def test_a_constant_left_out_of_the_call_is_refused():
+    """Exported with ``scale=3.0`` and called without it, a package ran with 3.0 where the model
+    gives ``x * 2.0`` (its default): the fast path checked the tensors only, and the full one
+    never visited a constant the call does not hold."""
+    ep = torch.export.export(_Scaled(), (torch.randn(2, 3), 3.0))
+    check = InputCheck(*input_specs(ep))
+    check((torch.randn(2, 3), 3.0), {})
+    with pytest.raises(ValueError, match=r"'scale' \(args\[1\]\) is missing, but .* 3.0"):
+        check((torch.randn(2, 3),), {})
+
+
+class _Pointwise(nn.Module):
+    def forward(self, x, y):
+        return x * 2 + y.sum()
+
+
+def test_an_input_laid_out_otherwise_than_exported_is_refused():
+    """An AOTInductor kernel indexes an input with the strides it was exported with and checks
+    none of them: a transposed or sliced input of the right shape gave other values (max diff
+    4.05 on a 4 x 8 input, CPU). Dims of size 1 take any stride; a dynamic stride is checked
+    once its symbols are bound; ``strides=False`` (a `torch.compile`d program, whose guards
+    recompile for another layout) checks none."""
+    b = torch.export.Dim("b", min=1, max=16)
+    ep = torch.export.export(_Pointwise(), (torch.randn(4, 8), torch.randn(3, 4, 5)),
+                             dynamic_shapes=({0: b}, {1: b}))  # fmt: skip
+    inputs, dims = input_specs(ep)
+    check = InputCheck(inputs, dims)
+    x, y = torch.randn(4, 8), torch.randn(3, 4, 5)
+    check((x, y), {})
+    check((torch.randn(8, 1).t(), torch.randn(3, 1, 5)), {})  # size-1 dims: any stride
+    check((torch.randn(9, 8)[2:6], y), {})  # an offset: kernels start at the data pointer
+    cases = [
+        ((torch.randn(8, 4).t(), y), r"'x' \(args\[0\]\) has strides \[1, 4\], but .* \[8, 1\]"),
+        ((torch.randn(4, 16)[:, ::2], y), r"'x' \(args\[0\]\) has strides \[16, 2\]"),
+        ((x, torch.randn(5, 4, 3).transpose(0, 2)), r"'y' \(args\[1\]\) has strides \[1, 3, 12\]"),
+        ((torch.randn(6, 10)[:, :8], torch.randn(3, 6, 5)), r"'x' .* strides \[10, 1\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message + ".*contiguous"):
+            check(args, {})
+        InputCheck(inputs, dims, strides=False)(args, {})
+    assert tuple(InputSpec.from_obj(i.to_obj()) for i in inputs) == inputs

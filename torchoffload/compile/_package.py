@@ -109,10 +109,11 @@ __all__ = [
 ]
 
 CATALOG_FILE = "torchoffload_catalog.json"  # inside the .pt2 (a zip): <archive>/extra/<this>
-FORMAT = 5  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
+FORMAT = 6  # 2: the weight op's dtype an int code (Note: [A weight's geometry as ints]);
 # 3: written_inputs (Note: [Arguments written in place] in weights/_graph.py); 4: weight.finish
 # (Note: [Ordering weights in a compiled program]: a package before it may read a reused slot);
-# 5: inputs and dims (Note: [Checking a package's inputs] in _inputs.py)
+# 5: inputs and dims (Note: [Checking a package's inputs] in _inputs.py); 6: the inputs' strides
+# (the same Note: a package before it read a transposed input as if contiguous)
 _DTYPE_NAMES = {dt: code for code, dt in _DTYPES.items()}
 
 
@@ -755,7 +756,7 @@ class StreamedPackage:
     dynamo_compiled = False  # True for `compile_streamed`'s (Note: [Host reads in a captured call])
 
     def __init__(self, program: Any, catalog: Catalog, runtime: WeightRuntime,
-                 holder: nn.Module):  # fmt: skip
+                 holder: nn.Module, *, dynamo_compiled: bool = False):  # fmt: skip
         self.catalog = catalog
         self.handle = WeightStreamHandle(runtime)
         self._program = program
@@ -768,7 +769,9 @@ class StreamedPackage:
         # streamed tensors would otherwise keep them alive).
         self._finalizer = weakref.finalize(self, runtime.restore, False)
         self._written = frozenset(catalog.written_inputs)  # Note: [Arguments written in place]
-        self._check = InputCheck(catalog.inputs, catalog.dims)
+        self.dynamo_compiled = dynamo_compiled
+        # Dynamo's guards recompile for another layout; AOTInductor's kernels assume one
+        self._check = InputCheck(catalog.inputs, catalog.dims, strides=not dynamo_compiled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check(args, kwargs)  # Note: [Checking a package's inputs]
@@ -974,9 +977,7 @@ def compile_streamed(
     runtime, holder = _runtime_for(catalog, dev, budget_bytes, prefetch_depth, resident,
                                    pin_memory, checkpoint=ckpt, values=values)  # fmt: skip
     program = _compiled_call(torch.compile(ep.module(), fullgraph=True, mode=mode))
-    package = StreamedPackage(program, catalog, runtime, holder)
-    package.dynamo_compiled = True
-    return package
+    return StreamedPackage(program, catalog, runtime, holder, dynamo_compiled=True)
 
 
 _CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
