@@ -244,3 +244,68 @@ def test_report_is_frozen():
     report = to.verify(net().eval(), X)
     with pytest.raises(AttributeError):
         report.equal = False  # type: ignore[misc]
+
+
+def test_a_zero_of_the_other_sign_is_a_difference():
+    """Bitwise means the sign of a zero too (``1 / x`` is -inf for one and inf for the other):
+    ``a == b`` took -0.0 for 0.0, and an engine that flipped the sign of zeros passed."""
+
+    class Negative(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.tensor([0.0, 1.0, -2.0]))
+
+        def forward(self, x):
+            return self.w * x  # -0.0 at [0] for x = -1
+
+    def engine(m):
+        return lambda x: m(x) + 0.0  # -0.0 + 0.0 is 0.0
+
+    x = -torch.ones(3)
+    assert to.verify(Negative(), x).equal
+    d = to.verify(Negative(), x, apply=engine).first_difference
+    assert (d.kind, d.name, d.differing, d.max_abs_diff) == ("output", "output", 1, 0.0)
+    assert "sign" in str(d)
+
+
+def test_outputs_in_a_dataclass_or_as_python_numbers_are_compared():
+    """A dataclass output (not a pytree node) and a Python number were not compared at all: an
+    engine that changed them was reported equal."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        logits: torch.Tensor
+        total: float
+        extra: object = None
+
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = net().eval()
+
+        def forward(self, x):
+            a, b = self.inner(x)
+            return Out(a, b.item(), extra=object())
+
+    assert to.verify(Wrapped(), X).equal
+    for change in ("logits", "total"):
+
+        def engine(m, change=change):
+            def call(x):
+                out = m(x)
+                return dataclasses.replace(out, **{change: getattr(out, change) + 1})
+
+            return call
+
+        report = to.verify(Wrapped(), X, apply=engine)
+        assert not report.equal and report.first_difference.name == f"output.{change}", change
+    assert "output.extra: an object" in str(to.verify(Wrapped(), X).not_compared)
+
+    # an output left uncompared does not excuse a gradient missing from one run
+    def frozen(m):
+        m.inner.head.bias.requires_grad_(False)
+
+    report = to.verify(Wrapped(), X, apply=frozen, loss=lambda out: out.logits.pow(2).mean())
+    assert not report.equal
+    assert [(d.kind, d.name) for d in report.differences][:1] == [("gradient", "inner.head.bias")]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,9 +57,10 @@ class Difference:
             where = f"{kind} {self.name!r} at step {self.step}"
         if self.detail:
             return f"{where}: {self.detail}"
+        signs = " (zeros of the other sign)" if self.max_abs_diff == 0 else ""
         return (
             f"{where}: {self.differing} of {self.numel} elements differ, "
-            f"max abs diff {self.max_abs_diff:.6g}"
+            f"max abs diff {self.max_abs_diff:.6g}{signs}"
         )
 
 
@@ -183,6 +185,7 @@ def verify(
 class _Record:
     tensors: dict[tuple[str, str, int], torch.Tensor]  # (kind, name, step) -> a detached copy
     not_compared: list[str]
+    moved: bool = False  # gradients went to the host (an OffloadedOptimizer)
 
 
 def _run(model, args, kwargs, apply, context, make_opt, loss, steps, deterministic) -> _Record:
@@ -208,9 +211,7 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
             with grad_mode, context() if context is not None else contextlib.nullcontext():
                 out = call(*a, **kw)
                 value = loss(out) if loss is not None else None
-            for path, t in pytree.tree_flatten_with_path(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    record.tensors["output", "output" + pytree.keystr(path), step] = _copy(t)
+            _record_output(record, out, step)
             if value is None:
                 continue
             record.tensors["loss", "loss", step] = _copy(value)
@@ -221,6 +222,7 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
                 if isinstance(p.grad, MovedGrad):  # a read would bring it back: not the
                     # run the user has (Note: [Reading a moved gradient])
                     why = "gradients: moved to the host by an OffloadedOptimizer during backward"
+                    record.moved = True
                     if why not in record.not_compared:
                         record.not_compared.append(why)
                     continue
@@ -231,6 +233,43 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
         _record_state(record, m, steps - 1, "")
     _record_state(record, m, steps - 1, " after remove")  # what the user keeps
     return record
+
+
+def _record_output(record: _Record, out: Any, step: int) -> None:
+    """Every tensor and Python number of ``out``, through pytree nodes and dataclasses; what
+    cannot be compared (another object) is named in ``not_compared``."""
+    for name, leaf in _leaves(out, "output"):
+        if isinstance(leaf, torch.Tensor):
+            record.tensors["output", name, step] = _copy(leaf)
+        elif isinstance(leaf, (bool, int, float, complex)):
+            try:
+                record.tensors["output", name, step] = torch.tensor(leaf)
+            except RuntimeError:  # an int beyond int64
+                record.not_compared.append(f"{name}: an int beyond int64")
+        elif leaf is not None:
+            why = f"{name}: an object of type {type(leaf).__qualname__}, not a tensor or number"
+            if why not in record.not_compared:
+                record.not_compared.append(why)
+
+
+def _opaque_dataclass(x: Any) -> bool:
+    """A dataclass instance that pytree takes as a leaf (a Hugging Face ``ModelOutput`` is a
+    pytree node of its own)."""
+    return (
+        dataclasses.is_dataclass(x)
+        and not isinstance(x, type)
+        and type(x) not in pytree.SUPPORTED_NODES
+    )
+
+
+def _leaves(tree: Any, prefix: str) -> Any:
+    for path, leaf in pytree.tree_flatten_with_path(tree, is_leaf=_opaque_dataclass)[0]:
+        name = prefix + pytree.keystr(path)
+        if _opaque_dataclass(leaf):
+            for f in dataclasses.fields(leaf):
+                yield from _leaves(getattr(leaf, f.name), f"{name}.{f.name}")
+        else:
+            yield name, leaf
 
 
 def _record_state(record: _Record, m: nn.Module, step: int, suffix: str) -> None:
@@ -282,7 +321,7 @@ _ORDER = {"output": 0, "loss": 1, "gradient": 2, "parameter": 3, "buffer": 4,
 def _compare(plain: _Record, offloaded: _Record) -> VerifyReport:
     keys = list(dict.fromkeys([*plain.tensors, *offloaded.tensors]))  # in the order recorded
     keys.sort(key=lambda k: (k[2], _ORDER[k[0]]))
-    moved = bool(offloaded.not_compared or plain.not_compared)
+    moved = offloaded.moved or plain.moved
     differences: list[Difference] = []
     compared = 0
     for key in keys:
@@ -312,7 +351,8 @@ def _differ(kind, name, step, a, b) -> Difference | None:
     if a.dtype == torch.bool:
         a, b = a.to(torch.uint8), b.to(torch.uint8)
     same = a == b
-    if a.is_floating_point():
+    if a.is_floating_point():  # bitwise: 0.0 and -0.0 differ (1 / x does)
+        same &= a.signbit() == b.signbit()
         same |= a.isnan() & b.isnan()
     if bool(same.all()):
         return None
