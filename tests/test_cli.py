@@ -110,6 +110,11 @@ def one_line_error(capsys, argv) -> str:
          "--host-state: 8bit is planned with all of the state on the host: needs "
          "--offload-fraction 1 or auto, got 0.5"),
         (["--host-step-rate", "0"], "--host-step-rate: must be a number > 0, got 0"),
+        # a traceback before: OverflowError, and the planner's "found no repeated layers"
+        (["--budget", "1e400"], "--budget: not a finite size: '1e400'"),
+        (["--budget", "1e300TiB"], "--budget: not a finite size: '1e300TiB'"),
+        (["--host-budget", "0.5"], "--host-budget: a size must be at least 1 byte, got '0.5'"),
+        (["--layers", "1"], "--layers: must be >= 2, got 1"),
         (["--plot", "/nonexistent/folder/memory.png"],
          "--plot: "),  # matplotlib missing, or the folder: either before any work
     ],
@@ -149,6 +154,9 @@ def test_plan_hf_config_of_an_unknown_model_type(capsys, no_work, tmp_path):
         path.write_text('{"model_type": "llama", "hidden_size": 100, "num_attention_heads": 7}')
         line = one_line_error(capsys, ["plan", "--hf-config", str(path)])
         assert "--hf-config: " in line and "(100) is not a multiple of the number of" in line
+    path.write_text('{"model_type": "llama", "num_hidden_layers": 1}')  # a traceback before
+    line = one_line_error(capsys, ["plan", "--hf-config", str(path)])
+    assert "num_hidden_layers is 1; the planner works on repeated layers: at least 2" in line
     path.write_text("{not json")
     assert "is not a readable config.json" in one_line_error(
         capsys, ["plan", "--hf-config", str(path)]

@@ -311,9 +311,18 @@ def parse_bytes(text: str) -> int:
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 60GiB, 512MiB or bytes)")
-    value = float(m.group(1)) * _UNITS[unit]
+    try:
+        value = float(m.group(1)) * _UNITS[unit]
+    except ValueError:  # "1.2.3"
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (try 60GiB, 512MiB or bytes)"
+        ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"not a finite size: {text!r}")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"a size must be positive, got {text!r}")
+    if value < 1:  # int() would make it 0 bytes
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte, got {text!r}")
     return int(value)
 
 
@@ -356,11 +365,16 @@ def _hf_config(p: argparse.ArgumentParser, path: str) -> Any:
     if causal and model_type not in causal:
         p.error(f"argument --hf-config: model_type {model_type!r} in {file}: allowed is {allowed}")
     try:
-        return transformers.AutoConfig.from_pretrained(path)
+        config = transformers.AutoConfig.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any config transformers refuses: one line
         cause = e.__cause__ or e
         first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
         p.error(f"argument --hf-config: {file}: {first}")
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 2:
+        p.error(f"argument --hf-config: {file}: num_hidden_layers is {layers}; the planner works "
+                "on repeated layers: at least 2")  # fmt: skip
+    return config
 
 
 def _check_plan_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
@@ -539,7 +553,10 @@ def plan_command(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--model", choices=["llama", "gpt"], default="llama", help="architecture")
     p.add_argument("--hf-config", default=None, help="a Hugging Face config.json (or its folder)")
     p.add_argument("--hidden", type=_at_least(1), default=4096, help="model width (4096)")
-    p.add_argument("--layers", type=_at_least(1), default=32, help="blocks (32)")
+    p.add_argument(
+        "--layers", type=_at_least(2), default=32,
+        help="blocks, at least 2: the planner works on repeated layers (32)",
+    )  # fmt: skip
     p.add_argument(
         "--heads", type=_at_least(1), default=32, help="attention heads, dividing --hidden (32)"
     )
