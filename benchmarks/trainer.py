@@ -16,7 +16,8 @@ Rows (the model in bf16, Trainer's gradient checkpointing, AdamW, ``max_grad_nor
 - ``offload-plain``: the optimizer swapped in without `offload_trainer`: Trainer's
   ``clip_grad_norm_`` reads every gradient, which brings every bucket back to the device.
 - ``loop-offload``: the optimizer of ``offload-noclip`` in a hand-written loop (no Trainer),
-  for what the Trainer itself adds.
+  for what the Trainer itself adds; ``loop-offload-norm``: with ``max_grad_norm=inf`` as
+  ``offload-noclip`` (the host takes every step's gradient norm, which Trainer logs).
 
 Each row reports the median step time (from Trainer's ``on_step_begin`` to ``on_step_end``
 after a device sync; the first step is not timed: it allocates state), tokens/s, device peak
@@ -122,7 +123,7 @@ def run_row(args, row: str) -> dict:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    clip = 0.0 if row in ("offload-noclip", "loop-offload") else args.clip
+    clip = 0.0 if row in ("offload-noclip", "loop-offload", "loop-offload-norm") else args.clip
     model = model_of(args, device)
     times, begun, phases = [], {}, []
 
@@ -163,11 +164,11 @@ def run_row(args, row: str) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda)
         else:
             plain = row in ("offload-plain", "loop-offload")
-            norm = None if plain else trainer_max_grad_norm(targs)
+            norm = None if plain else trainer_max_grad_norm(targs)  # inf for loop-offload-norm
             opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-5,
                                         fused=True, model=model, max_grad_norm=norm)  # fmt: skip
         data = Tokens(args.batch * (args.steps + 1), args.seq, args.vocab)
-        if row == "loop-offload":
+        if row.startswith("loop-"):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             times, phases, losses = run_loop(args, model, opt, data, cuda)
@@ -194,7 +195,14 @@ def run_row(args, row: str) -> dict:
     return out
 
 
-ROWS = ("resident", "offload", "offload-noclip", "offload-plain", "loop-offload")
+ROWS = (
+    "resident",
+    "offload",
+    "offload-noclip",
+    "offload-plain",
+    "loop-offload",
+    "loop-offload-norm",
+)
 
 
 def main() -> None:
