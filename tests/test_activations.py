@@ -294,6 +294,28 @@ def test_inplace_modification_of_kept_tensor_raises_version_error():
         y.sum().backward()
 
 
+def test_storage_written_through_a_tensor_of_another_version_counter_is_copied_again():
+    # unsafe_chunk's pieces share one storage but each has its own version counter: a write
+    # through `b` leaves `a`'s version as it was. `b` saved after that write must not be served
+    # from the copy taken when `a` was saved, even though the two version numbers match.
+    def f(x):
+        a, b = (x * 1).unsafe_chunk(2)
+        a.mul_(2)  # a: version 1
+        sa = a.sin()  # saves a (the whole storage is copied)
+        b.mul_(3)  # b: version 1, writes b's half of that storage
+        sb = b.sin()  # saves b at its version 1
+        return sa.sum() + sb.sum()
+
+    x0 = torch.randn(8, 6)
+    ref_x = x0.clone().requires_grad_()
+    f(ref_x).backward()
+    x = x0.clone().requires_grad_()
+    with offloader():
+        loss = f(x)
+    loss.backward()
+    assert torch.equal(x.grad, ref_x.grad)
+
+
 def test_inplace_before_save_is_fine():
     x = torch.randn(1000, requires_grad=True)
     with offloader():

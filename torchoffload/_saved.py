@@ -77,6 +77,17 @@ from torchoffload._validate import OnExhausted, check_bool, check_int
 # remembers the epoch (the device copy) it was unpacked from, and its retirement takes it out
 # of `unpacked` when that epoch is still current; a handle unpacked twice counts once.
 #
+# Note: [A copy serves only tensors of its version counter]
+# A later save of the same storage at the same version reuses the host copy (q, k and v, views
+# of one projection). The version proves the bytes unchanged only if it is read from the same
+# counter as the copy's. Tensors can share a storage but not a counter: `unsafe_chunk` /
+# `unsafe_split` pieces, `.data`, `from_numpy`. A write through one of them leaves the others'
+# versions as they were, so equal numbers prove nothing, and the copy would serve bytes from
+# before the write. Autograd views share their base's counter; so a copy is reused only for a
+# tensor with the same view base (`_base`, or the tensor itself) as the one copied. Anything
+# else is copied again: a `detach()` of a copied tensor shares its counter but not its base,
+# and costs one extra copy rather than risking a stale one.
+#
 # Note: [Why handles retire through a graveyard]
 # A saved tensor's handle dies when autograd frees the graph, which can happen on any thread
 # and, through the garbage collector, in the middle of our own code while it holds the lock.
@@ -270,6 +281,7 @@ class Storage:
         "pass_id",
         "layer",
         "reload_kind",
+        "root",
         "__weakref__",
     )
 
@@ -296,6 +308,7 @@ class Storage:
         self.pass_id: int | None = None  # graph task of the last unpack
         self.layer: int | None = None  # layer index (layer-aware mode)
         self.reload_kind: str | None = None  # "ahead" or "demand", until its first unpack
+        self.root: Any = None  # weak reference to the copied tensor's view base (or itself)
 
 
 class _Saved:
@@ -343,6 +356,11 @@ def _version_alias(t: torch.Tensor) -> torch.Tensor:
     alias = t.detach()
     alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
     return alias
+
+
+def _view_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` uses: its view base, or ``t`` itself."""
+    return t if t._base is None else t._base
 
 
 def _check_version(now: int, saved: int, what: str) -> None:
@@ -418,7 +436,7 @@ class Session:
             return _Kept(t)
         storage = t.untyped_storage()
         version = t._version
-        rec = self._shared(storage, version)
+        rec = self._shared(t, storage, version)
         if rec is not None:
             rec.views += 1
             c.shared_storage_tensors += 1
@@ -434,13 +452,18 @@ class Session:
         c.offloaded_tensors += 1
         return _Saved(rec, ViewMeta.of(t), _version_alias(t), version)
 
-    def _shared(self, storage: torch.UntypedStorage, version: int) -> Storage | None:
+    def _shared(
+        self, t: torch.Tensor, storage: torch.UntypedStorage, version: int
+    ) -> Storage | None:
+        """The record whose host copy already holds ``t``'s bytes, if any. See Note: [A copy
+        serves only tensors of its version counter]."""
         entry = self.by_storage.get(storage._cdata)
         if entry is None:
             return None
         ref, rec = entry
         if (
             ref.expired()
+            or rec.root() is not _view_root(t)
             or rec.block is None
             or rec.ptr != storage.data_ptr()
             or rec.nbytes != storage.nbytes()
@@ -464,6 +487,7 @@ class Session:
         rec = Storage(self, len(self.order), nbytes, storage.data_ptr())
         rec.version = version
         rec.alias = _version_alias(t)
+        rec.root = weakref.ref(_view_root(t))
         rec.block = block
         rec.views = 1
         rec.stored, rec.src_stream = stored, src_stream
