@@ -58,6 +58,50 @@ def test_reload_of_a_callers_tensor_and_twice(op_pool):
         ops.reload(host, torch.device("cpu"))  # its block may hold someone else's bytes now
 
 
+def test_reload_after_the_block_was_handed_out_again_is_refused(op_pool):
+    # A second backward (retain_graph=True) after another forward: the first forward's host
+    # tensor reaches reload again, after its block went back to the pool and the new forward's
+    # offload took the same bytes. It must not be served the new forward's values.
+    first = torch.randn(64, 64)
+    host = ops.offload(first)
+    ops.wait(host)
+    ops.wait(ops.reload(host, torch.device("cpu")))
+    second = ops.offload(torch.randn(64, 64))  # the same pool bytes
+    assert second.data_ptr() == host.data_ptr()
+    with pytest.raises(RuntimeError, match="reloaded once"):
+        ops.reload(host, torch.device("cpu"))
+    y = ops.reload(second, torch.device("cpu"))  # the new one is unaffected
+    ops.wait(y)
+    ops.wait(second)
+
+
+def test_a_second_compiled_backward_after_another_forward_is_never_served_its_bytes(op_pool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(8, 16)
+    cfg = toc.ActivationPassConfig(min_bytes=0, skip_last_layers=0)
+    compiled = torch.compile(model, backend=toc.backend(cfg))
+    from torch._functorch import config as functorch_config
+
+    with functorch_config.patch(donated_buffer=False):  # what torch asks for retain_graph
+        loss = compiled(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        first = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        other = compiled(x * 3).sum()  # offloads into the blocks the first backward gave back
+        assert toc.op_stats().in_flight > 0
+        try:
+            loss.backward()
+        except RuntimeError as e:  # a clear error is fine; another forward's bytes are not
+            assert "reloaded once" in str(e)
+        else:
+            assert all(
+                torch.equal(p.grad, g) for p, g in zip(model.parameters(), first, strict=True)
+            )
+        del other
+        toc.discard_in_flight()
+
+
 def f(x, w):
     a = torch.relu(x @ w)
     host = ops.offload(a)

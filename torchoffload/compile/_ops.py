@@ -28,11 +28,23 @@ Note: [Graph ops and the transfer protocol]
   copy stream after the compute stream and after "stored", records "ready", and returns the
   destination, which is not ready yet. Its pool block goes back to the pool guarded by "ready".
   A host tensor is reloaded at most once (the pass reloads each activation once).
+- Host tensors are known by their storage, not by their address: see Note: [Host tensors are
+  named by their storage].
 - wait(y): the compute stream waits on "ready". Every use of y must come after it; the pass puts
   it right before the first.
 `wait` declares that it mutates its argument. It does not write to it, but the declaration is
 what keeps every later use ordered after it and keeps Inductor from removing it as dead code
 (tests/test_compile.py checks the generated code calls it).
+
+Note: [Host tensors are named by their storage]
+A host tensor's block goes back to the pool at the first wait on its reload, and the next
+offload may take the same bytes. A graph that runs its backward again (``retain_graph=True``,
+after another forward) then hands reload the old host tensor, whose address is now the new
+tensor's: looked up by address, it was served the new forward's values. Each offload makes a
+storage of its own over the block's bytes, so the records are keyed by that storage (alive as
+long as the graph holds the host tensor), and a host tensor whose block was given back is
+known as such (`retired`, with a weak reference, so a later storage at the same address is
+not mistaken for it) and refused with an error.
 """
 
 from __future__ import annotations
@@ -43,6 +55,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchoffload._pool import HostBlock, PinnedPool, default_pool
 from torchoffload._transfer import CopyEngine, compute_device, copy_engine
@@ -57,6 +70,7 @@ class _Offloaded:
     src: torch.Tensor | None  # the device tensor, kept until "stored" completes
     stream: Any  # the stream src was allocated on (the compute stream at offload)
     engine: CopyEngine
+    host: StorageWeakRef  # the host tensor's storage (Note: [Host tensors are named by ...])
     last_ready: Any = None  # "ready" of the latest reload (all reloads share the h2d stream)
 
     def drop_source(self) -> None:
@@ -81,10 +95,11 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.pool: PinnedPool | None = None
-        self.host: dict[int, _Offloaded] = {}  # by the host tensor's data pointer
+        self.host: dict[int, _Offloaded] = {}  # by the host tensor's storage (`_host_key`)
         # reloaded tensor -> ("ready", its engine, the record or None, the host tensor's key)
         self.ready: dict[int, tuple[Any, CopyEngine, _Offloaded | None, int]] = {}
-        self.retired: set[int] = set()  # host blocks given back and not handed out again
+        # host tensors whose block was given back, by `_host_key`
+        self.retired: dict[int, StorageWeakRef] = {}
         self.live: deque[_Offloaded] = deque()  # records still holding their device source
         self.stats = OpStats()
 
@@ -151,7 +166,17 @@ def _over(storage: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
 
 
 def _key(t: torch.Tensor) -> int:
-    return t.data_ptr()  # distinct per pool block (and per reloaded tensor) while in use
+    return t.data_ptr()  # distinct per reloaded tensor while in use
+
+
+def _host_key(t: torch.Tensor) -> int:
+    """See Note: [Host tensors are named by their storage]."""
+    return t.untyped_storage()._cdata
+
+
+def _retired(key: int) -> bool:
+    ref = _state.retired.get(key)
+    return ref is not None and not ref.expired()
 
 
 # -- the ops -----------------------------------------------------------------------------------
@@ -183,7 +208,6 @@ def offload(x: torch.Tensor) -> torch.Tensor:
         _state.sweep()
         block = _state.get_pool().allocate(nbytes)
         ptr = block.data_ptr()
-        _state.retired.discard(ptr)
     # The graph's handle on the block: its own storage over the block's bytes, at offset 0 as
     # the fake implementation says (a slice of the slab would carry the block's offset). It
     # does not own the bytes: the record keeps the block until the reload is waited on.
@@ -191,10 +215,16 @@ def offload(x: torch.Tensor) -> torch.Tensor:
     host = _over(storage, x)
     src = x.contiguous()  # a copy on the compute stream when x is strided
     stored, stream = engine.offload(src, host)
+    key = _host_key(host)
     with _state.lock:
         keep = src if stored is not None else None
-        rec = _Offloaded(block, stored, keep, stream, engine)
-        _state.host[_key(host)] = rec
+        _state.retired.pop(key, None)  # a storage that died had this address
+        abandoned = _state.host.pop(key, None)  # its host tensor died: nothing can reload it
+        if abandoned is not None:
+            abandoned.drop_source()
+            _state.get_pool().free(abandoned.block, after=abandoned.last_ready or abandoned.stored)
+        rec = _Offloaded(block, stored, keep, stream, engine, StorageWeakRef(storage))
+        _state.host[key] = rec
         if keep is not None:
             _state.live.append(rec)
         _state.stats.offloaded_bytes += nbytes
@@ -212,14 +242,16 @@ def reload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     nbytes = host.numel() * host.element_size()
     if not nbytes:
         return torch.empty(host.shape, dtype=host.dtype, device=device)
-    key = _key(host)
+    key = _host_key(host)
     with _state.lock:
         rec = _state.host.get(key)
-        retired = key in _state.retired
+        retired = _retired(key)
     if retired:
         raise RuntimeError(
             "torchoffload.reload: this host tensor's reload was waited on already, and its "
-            "block went back to the pool (each offloaded tensor is reloaded once)"
+            "block went back to the pool (each offloaded tensor is reloaded once; a compiled "
+            "graph whose activations torchoffload offloads runs its backward once, so "
+            "retain_graph=True with a second backward is not supported there)"
         )
     if rec is None:  # a host tensor of the caller's: a plain copy, nothing to give back
         engine = copy_engine(compute_device(device))
@@ -259,10 +291,9 @@ def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> None:
     protocol]."""
     if not t.numel():
         return
-    key = _key(t)
     with _state.lock:
-        pending = _state.ready.pop(key, None)
-        rec = _state.host.get(key) if pending is None else None
+        pending = _state.ready.pop(_key(t), None)
+        rec = _state.host.get(_host_key(t)) if pending is None else None
         if rec is not None:  # a host tensor from offload
             rec.drop_source()
     if pending is None:
@@ -275,7 +306,11 @@ def wait(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> None:
         if _state.host.pop(host_key, None) is rec:  # the first wait of its reloads
             rec.drop_source()
             _state.get_pool().free(rec.block, after=rec.last_ready)
-            _state.retired.add(host_key)
+            _state.retired[host_key] = rec.host
+            if len(_state.retired) > 4096:  # forget the host tensors that are gone
+                for k, ref in list(_state.retired.items()):
+                    if ref.expired():
+                        del _state.retired[k]
 
 
 def _wait_fake(t: torch.Tensor, keepalive: torch.Tensor | None = None) -> None:
