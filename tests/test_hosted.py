@@ -278,3 +278,36 @@ def test_a_leftover_view_after_remove_raises():
     handle.remove()
     with pytest.raises(HostedError, match="removed"):
         view.sum()
+
+
+# -- load_state_dict(assign=True) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("on", ["model", "layer"])
+def test_assign_is_refused_alike_before_anything_is_assigned(engine, on):
+    """One rule for every engine: ``load_state_dict(assign=True)`` with a streamed tensor's key
+    raises on the model or a submodule before any tensor is assigned (stream_parameters
+    assigned a submodule's tensors, and refused a root load of resident keys only); a state
+    dict of resident tensors only assigns as on a plain model."""
+    model = gpt()
+    if engine == "weights":
+        model.eval()
+        budget = to.minimum_budget(model, resident=("ln_f",), prefetch_depth=1)
+        handle = to.stream_weights(
+            model, "cpu", budget_bytes=budget, prefetch_depth=1, resident=("ln_f",)
+        )
+    else:
+        handle = to.stream_parameters(model, 1 << 20, device="cpu", resident=("ln_f",))
+    target = model if on == "model" else model.layers[1]
+    before = {n: (p, p.detach().clone()) for n, p in target.named_parameters()}
+    sd = {k: v * 2 for k, v in target.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(assign=True\).*Nothing was loaded"):
+        target.load_state_dict(sd, assign=True)
+    for n, p in target.named_parameters():
+        assert p is before[n][0] and torch.equal(p, before[n][1]), n
+    w = model.ln_f.weight.detach() * 3
+    model.load_state_dict({"ln_f.weight": w}, strict=False, assign=True)
+    assert model.ln_f.weight is not before.get("ln_f.weight", (None,))[0]
+    assert torch.equal(model.ln_f.weight, w)
+    handle.remove()

@@ -657,3 +657,66 @@ class _Unguard:
         m = self.module()
         if m is not None and isinstance(m.__dict__.get("_apply"), ConversionGuard):
             del m.__dict__["_apply"]
+
+
+# -- load_state_dict(assign=True) ---------------------------------------------------------------
+
+
+def refuse_assign(
+    model: nn.Module,
+    names: list[str],
+    engine: str,
+    what: str,
+    no_copy: str,
+    live: Callable[[], bool] | None = None,
+) -> list[Any]:
+    """Refuse ``load_state_dict(assign=True)`` before any tensor is assigned, on ``model`` and on
+    every submodule above a streamed tensor (``names``: their qualified names in ``model``),
+    where the state dict holds a streamed tensor's key: each such module checks before its own
+    tensors and its children load (the root first). An error appended to load_state_dict's
+    list is raised only after every module has loaded, the tensors replaced by then, so this
+    raises. Returns the hooks' handles. ``live``: where given, a load passes once it answers
+    false (the engine removed, its hooks not yet)."""
+    hooks = []
+    for q, module in model.named_modules():
+        rels = names if not q else [n[len(q) + 1 :] for n in names if n.startswith(q + ".")]
+        if rels:
+            refusal = AssignRefusal(rels, engine, what, no_copy, live)
+            hooks.append(module.register_load_state_dict_pre_hook(refusal))
+    return hooks
+
+
+class AssignRefusal:
+    """A load_state_dict pre-hook of `refuse_assign`. Copying or pickling it (a deepcopy or
+    torch.save of the model) raises with the cause and the fix."""
+
+    def __init__(
+        self,
+        names: list[str],
+        engine: str,
+        what: str,
+        no_copy: str,
+        live: Callable[[], bool] | None = None,
+    ):
+        self.names = names  # the streamed tensors' names relative to the hook's module
+        self.message = (
+            f"load_state_dict(assign=True) would replace {what}; load without assign while "
+            f"{engine} is active, or call the handle's remove() first. Nothing was loaded"
+        )
+        self.live = live
+        self.no_copy = no_copy
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any,
+                 *args: Any) -> None:  # fmt: skip
+        if not meta.get("assign_to_params_buffers", False):
+            return
+        if self.live is not None and not self.live():
+            return
+        if any(prefix + n in state_dict for n in self.names):
+            raise RuntimeError(self.message)
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        raise TypeError(self.no_copy)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(self.no_copy)

@@ -241,17 +241,12 @@ def _state_dict_hooks(rt: ExpertRuntime, li: int, layer: ExpertLayer) -> list[An
 
 
 def _assign_hooks(rt: ExpertRuntime, model: nn.Module) -> list[Any]:
-    """``load_state_dict(assign=True)`` refused, before any tensor is assigned, on the model and
-    on every submodule that holds expert tensors: each such module checks its expert keys
-    before its own tensors and its children are loaded (the root first), so a refusal leaves
-    the model as it was. Only where the state dict holds an expert key."""
+    """``load_state_dict(assign=True)`` refused where the state dict holds an expert key."""
     names = [p.name for layer in rt.layout.layers for p in layer.pieces]
-    hooks = []
-    for q, module in model.named_modules():
-        rels = names if not q else [n[len(q) + 1 :] for n in names if n.startswith(q + ".")]
-        if rels:
-            hooks.append(module.register_load_state_dict_pre_hook(_RefuseAssign(rt, 0, rels)))
-    return hooks
+    what = "streamed expert tensors"
+    return _hosted.refuse_assign(
+        model, names, "stream_experts", what, NO_COPY, live=lambda: not rt.removed
+    )
 
 
 class _StateDict(_Entry):
@@ -271,27 +266,6 @@ class _StateDict(_Entry):
                 # a tensor assigned to the module since (module.w = ...) is its own value
                 if key in state_dict and held(module, attr) is pieces[pi].tensor:
                     state_dict[key] = self.rt.store.host_value(self.li, pi)
-
-
-class _RefuseAssign(_Entry):
-    """Raises (an error appended to ``load_state_dict``'s list is raised only after every
-    module was loaded, the expert tensors replaced by then: the forward would no longer read
-    the module's tensors)."""
-
-    def __init__(self, rt: ExpertRuntime, li: int, names: list[str]):
-        super().__init__(rt, li)
-        self.names = names  # the expert tensors' names relative to the module
-
-    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, meta: Any,
-                 strict: bool, missing: list, unexpected: list, errors: list) -> None:  # fmt: skip
-        if self.rt.removed or not meta.get("assign_to_params_buffers", False):
-            return
-        if any(prefix + n in state_dict for n in self.names):
-            raise RuntimeError(
-                "load_state_dict(assign=True) would replace streamed expert tensors; load "
-                "without assign while stream_experts is active, or call the handle's remove() "
-                "first. Nothing was loaded"
-            )
 
 
 class _Unset:

@@ -438,16 +438,8 @@ def install_hooks(rt: WeightRuntime, model: nn.Module) -> list[RemovableHandle]:
         load = _Hook(rt, fn=_load_hook(rt, names, taken))
         hooks.append(module.register_load_state_dict_pre_hook(load))
         hooks.append(module.register_load_state_dict_post_hook(_Hook(rt, fn=_loaded_hook(taken))))
-    # assign=True refused before any tensor is assigned: on the model and on every module
-    # above streamed tensors, each checked before its own tensors and its children load (an
-    # error appended to load_state_dict's list is raised only after every module has loaded)
     quals = [q for slot in rt.layout.streamed for _, _, q in slot.where]
-    for q, module in model.named_modules():
-        rels = quals if not q else [n[len(q) + 1 :] for n in quals if n.startswith(q + ".")]
-        if rels:
-            hooks.append(
-                module.register_load_state_dict_pre_hook(_Hook(rt, fn=_refuse_assign(rels)))
-            )
+    hooks += _hosted.refuse_assign(model, quals, "stream_weights", "streamed tensors", _NO_COPY)
     return hooks
 
 
@@ -456,20 +448,6 @@ def _holds(module: nn.Module, name: str, slot: Any) -> bool:
     module since (``module.weight = nn.Parameter(w)``) is the module's own, read and loaded as
     any resident tensor."""
     return held(module, name) is slot.tensor
-
-
-def _refuse_assign(names: list[str]):
-    def hook(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
-        if local_metadata.get("assign_to_params_buffers", False) and any(
-            prefix + n in state_dict for n in names
-        ):
-            raise RuntimeError(
-                "load_state_dict(assign=True) would replace streamed tensors; load without "
-                "assign while stream_weights is active, or call the handle's remove() first. "
-                "Nothing was loaded"
-            )
-
-    return hook
 
 
 def _state_dict_hook(rt: WeightRuntime, names: list[tuple[str, Any]]):
@@ -488,7 +466,7 @@ def _state_dict_hook(rt: WeightRuntime, names: list[tuple[str, Any]]):
 def _load_hook(rt: WeightRuntime, names: list[tuple[str, Any]], taken: set[str]):
     def hook(mod, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs):
         if local_metadata.get("assign_to_params_buffers", False):
-            return  # refused before (`_refuse_assign`) where it would reach a streamed tensor
+            return  # refused before (`_hosted.refuse_assign`) where it reaches a streamed tensor
         for name, slot in names:
             key = prefix + name
             if key not in state_dict or not _holds(mod, name, slot):

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -568,7 +568,9 @@ def stream_parameters(
     for p in params.values():
         hooks.append(p.register_post_accumulate_grad_hook(_Accumulated(ref)))
     hooks.append(model.register_state_dict_post_hook(_StateDict(ref, layout)))
-    hooks.append(model.register_load_state_dict_pre_hook(_RefuseAssign(ref)))
+    names = [q for s in layout.streamed for _, _, q in s.where]
+    what = "streamed parameters"
+    hooks += _hosted.refuse_assign(model, names, "stream_parameters", what, _NO_COPY, _live(ref))
     hooks += _hosted.guard_conversions(model, "stream_parameters", _NO_COPY)
     return ParameterStreamHandle(runtime, hooks)
 
@@ -650,20 +652,9 @@ class _StateDict(_Hook):
                     state_dict[key] = copies[id(t)]
 
 
-class _RefuseAssign(_Hook):
-    """``load_state_dict`` writes the streamed parameters' host values (each placeholder's
-    ``copy_``, Note: [Placeholders never answer]); ``assign=True`` would replace them."""
+def _live(ref: weakref.ref) -> Callable[[], bool]:
+    def live() -> bool:
+        rt = ref()
+        return rt is not None and not rt.removed
 
-    def __init__(self, ref: weakref.ref):
-        self.ref = ref
-
-    def __call__(self, module, state_dict, prefix, local_metadata, *args: Any) -> None:
-        rt = self.ref()
-        if rt is None or rt.removed:
-            return
-        if local_metadata.get("assign_to_params_buffers", False):
-            raise RuntimeError(
-                "load_state_dict(assign=True) would replace parameters that stream_parameters "
-                "streams; load without assign (it writes the host store), or remove() the "
-                "handle first"
-            )
+    return live
