@@ -2491,3 +2491,66 @@ def test_state_is_a_read_only_view_of_the_host_state(fraction):
     opt.synchronize()
     assert same_params(a, twin)
     opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5], ids=["host", "split"])
+def test_state_lookups_read_the_state_as_it_is_now(fraction):
+    """``opt.state[p]`` after a step, a load_state_dict or a reset, through the same view
+    object too: the state of that moment, as torch.optim's ``state`` holds it."""
+    a = model()
+    twin = copy.deepcopy(a)
+    cls, kw = OPTIMIZERS["adamw"]
+    ref = torch.optim.AdamW(twin.parameters(), **kw)
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=1024,
+                                offload_fraction=fraction, **kw)  # fmt: skip
+    view = opt.state
+    params, twins = list(a.parameters()), list(twin.parameters())
+
+    def check():
+        for p, q in zip(params, twins, strict=True):
+            for got in (opt.state[p], view[p]):
+                assert got.keys() == ref.state[q].keys()
+                for k, v in ref.state[q].items():
+                    assert torch.equal(got[k].cpu(), v), k
+
+    check()  # nothing yet
+    saved = []
+    for i in range(3):
+        for m, o in ((a, opt), (twin, ref)):
+            loss_of(m, batch(i)).backward()
+            o.step()
+            o.zero_grad()
+        check()
+        saved.append((opt.state_dict(), ref.state_dict()))
+    opt.load_state_dict(copy.deepcopy(saved[0][0]))
+    ref.load_state_dict(copy.deepcopy(saved[0][1]))
+    check()
+    sd = opt.state_dict()
+    sd["state"] = {}
+    opt.load_state_dict(sd)
+    ref.state.clear()
+    check()
+    assert all(dict(view[p]) == {} for p in params)
+    opt.remove()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5], ids=["host", "split"])
+def test_a_state_lookup_does_not_rebuild_the_whole_state(fraction, monkeypatch):
+    """``opt.state[p]`` built the mapping of every parameter's state on each lookup: a loop
+    over the parameters reading their state was quadratic."""
+    from torchoffload.optim._optimizer import HostStateView
+
+    a = model()
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, bucket_bytes=1024,
+                                offload_fraction=fraction, lr=1e-3)  # fmt: skip
+    loss_of(a, batch(0)).backward()
+    opt.step()
+    built = []
+    whole = HostStateView._entries
+    monkeypatch.setattr(HostStateView, "_entries", lambda self: built.append(1) or whole(self))
+    params = list(a.parameters())
+    for _ in range(3):
+        for p in params:
+            assert opt.state[p]["step"] == 1
+    assert len(built) <= 1, len(built)
+    opt.remove()

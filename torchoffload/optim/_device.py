@@ -51,6 +51,7 @@ class DeviceStep:
     ):
         self.params = params
         self.index = index
+        self.position = {id(p): k for k, p in enumerate(params)}  # id(parameter) -> k
         shared = shared_families(families)
         self.shared = [key in shared for key in families]  # shares its version counter
         self.trainable = [p.requires_grad for p in params]

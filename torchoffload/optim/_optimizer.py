@@ -305,6 +305,7 @@ class HostStateView(Mapping):
         self._opt = opt
 
     def _entries(self) -> dict[torch.Tensor, Any]:
+        """The whole mapping (iteration, length); a lookup reads one entry (`_place`)."""
         opt = self._opt
         rt = opt._live()
         rt.check_idle("reading optimizer.state")  # and no copy aside ahead: it may be edited
@@ -322,12 +323,26 @@ class HostStateView(Mapping):
         return out
 
     def __getitem__(self, param: torch.Tensor) -> Mapping[str, Any]:
-        entries = self._entries()
-        if param in entries:
-            return entries[param]
-        if any(param is p for g in self._opt.param_groups for p in g["params"]):
-            return types.MappingProxyType({})  # not stepped yet: torch.optim's empty dict
-        raise KeyError(param)
+        # O(1): the state is read where the optimizer class keeps it, at every lookup
+        self._opt._live().check_idle("reading optimizer.state")
+        place = self._place(param)
+        if place is None:
+            raise KeyError(param)
+        optimizer, master = place
+        return types.MappingProxyType(optimizer.state.get(master) or {})  # {}: not stepped yet
+
+    def _place(self, param: torch.Tensor) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
+        """The optimizer (a host bucket's or the device part's) that steps ``param``, and the
+        master it keys the state by: both fixed at construction."""
+        rt, dev = self._opt._runtime, self._opt._device
+        i = rt.host.index.get(id(param))
+        if i is not None and rt.records[i].param is param:
+            rec = rt.records[i]
+            return rt.buckets[rec.entry.bucket].optimizer, rec.master
+        k = None if dev is None else dev.position.get(id(param))
+        if k is not None and dev.params[k] is param:
+            return dev.optimizer, dev.masters[k]
+        return None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return iter(self._entries())
