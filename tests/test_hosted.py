@@ -4,6 +4,7 @@ changes. Each test compares with the same operations on a plain model. CPU."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -310,4 +311,59 @@ def test_assign_is_refused_alike_before_anything_is_assigned(engine, on):
     model.load_state_dict({"ln_f.weight": w}, strict=False, assign=True)
     assert model.ln_f.weight is not before.get("ln_f.weight", (None,))[0]
     assert torch.equal(model.ln_f.weight, w)
+    handle.remove()
+
+
+# -- p.grad = g ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_gradient_assigned_outside_the_unit_is_the_parameters(engine):
+    """``p.grad = g`` outside the unit raised torch's "attempting to assign a gradient of size
+    '[128, 32]' to a tensor of size '[0]'" (the placeholder's storage): it is now assigned as
+    on the resident model, checked against the real geometry."""
+    model = gpt()
+    handle = stream(model, engine)
+    p = model.layers[0].fc1.weight
+    g = torch.randn(p.shape)
+    p.grad = g
+    assert p.grad is g
+    with pytest.raises(RuntimeError, match=r"size '\[3\]' to a tensor of size '\[128, 32\]'"):
+        p.grad = torch.zeros(3)
+    assert p.grad is g and p.shape == (128, 32)
+    p.grad = None
+    assert p.grad is None
+    assert torch.equal(run(model, engine), run(gpt(), engine))
+    handle.remove()
+
+
+@pytest.mark.parametrize("offloaded", [False, True], ids=["sgd", "offloaded"])
+def test_assigned_gradients_step_streamed_parameters_bitwise(offloaded):
+    """Gradients assigned by the user (a loop that computes them itself, or scales them) are
+    stepped as on the resident model, and a backward accumulates into them."""
+    ref, model = gpt(), gpt()
+    handle = to.stream_parameters(model, 1 << 20, device="cpu")
+    make = (lambda m: to.OffloadedOptimizer(m.parameters(), torch.optim.SGD, lr=0.1)) \
+        if offloaded else (lambda m: torch.optim.SGD(m.parameters(), lr=0.1))  # fmt: skip
+    opts = [make(model), torch.optim.SGD(ref.parameters(), lr=0.1)]
+    torch.manual_seed(1)
+    given = [torch.randn(p.shape) for p in ref.parameters()]
+    for m, opt in zip((model, ref), opts, strict=True):
+        for p, g in zip(m.parameters(), given, strict=True):
+            p.grad = g.clone()
+        m.loss(tokens(0)).backward()
+        opt.step()
+        opt.zero_grad()
+        # an OffloadedOptimizer moves the gradients of a final backward: scaled before that
+        with opt.accumulating() if offloaded and m is model else contextlib.nullcontext():
+            m.loss(tokens(1)).backward()
+        for p in m.parameters():
+            p.grad = p.grad * 0.5
+        opt.step()
+        opt.zero_grad()
+    if offloaded:
+        opts[0].synchronize()
+    assert same_params(model, ref)
+    if offloaded:
+        opts[0].remove()
     handle.remove()

@@ -9,7 +9,8 @@ subclass with a ``__torch_function__`` (`HostedParameter`, `HostedTensor`), so e
 function that reaches it is seen. A placeholder never computes on its empty storage:
 - geometry (``shape``, ``size()``, ``numel()``, ``stride()``...) answers with the real tensor's;
   attributes that are the object's own (``grad``, ``requires_grad``, ``dtype``, ``device``,
-  hooks, storage identity) are passed through;
+  hooks, storage identity) are passed through; ``p.grad = g`` is checked against the real
+  geometry (`_set_grad`), as autograd checks it on the resident tensor;
 - a view that needs no values (``detach()``, ``.data``, ``t()``, indexing by numbers...) is a
   placeholder too, of the same host bytes;
 - any other function runs on a device copy of the real values (read from the host store on the
@@ -364,7 +365,13 @@ _DATA = _getters("data")
 _DETACH = _methods("detach")
 
 
+_SET_GRAD = {d.__set__ for d in (_C.__dict__.get("grad"), _C.__dict__.get("_grad"))
+             if d is not None and hasattr(d, "__set__")}  # fmt: skip
+
+
 def _serve(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func in _SET_GRAD and args[0] in REFS and isinstance(args[1], torch.Tensor):
+        return _set_grad(func, args[0], args[1])
     if func in _PASS or func in _TYPE and len(args) == 1 and not kwargs:
         with DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -399,6 +406,25 @@ def _serve(func: Any, args: tuple, kwargs: dict) -> Any:
         if out is not NotImplemented:
             return out
     return _run_on_values(func, args, kwargs, holders, refs, grad)
+
+
+def _set_grad(func: Any, t: torch.Tensor, grad: Any) -> None:
+    """``p.grad = g`` on a placeholder: autograd checks ``g`` against the tensor's geometry,
+    which a placeholder holds only as its `Ref`'s (0 elements of its own). For the
+    assignment only, the tensor takes a stand-in of the real geometry (one element, expanded:
+    no values); the grad, its accumulator and its version counter are the tensor's own, as
+    when ``bind`` gives it its device bytes (Note: [Binding through .data])."""
+    ref = REFS[t]
+    with DisableTorchFunctionSubclass():
+        if grad.shape == t.shape:  # of the placeholder's own geometry (an OffloadedOptimizer's
+            return func(t, grad)  # moved gradient of a streamed parameter is as empty as it)
+        own = t.data
+        stand_in = torch.empty((1,) * len(ref.size), dtype=ref.dtype, device=t.device)
+        t.data = stand_in.expand(ref.size)
+        try:
+            func(t, grad)
+        finally:
+            t.data = own
 
 
 def _fname(func: Any) -> str:
