@@ -367,3 +367,48 @@ def test_assigned_gradients_step_streamed_parameters_bitwise(offloaded):
     if offloaded:
         opts[0].remove()
     handle.remove()
+
+
+# -- conversions under torch.__future__.set_swap_module_params_on_conversion(True) -------------
+
+
+@pytest.fixture
+def swap_on_conversion():
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "convert",
+    [lambda m: m.to("cpu"), lambda m: m.float(), lambda m: m.layers[1].to(torch.float32)],
+    ids=["to", "float", "submodule"],
+)
+def test_a_conversion_that_would_swap_streamed_tensors_is_refused(
+    engine, convert, swap_on_conversion
+):
+    """With swapping on conversion, a conversion that changes no dtype or device still swaps
+    every tensor for a new one: it raised torch's "_apply(): Couldn't swap Embedding.weight"
+    (a streamed tensor cannot be swapped); now a refusal naming the engine and the way out,
+    with nothing changed. A conversion that would change a streamed tensor says so first."""
+    ref = gpt()
+    model = copy.deepcopy(ref)
+    handle = stream(model, engine)
+    params = dict(model.named_parameters())
+    name = "stream_weights" if engine == "weights" else "stream_parameters"
+    with pytest.raises(
+        HostedError, match=rf"swap_module_params_on_conversion.*{name}.*Nothing was converted"
+    ):
+        convert(model)
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert same_params(model, ref)
+    assert torch.equal(run(model, engine), run(ref, engine))
+    with pytest.raises(HostedError, match="would be converted from torch.float32"):
+        model.half()
+    torch.__future__.set_swap_module_params_on_conversion(False)
+    convert(model)  # changes nothing: runs
+    assert torch.equal(run(model, engine, 1), run(ref, engine, 1))
+    handle.remove()
+    assert same_params(model, ref)

@@ -26,7 +26,9 @@ function that reaches it is seen. A placeholder never computes on its empty stor
   a read during CUDA-graph capture or `torch.compile` tracing;
 - ``model.to(dtype)``, ``.half()``, ``.cpu()``... are checked before any tensor is converted
   (`guard_conversions`): a conversion that would change a hosted tensor's dtype or device
-  raises and changes nothing; one that changes nothing (``model.to(its device)``) runs.
+  raises and changes nothing; one that changes nothing (``model.to(its device)``) runs, except
+  under ``torch.__future__.set_swap_module_params_on_conversion(True)``, where it would swap
+  the tensor objects the engine streams: refused too.
 Binding swaps the class back, so inside its unit a parameter is a plain tensor with no
 per-op cost. The class swap is an attribute store on the Python object; nothing else of the
 tensor changes.
@@ -642,6 +644,16 @@ class ConversionGuard:
                     "the host store. Nothing was converted. Call the handle's remove() first "
                     "(it restores the original dtype and device), convert, then stream again"
                 )
+        if hosted and torch.__future__.get_swap_module_params_on_conversion():
+            raise HostedError(
+                "a conversion of the model (model.to(), .float(), .cpu()...) under "
+                "torch.__future__.set_swap_module_params_on_conversion(True) swaps every "
+                f"tensor for a new one (torch.utils.swap_tensors), streamed tensor "
+                f"{REFS[hosted[0]].name!r} too, while {self.engine} is active: the engine "
+                "streams that tensor object. Nothing was converted. This conversion changes "
+                "no streamed tensor: run it with set_swap_module_params_on_conversion(False), "
+                "or call the handle's remove() first"
+            )
         with plain(hosted):
             return type(module)._apply(module, fn, recurse)
 
