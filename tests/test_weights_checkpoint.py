@@ -287,3 +287,47 @@ def test_a_tied_tensor_saved_twice_must_hold_one_value(tmp_path):
     path = save(both, tmp_path / "shape.safetensors")
     with pytest.raises(CheckpointError, match="one tied tensor"):
         stream_weights(on_meta(), "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+
+
+class WithBuffers(torch.nn.Module):
+    """A persistent buffer and a non-persistent one (a table computed at construction)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+        self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+    def forward(self, x):
+        return self.b(self.a(x) * self.scale + self.table)
+
+
+@pytest.mark.parametrize("resident", [(), ("table",)])
+def test_a_non_persistent_buffer_is_not_taken_from_the_checkpoint(tmp_path, resident):
+    """A checkpoint that holds a tensor under a non-persistent buffer's name (older Hugging
+    Face checkpoints hold ``rotary_emb.inv_freq``): not a ``state_dict()`` name, so torch's
+    ``load_state_dict(strict=False)`` ignores it and the buffer keeps its own values; so does
+    the stream. It was read into the buffer (every output off by up to 78 here)."""
+    torch.manual_seed(0)
+    ref = WithBuffers().eval()
+    state = {**ref.state_dict(), "table": torch.full((8,), 100.0)}
+    path = save(state, tmp_path / "model.safetensors")
+    want = WithBuffers().eval()
+    result = want.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == ["table"]
+    model = WithBuffers().eval()
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, unit="leaves", resident=resident,
+        pin_memory=False, checkpoint=path,
+    )  # fmt: skip
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), want(x))
+    handle.remove()
+    assert torch.equal(model.table, torch.arange(8.0))
+    with torch.device("meta"):
+        model = WithBuffers().eval()
+    with pytest.raises(CheckpointError, match="'table'.*no values"):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, unit="leaves", resident=resident,
+                       pin_memory=False, checkpoint=path)  # fmt: skip

@@ -176,7 +176,13 @@ class HostStore:
 
 
 def _names(slot: Any) -> list[str]:
-    return [q for _, _, q in slot.where]
+    """The tensor's ``state_dict()`` names: a non-persistent buffer has none, so a checkpoint
+    entry under its name is not read into it (torch's ``load_state_dict`` ignores it too)."""
+    return [
+        q
+        for module, kind, q in slot.where
+        if kind != "_buffers" or q.rpartition(".")[2] not in module._non_persistent_buffers_set
+    ]
 
 
 def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple[Entry, Leaf]]:
@@ -203,7 +209,7 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
         entry = checkpoint.find(names)
         if entry is None:
             if any(leaf.source.is_meta for _, leaf in group):
-                missing.append(names[0])
+                missing.append(group[0][0].name)
             continue
         for slot, leaf in group:
             _check_entry(entry, names[0], leaf.dtype, leaf.size)
@@ -231,7 +237,7 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
             )
     for slot in layout.resident:
         if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
-            missing.append(_names(slot)[0])
+            missing.append(slot.name)
     if missing:
         raise CheckpointError(
             f"{len(missing)} tensors are on the meta device and not in the checkpoint "
