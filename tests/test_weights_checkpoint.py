@@ -331,3 +331,32 @@ def test_a_non_persistent_buffer_is_not_taken_from_the_checkpoint(tmp_path, resi
     with pytest.raises(CheckpointError, match="'table'.*no values"):
         stream_weights(model, "cpu", budget_bytes=1 << 20, unit="leaves", resident=resident,
                        pin_memory=False, checkpoint=path)  # fmt: skip
+
+
+def test_entries_of_every_safetensors_dtype_torch_has_are_read(tmp_path):
+    """A checkpoint holding a tensor of a dtype such as U32 (which the safetensors package
+    reads) that the model does not use: the model's tensors load; it was refused whole as a
+    "bad header entry"."""
+    st = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    ref = WithBuffers().eval()
+    extra = {
+        "u16": torch.tensor([1, 2], dtype=torch.uint16),
+        "u32": torch.tensor([1, 2], dtype=torch.uint32),
+        "u64": torch.tensor([1, 2], dtype=torch.uint64),
+        "c64": torch.tensor([1 + 2j], dtype=torch.complex64),
+    }
+    path = tmp_path / "model.safetensors"
+    st.save_file({**ref.state_dict(), **extra}, str(path))
+    cp = Checkpoint.open(path)
+    assert {n: cp.entries[n].dtype for n in extra} == {n: t.dtype for n, t in extra.items()}
+    with torch.device("meta"):
+        model = WithBuffers().eval()
+    model.table = torch.arange(8.0)
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, unit="leaves", pin_memory=False, checkpoint=path
+    )
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
