@@ -309,3 +309,48 @@ def test_outputs_in_a_dataclass_or_as_python_numbers_are_compared():
     report = to.verify(Wrapped(), X, apply=frozen, loss=lambda out: out.logits.pow(2).mean())
     assert not report.equal
     assert [(d.kind, d.name) for d in report.differences][:1] == [("gradient", "inner.head.bias")]
+
+
+def test_a_non_persistent_buffer_changed_by_the_engine_is_named():
+    """A non-persistent buffer (a rotary table) is a buffer the model computes with but not in
+    ``state_dict()``: an engine that leaves it changed after ``remove()`` (a restore that
+    zeroes it) is a difference. Only ``state_dict()`` was read, so it passed as equal."""
+
+    class WithTable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("table", torch.arange(8.0), persistent=False)
+
+        def forward(self, x):
+            return self.lin(x) + self.table
+
+    def zero_on_remove(m):
+        def undo():
+            m.table.zero_()
+
+        return Handle(undo)
+
+    torch.manual_seed(0)
+    model = WithTable().eval()
+    x = torch.randn(2, 8)
+    report = to.verify(model, x, apply=zero_on_remove)
+    assert not report.equal
+    assert [(d.kind, d.name, d.differing) for d in report.differences] == [
+        ("buffer after remove", "table", 7)
+    ]
+
+    def zero_while_applied(m):
+        table = m.table.clone()
+        m.table.zero_()
+
+        def undo():
+            m.table.copy_(table)
+
+        return Handle(undo)
+
+    report = to.verify(model, x, apply=zero_while_applied)
+    assert [(d.kind, d.name) for d in report.differences] == [
+        ("output", "output"), ("buffer", "table")
+    ]  # fmt: skip
+    assert to.verify(model, x, apply=lambda m: Handle(lambda: None)).compared == 7

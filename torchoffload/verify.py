@@ -38,7 +38,8 @@ class Difference:
     """One tensor that differs between the plain run and the offloaded one."""
 
     # "output", "loss", "gradient", "parameter", "buffer" (read with the engine applied, through
-    # state_dict()), "parameter after remove", "buffer after remove" (once it is removed)
+    # state_dict(); a non-persistent buffer directly), "parameter after remove", "buffer after
+    # remove" (once it is removed)
     kind: str
     name: str  # "output[0]", "layers.0.fc1.weight", ...
     step: int  # which call or step (0-based); parameters and buffers: after the last one
@@ -276,9 +277,13 @@ def _record_state(record: _Record, m: nn.Module, step: int, suffix: str) -> None
     params = {id(p) for p in m.parameters()}
     live = dict(m.named_parameters(remove_duplicate=False))
     live.update(m.named_buffers(remove_duplicate=False))
-    for name, t in m.state_dict().items():
+    state = m.state_dict()
+    for name, t in state.items():
         kind = "parameter" if id(live.get(name)) in params else "buffer"
         record.tensors[kind + suffix, name, step] = _copy(t)
+    for name, t in m.named_buffers(remove_duplicate=False):  # non-persistent ones: not in
+        if name not in state:  # state_dict(), but the model computes with them
+            record.tensors["buffer" + suffix, name, step] = _copy(t)
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
