@@ -38,6 +38,9 @@ class Spec:
     dropout: float
     dtype: str
     seed: int
+    # two pieces of one storage (unsafe_chunk: a version counter each), each written in place
+    # and then saved for backward
+    chunk_writes: bool = False
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,6 +61,7 @@ def specs(*, dtypes=tuple(DTYPES), dropout: bool = False, max_layers: int = 3):
         shared_storage=st.booleans(),
         transposed=st.booleans(),
         used_twice=st.booleans(),
+        chunk_writes=st.booleans(),
         buffer=st.booleans(),
         branch=st.booleans(),
         final_norm=st.booleans(),
@@ -104,6 +108,12 @@ class Block(nn.Module):
         if s.shared_storage:
             u = u * torch.sigmoid(self.gate) + self.shift
         a = F.gelu(u)
+        if s.chunk_writes:  # each piece saved after its own write: a storage whose pieces
+            p, q = (a * 1).unsafe_chunk(2, dim=-1)  # are saved at different versions
+            p.mul_(2)
+            sp = p.sin()
+            q.mul_(3)
+            a = a + 0.1 * torch.cat([sp, q.sin()], dim=-1)
         out = self.fc2(a)
         if s.transposed:
             out = out + 0.1 * (a @ self.fc1.weight)  # (hidden, dim): fc1's weight, transposed use
