@@ -9,7 +9,9 @@ the results.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import shutil
 import tempfile
 import traceback
 import warnings
@@ -417,9 +419,83 @@ def offloaded_optimizer_worker(rank: int, world: int, device: str, *, steps: int
     return out
 
 
+# -- torch.distributed.checkpoint with OffloadedOptimizer under FSDP2 ------------------------------
+
+EVEN_GPT = GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=32)  # every shard even
+
+
+def _dcp_build(mode: str, device: str, kw: dict[str, Any]) -> tuple[nn.Module, Any]:
+    model = _fsdp_model(EVEN_GPT, device, mixed=False)
+    if mode == "plain":
+        return model, torch.optim.AdamW(model.parameters(), **kw, foreach=False)
+    opt = torchoffload.OffloadedOptimizer(
+        model.parameters(), torch.optim.AdamW, **kw, bucket_bytes=4096, host_threads=1
+    )
+    return model, opt
+
+
+def _dcp_train(model: nn.Module, opt: Any, g: torch.Generator, steps: int) -> None:
+    for _ in range(steps):
+        model.loss(torch.randint(0, EVEN_GPT.vocab, (2, 32), generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def dcp_worker(rank: int, world: int, device: str, *, steps: int = 2) -> dict[str, Any]:
+    """Train an FSDP2 GPT ``steps`` steps, save model and optimizer with
+    `torch.distributed.checkpoint` (``get_model_state_dict``/``get_optimizer_state_dict``,
+    ``dcp.save``), load them into a fresh model and optimizer (``dcp.load``,
+    ``set_*_state_dict``: the fresh optimizer is stepped once with zero gradients by DCP; then
+    the same state again from a per-rank torch.save of its state_dict()) and
+    train ``steps`` more; with plain AdamW and with OffloadedOptimizer. Returns each one's
+    final local parameters, the full (gathered) optimizer state dict at the save and the types
+    of the saved state's tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    out: dict[str, Any] = {}
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    full = sd.StateDictOptions(full_state_dict=True)
+    for mode in ("plain", "host"):
+        g = torch.Generator().manual_seed(rank)
+        path = os.path.join(holder[0], mode)
+        model, opt = _dcp_build(mode, device, kw)
+        _dcp_train(model, opt, g, steps)
+        osd = sd.get_optimizer_state_dict(model, opt)
+        per_rank = io.BytesIO()  # a per-rank checkpoint of the same state too
+        torch.save(opt.state_dict(), per_rank)
+        dcp.save({"model": sd.get_model_state_dict(model), "optim": osd}, checkpoint_id=path)
+        out[mode] = {
+            "types": sorted({type(v).__name__ for s in osd["state"].values() for v in s.values()}),
+            "full": sd.get_optimizer_state_dict(model, opt, options=full)["state"],
+        }
+        if mode == "host":
+            opt.remove()
+        model, opt = _dcp_build(mode, device, kw)
+        state = {
+            "model": sd.get_model_state_dict(model),
+            "optim": sd.get_optimizer_state_dict(model, opt),
+        }
+        dcp.load(state, checkpoint_id=path)
+        sd.set_model_state_dict(model, state["model"])
+        sd.set_optimizer_state_dict(model, opt, state["optim"])
+        per_rank.seek(0)
+        opt.load_state_dict(torch.load(per_rank, weights_only=False))  # the same state again
+        _dcp_train(model, opt, g, steps)
+        out[mode]["params"] = [_local(p) for p in model.parameters()]
+        if mode == "host":
+            opt.remove()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(holder[0])
+    return out
+
+
 # -- every CPU worker in one spawn ----------------------------------------------------------------
 
-CPU_PARTS = ("fsdp", "tp", "optimizer")
+CPU_PARTS = ("fsdp", "tp", "optimizer", "dcp")
 
 
 def cpu_worker(rank: int, world: int, device: str) -> dict[str, Any]:
@@ -428,7 +504,12 @@ def cpu_worker(rank: int, world: int, device: str) -> dict[str, Any]:
     as much as the tensor-parallel work. Each part's result, or its error, under its name; the
     ranks agree after each part whether to go on (a part that failed on one rank would leave
     the other in a different collective)."""
-    workers = {"fsdp": fsdp_worker, "tp": tp_worker, "optimizer": offloaded_optimizer_worker}
+    workers = {
+        "fsdp": fsdp_worker,
+        "tp": tp_worker,
+        "optimizer": offloaded_optimizer_worker,
+        "dcp": dcp_worker,
+    }
     out: dict[str, Any] = {}
     for name in CPU_PARTS:
         try:

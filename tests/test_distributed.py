@@ -172,3 +172,19 @@ def check_offloaded_optimizer_parity(results):
         assert r["stats"].steps == 4
     total = sum(r["local_numel"] for r in results)
     assert results[0]["local_numel"] < total  # sharded: no rank holds everything
+
+
+def test_offloaded_optimizer_distributed_checkpoint(cpu_results):
+    """torch.distributed.checkpoint under FSDP2: the optimizer state dict holds DTensors, as
+    the plain class's does (plain tensors of local shards were saved as if replicated: each
+    rank loaded shards of the other's state); the gathered state is the plain AdamW's, and
+    training resumed from the checkpoint ends bitwise where plain AdamW's does."""
+    for rank, r in enumerate(part(cpu_results, "dcp")):
+        assert r["host"]["types"] == r["plain"]["types"], rank
+        plain, host = r["plain"]["full"], r["host"]["full"]
+        assert plain.keys() == host.keys()
+        for key, state in plain.items():
+            for name, value in state.items():
+                assert torch.equal(value, host[key][name]), (rank, key, name)
+        for a, b in zip(r["plain"]["params"], r["host"]["params"], strict=True):
+            assert torch.equal(a, b), rank

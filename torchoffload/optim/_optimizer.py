@@ -24,7 +24,7 @@ from torchoffload.optim._build import (
 from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._grads import MovedGrad
-from torchoffload.optim._params import hyper, storage_families
+from torchoffload.optim._params import as_saved, hyper, storage_families
 from torchoffload.optim._runtime import HostStepRuntime, close_soon
 from torchoffload.optim._state import load_state, state_dict_of, stats_of
 
@@ -313,7 +313,7 @@ class HostStateView(Mapping):
         for rec in rt.records:
             st = rt.buckets[rec.entry.bucket].optimizer.state.get(rec.master)
             if st:
-                out[rec.param] = types.MappingProxyType(st)
+                out[rec.param] = _view(st, rec.param)
         dev = opt._device
         if dev is not None:
             for p, master in zip(dev.params, dev.masters, strict=True):
@@ -329,7 +329,7 @@ class HostStateView(Mapping):
         if place is None:
             raise KeyError(param)
         optimizer, master = place
-        return types.MappingProxyType(optimizer.state.get(master) or {})  # {}: not stepped yet
+        return _view(optimizer.state.get(master) or {}, param)  # {}: not stepped yet
 
     def _place(self, param: torch.Tensor) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
         """The optimizer (a host bucket's or the device part's) that steps ``param``, and the
@@ -354,6 +354,12 @@ class HostStateView(Mapping):
 
     def __repr__(self) -> str:
         return f"HostStateView({len(self)} parameters with state)"
+
+
+def _view(state: dict[str, Any], param: torch.Tensor) -> Mapping[str, Any]:
+    """A read-only view of ``param``'s state (DTensors for a DTensor parameter: Note: [The
+    state of a DTensor parameter])."""
+    return types.MappingProxyType({k: as_saved(v, param) for k, v in state.items()})
 
 
 def _zeros_like(p: torch.Tensor) -> torch.Tensor:

@@ -128,3 +128,62 @@ def hyper(group: dict[str, Any]) -> dict[str, Any]:
         for k, v in group.items()
         if k != "params"
     }
+
+
+# Note: [The state of a DTensor parameter]
+# The host steps a DTensor parameter's local shard, so the optimizer class's state of it (and
+# its fp32 master) are plain host tensors of the local shape. The plain class, stepping the
+# DTensor, holds DTensors: `state_dict()` and `state` give them as such (the host tensor
+# wrapped, as FSDP2's CPUOffloadPolicy makes DTensors on the host; copied where it starts
+# inside its storage, since torch.save cannot write a DTensor whose local tensor has a storage
+# offset), so that `torch.distributed.checkpoint` saves each rank's shard where it goes and
+# reads back this rank's (plain tensors were saved as if every rank held the same one: one
+# rank's shard was written, and every rank loaded it as its own), a full state dict gathers
+# them, and a norm of one is the global norm. The fp32 masters (``"master_params"``, which
+# DCP does not save) stay this rank's plain tensors. `load_state_dict` takes a DTensor laid
+# out as its parameter (its local tensor) or a plain tensor of the local shape (a state dict
+# saved per rank before), and refuses one laid out otherwise.
+
+
+def as_saved(value: Any, param: torch.Tensor) -> Any:
+    """``value`` (a state tensor of ``param`` on the host) as the plain class holds it: a
+    DTensor laid out as ``param`` when ``param`` is one and ``value`` has its local shape
+    (Note: [The state of a DTensor parameter]); else ``value``."""
+    if not (is_dtensor(param) and isinstance(value, torch.Tensor) and value.dim() > 0):
+        return value
+    if tuple(value.shape) != tuple(param._local_tensor.shape):
+        return value
+    from torch._prims_common import make_contiguous_strides_for
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    if value.storage_offset() != 0:  # torch.save fails on such a DTensor
+        value = value.clone()
+    spec = param._spec
+    meta = TensorMeta(param.shape, make_contiguous_strides_for(param.shape), value.dtype)
+    return DTensor(value, DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta),
+                   requires_grad=False)  # fmt: skip
+
+
+def as_local(value: Any, param: torch.Tensor, what: str) -> Any:
+    """A loaded state tensor ``value`` of ``param`` as the host steps it: a DTensor's local
+    tensor, refused unless it is laid out as ``param`` (Note: [The state of a DTensor
+    parameter]); anything else as it is."""
+    if not is_dtensor(value):
+        return value
+    if not is_dtensor(param) or (
+        (value.device_mesh, tuple(value.placements), value.shape)
+        != (param.device_mesh, tuple(param.placements), param.shape)
+    ):
+        laid = (
+            f"{tuple(param.placements)} on {param.device_mesh} of shape {tuple(param.shape)}"
+            if is_dtensor(param)
+            else "a plain tensor"
+        )
+        raise ValueError(
+            f"load_state_dict: {what} is a DTensor {tuple(value.placements)} on "
+            f"{value.device_mesh} of shape {tuple(value.shape)}, its parameter {laid}: load "
+            "it laid out as the parameter (torch.distributed.checkpoint's "
+            "set_optimizer_state_dict redistributes it)"
+        )
+    return value._local_tensor

@@ -10,7 +10,7 @@ import torch
 
 from torchoffload.optim._config import OptimizerStats
 from torchoffload.optim._device import DeviceStep
-from torchoffload.optim._params import hyper, shape_of, value_of
+from torchoffload.optim._params import as_local, as_saved, hyper, shape_of, value_of
 from torchoffload.optim._runtime import HostStepRuntime
 
 
@@ -37,10 +37,10 @@ def state_dict_of(
     for bucket in rt.buckets:
         for rec in bucket.records:
             s = bucket.optimizer.state.get(rec.master)
-            if s:
-                state[gidx[rec.entry.index]] = s
+            if s:  # DTensors for a DTensor parameter: Note: [The state of a DTensor parameter]
+                state[gidx[rec.entry.index]] = {k: as_saved(v, rec.param) for k, v in s.items()}
             if rec.master.dtype != rec.entry.dtype:  # not the parameter's own bits
-                masters[gidx[rec.entry.index]] = rec.master
+                masters[gidx[rec.entry.index]] = rec.master  # this rank's, as loaded
     if dev is not None:
         for k, master in enumerate(dev.masters):
             s = dev.optimizer.state.get(master)
@@ -80,11 +80,10 @@ def load_state(
                 f"parameters, this optimizer's has {len(mine['params'])}"
             )
     order = [i for group in saved for i in group["params"]]  # saved id of each parameter
-    state = state_dict.get("state", {})
-    masters = state_dict.get("master_params", {})
     every = [(host_index[k], rec.param) for k, rec in enumerate(rt.records)]
     if dev is not None:
         every += list(zip(dev.index, dev.params, strict=True))
+    state, masters = _local_state(state_dict, every, order)
     _check_masters(every, order, masters)
     # Each instance of the class loads the saved groups' values as they are, and the groups
     # become what the class made of them, as with the plain class: a key the saved groups
@@ -106,6 +105,22 @@ def load_state(
             rt.host.load_master(rec, m)
         else:
             rt.host.refresh(rec)
+
+
+def _local_state(state_dict: dict[str, Any], every, order) -> tuple[dict, dict]:
+    """The saved state and masters of ``every`` (index, parameter) as the host steps them:
+    DTensors as their local tensors (Note: [The state of a DTensor parameter])."""
+    state = dict(state_dict.get("state", {}))
+    masters = dict(state_dict.get("master_params", {}))
+    for i, param in every:
+        key = order[i]
+        if isinstance(state.get(key), dict):
+            state[key] = {
+                k: as_local(v, param, f"state[{key!r}][{k!r}]") for k, v in state[key].items()
+            }
+        if key in masters:
+            masters[key] = as_local(masters[key], param, f"master_params[{key!r}]")
+    return state, masters
 
 
 def _check_masters(every: list[tuple[int, torch.Tensor]], order: list[int], masters) -> None:
