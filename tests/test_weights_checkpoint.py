@@ -360,3 +360,99 @@ def test_entries_of_every_safetensors_dtype_torch_has_are_read(tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
     handle.remove()
+
+
+class WithEmpty(torch.nn.Module):
+    """A parameter and a buffer with no elements (the buffer not contiguous: strides kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.e = torch.nn.Parameter(torch.empty(0, 8))
+        self.register_buffer("z", torch.empty(8, 0).t())
+
+    def forward(self, x):
+        return self.a(x) + self.e.sum(0) + self.z.sum(0)
+
+
+@pytest.mark.parametrize("in_checkpoint", [True, False])
+def test_an_empty_tensor_on_meta_comes_to_the_host(tmp_path, in_checkpoint):
+    """A parameter or buffer with no elements on a meta model has no bytes to read: it is
+    made on the compute device, the same object with its shape, dtype and strides (as torch's
+    ``load_state_dict(assign=True)`` gives it), and is on the host after ``remove()``, as
+    every tensor that was on meta. It stayed on meta (the forward raised "Tensor on device
+    meta is not on the expected device cpu!", and so did the model after ``remove()``)."""
+    torch.manual_seed(0)
+    ref = WithEmpty().eval()
+    state = ref.state_dict() if in_checkpoint else {"a.weight": ref.a.weight, "a.bias": ref.a.bias}
+    path = save(state, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = WithEmpty().eval()
+    e, z = model.e, model.z
+    geometry = [(t.shape, t.stride(), t.dtype) for t in (e, z)]
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, unit="leaves", pin_memory=False, checkpoint=path
+    )
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    for removed in (False, True):
+        if removed:
+            handle.remove()
+        assert model.e is e and model.z is z and type(e) is torch.nn.Parameter and e.requires_grad
+        assert [t.device.type for t in (e, z)] == ["cpu", "cpu"]
+        assert [(t.shape, t.stride(), t.dtype) for t in (e, z)] == geometry
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+
+
+def test_an_empty_tensor_of_a_real_model_is_left_alone(tmp_path):
+    """The same model, materialized: its empty tensors stay the objects and storages they
+    were, through streaming and ``remove()``."""
+    torch.manual_seed(0)
+    ref = WithEmpty().eval()
+    path = save(ref.state_dict(), tmp_path / "model.safetensors")
+    model = WithEmpty().eval()
+    datas = [(t, t.data, t.untyped_storage()._cdata) for t in (model.e, model.z)]
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    for checkpoint in (path, None):
+        handle = stream_weights(
+            model, "cpu", budget_bytes=1 << 20, unit="leaves", pin_memory=False,
+            checkpoint=checkpoint,
+        )  # fmt: skip
+        for t, _, storage in datas:
+            assert t.untyped_storage()._cdata == storage
+        with torch.no_grad():
+            assert torch.equal(model(x), ref(x))
+        handle.remove()
+        assert [model.e, model.z] == [t for t, _, _ in datas]
+        for t, _, storage in datas:
+            assert t.untyped_storage()._cdata == storage
+
+
+def test_an_empty_tensor_of_another_shape_in_the_checkpoint_is_refused(tmp_path):
+    torch.manual_seed(0)
+    state = {**WithEmpty().state_dict(), "e": torch.empty(0, 4)}
+    path = save(state, tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = WithEmpty().eval()
+    with pytest.raises(CheckpointError, match=r"'e' is \[0, 8\]"):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    assert model.e.is_meta and model.a.weight.is_meta
+
+
+def test_an_empty_tensor_needs_no_checkpoint_and_may_be_named_resident():
+    """A real model whose only meta tensor has no elements streams without a checkpoint (the
+    tensor is made on the device), and ``resident=`` may name it (that raised StopIteration):
+    it is on the device anyway, in no unit and not listed as resident."""
+    torch.manual_seed(0)
+    ref = WithEmpty().eval()
+    model = WithEmpty().eval()
+    model.load_state_dict(ref.state_dict())
+    model.e = torch.nn.Parameter(torch.empty(0, 8, device="meta"))
+    e = model.e
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, resident=("e",), pin_memory=False)
+    assert model.e is e and e.device.type == "cpu" and handle.resident == []
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+    assert model.e is e and e.device.type == "cpu" and e.shape == (0, 8)

@@ -50,6 +50,8 @@ class Binding:
         self.leaf_ids = {id(leaf.source) for leaf in layout.leaves}
         self.replaced: list[tuple[nn.Module, str, str, torch.Tensor]] = []
         self.moved: list[tuple[torch.Tensor, torch.device]] = []
+        # (tensor with no elements, the tensor it had): Note: [Tensors with no elements]
+        self.placed: list[tuple[torch.Tensor, torch.Tensor]] = []
         # id(tensor) -> (its class while bound, its placeholder class)
         self.classes: dict[int, tuple[type, type]] = {}
 
@@ -64,6 +66,7 @@ class Binding:
         self._rebuild_composites(owner, storage)
         self._empty_sources(store)
         resident_bytes = self._move_resident(resident)
+        self._place_empty()
         for unit in units:
             unit.binds = [(self.bound[leaf], off, leaf) for leaf, off in unit.layout.binds]
             unit.classes = [self.classes.get(id(t)) for t, _, _ in unit.binds]
@@ -133,6 +136,14 @@ class Binding:
             self.moved.append((t, t.device))
             t.data = t.data.to(dev)
         return total
+
+    def _place_empty(self) -> None:
+        """Tensors with no elements made on the device (Note: [Tensors with no elements])."""
+        for slot in self.layout.empty:
+            t = slot.tensor
+            if t.device != self.device:
+                self.placed.append((t, t.data))
+                set_data(t, _empty_like(t, self.device))
 
     # -- one unit (Note: [Binding weights in place]) -----------------------------------------
 
@@ -228,6 +239,8 @@ class Binding:
             getattr(module, kind)[name] = original
         for t, device in self.moved:
             t.data = t.data.to(_restored_device(device))
+        for t, had in self.placed:
+            t.data = _empty_like(had, torch.device("cpu")) if had.is_meta else had
 
 
 def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
@@ -243,6 +256,11 @@ def set_data(t: torch.Tensor, value: torch.Tensor) -> None:
         new = value.as_subclass(type(t))
     new.__dict__.update(t.__dict__)  # swap_tensors swaps __dict__ too: keep the attributes
     torch.utils.swap_tensors(t, new)
+
+
+def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor with ``t``'s shape, strides and dtype on ``device`` (``t`` has no elements)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
 
 
 def _restored_device(device: torch.device) -> torch.device:

@@ -103,6 +103,8 @@ class Layout:
     host_bytes: int
     # tensors another engine hosts, left alone (Note: [Tensors hosted by another engine])
     hosted: tuple[Slot, ...] = ()
+    # plain tensors with no elements, in no unit (Note: [Tensors with no elements])
+    empty: tuple[Slot, ...] = ()
 
     @property
     def leaves(self) -> list[Leaf]:
@@ -232,16 +234,29 @@ def candidates(
     tensors: it would move them back under stream_weights). A graph captured by one engine
     does not drive the other's copies: `cuda_graph` refuses a layout with hosted tensors, and
     stream_experts' `cuda_graph` refuses while stream_weights holds its dense tensors.
+
+    Note: [Tensors with no elements]
+    A plain tensor with no elements has no bytes to store or copy: it is in no unit, neither
+    streamed nor resident (nor listed as resident), and counts in no budget. Its values are
+    exact all the same, so it is placed as a resident tensor would be: one not on the
+    compute device (built on meta, or on the host for a GPU) is made there, an empty tensor
+    of its shape, dtype and strides in the same object (optimizers and tied modules hold
+    it); `remove()` gives it back the tensor it had or, if that was on meta, an empty one on
+    the host (as every tensor that was on meta). A checkpoint need not hold it; if it does,
+    the entry's dtype and shape are checked. A composite with no elements is left as it is.
     """
     slots = find_slots(model)
     streamed: list[Slot] = []
     resident_slots: list[Slot] = []
     hosted: list[Slot] = []
+    empty: list[Slot] = []
     for slot in slots:
         if slot.tensor in _hosted.REFS:
             hosted.append(slot)
             continue
-        if slot.tensor.numel() == 0:
+        if slot.tensor.numel() == 0:  # Note: [Tensors with no elements]
+            if not is_composite(slot.tensor):
+                empty.append(slot)
             continue
         if resident and any(matches(q, resident) for _, _, q in slot.where):
             resident_slots.append(slot)
@@ -250,7 +265,7 @@ def candidates(
     for pattern in resident:
         if not any(matches(q, (pattern,)) for s in slots for _, _, q in s.where):
             raise ValueError(f"resident pattern {pattern!r} matches no parameter or buffer")
-        if not any(matches(q, (pattern,)) for s in (*streamed, *resident_slots)
+        if not any(matches(q, (pattern,)) for s in (*streamed, *resident_slots, *empty)
                    for _, _, q in s.where):  # fmt: skip
             first = next(q for s in hosted for _, _, q in s.where if matches(q, (pattern,)))
             raise ValueError(
@@ -278,7 +293,7 @@ def candidates(
                 owners.append(module)
     out = []
     for modules, kind in _cuts(model, owners, unit, _hosted_only(hosted)):
-        layout = cut(model, modules, kind, streamed, resident_slots, hosted)
+        layout = cut(model, modules, kind, streamed, resident_slots, hosted, empty)
         if layout is not None:
             out.append(layout)
     if not out:
@@ -395,6 +410,7 @@ def cut(
     streamed: list[Slot],
     resident: list[Slot],
     hosted: Sequence[Slot] = (),
+    empty: Sequence[Slot] = (),
 ) -> Layout | None:
     """Cut the model into ``modules``; lay out the host store and every unit's span. None when
     no unit holds a streamed tensor."""
@@ -441,7 +457,7 @@ def cut(
     if not units:
         return None
     return Layout(kind, tuple(units), tuple(kept_streamed), tuple(resident), pieces, host_off,
-                  tuple(hosted))  # fmt: skip
+                  tuple(hosted), tuple(empty))  # fmt: skip
 
 
 def _unit_layout(name: str, module: nn.Module, leaves: list[Leaf], pieces: dict) -> UnitLayout:

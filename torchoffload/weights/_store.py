@@ -35,7 +35,12 @@ def read_plan(
                 f"{meta[0]!r}) and have no values: pass checkpoint= (a safetensors file or "
                 "directory), or load the weights first"
             )
+        _check_replaceable(layout.empty, ValueError)
         return {}, {}
+    for slot in layout.empty:  # Note: [Tensors with no elements] in _layout.py
+        entry = checkpoint.find(_names(slot))
+        if entry is not None:
+            _check_entry(entry, entry.name, slot.tensor.dtype, tuple(slot.tensor.shape))
     return _match_checkpoint(layout, checkpoint), _resident_from_checkpoint(layout, checkpoint)
 
 
@@ -227,14 +232,7 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
             f"like {layout.streamed[0].name!r}, checkpoint names like "
             f"{next(iter(checkpoint.entries), '(none)')!r}): is it this model's checkpoint?"
         )
-    for slot in (*layout.streamed, *layout.resident):
-        t = slot.tensor
-        if t.is_meta and weakref.getweakrefs(t):
-            raise CheckpointError(
-                f"{slot.name!r} is on the meta device and something holds a weak reference to "
-                "it: its contents cannot be replaced in place; drop the reference (or build "
-                "the model on the host) and retry"
-            )
+    _check_replaceable((*layout.streamed, *layout.resident, *layout.empty), CheckpointError)
     for slot in layout.resident:
         if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
             missing.append(slot.name)
@@ -247,6 +245,19 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
             "accelerate's init_empty_weights(include_buffers=False)"
         )
     return reads
+
+
+def _check_replaceable(slots: tuple[Slot, ...], error: type[ValueError]) -> None:
+    """A tensor on the meta device gets its contents swapped in place (`set_data`), which a
+    weak reference to it prevents: refused before anything changes."""
+    for slot in slots:
+        t = slot.tensor
+        if t.is_meta and weakref.getweakrefs(t):
+            raise error(
+                f"{slot.name!r} is on the meta device and something holds a weak reference to "
+                "it: its contents cannot be replaced in place; drop the reference (or build "
+                "the model on the host) and retry"
+            )
 
 
 def _check_entry(entry: Entry, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
