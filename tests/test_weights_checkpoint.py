@@ -456,3 +456,67 @@ def test_an_empty_tensor_needs_no_checkpoint_and_may_be_named_resident():
         assert torch.equal(model(x), ref(x))
     handle.remove()
     assert model.e is e and e.device.type == "cpu" and e.shape == (0, 8)
+
+
+class Transposed(torch.nn.Module):
+    """A parameter stored transposed (not contiguous, but no view into a larger storage)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.w = torch.nn.Parameter(torch.randn(8, 8).t())
+        self.v = torch.nn.Parameter(torch.randn(4, 8, 2).permute(2, 0, 1))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.a(x), self.w) + self.v.sum((0, 1))
+
+
+@pytest.mark.parametrize("resident", [(), ("w", "v")])
+@pytest.mark.parametrize("on", ["meta", "cpu"])
+def test_a_transposed_parameter_loads_with_its_strides(tmp_path, on, resident):
+    """A parameter that is not contiguous but dense (a transposed weight) is loaded from the
+    checkpoint, keeping its strides as torch's ``load_state_dict`` does; outputs are bitwise
+    the loaded model's. It was refused as "a view into a larger storage"."""
+    torch.manual_seed(0)
+    ref = Transposed().eval()
+    path = save(ref.state_dict(), tmp_path / "model.safetensors")
+    want = Transposed().eval()
+    want.load_state_dict(ref.state_dict())
+    strides = [(8, 1), (1, 8), (1, 16, 2)]
+    assert [t.stride() for t in (want.a.weight, want.w, want.v)] == strides
+    torch.manual_seed(1)
+    with torch.device(on):
+        model = Transposed().eval()
+    w, v = model.w, model.v
+    handle = stream_weights(
+        model, "cpu", budget_bytes=1 << 20, unit="leaves", resident=resident,
+        pin_memory=False, checkpoint=path,
+    )  # fmt: skip
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    for removed in (False, True):
+        if removed:
+            handle.remove()
+        assert model.w is w and model.v is v
+        assert [t.stride() for t in (model.a.weight, w, v)] == strides
+        with torch.no_grad():
+            assert torch.equal(model(x), want(x))
+        state = model.state_dict()
+        assert all(torch.equal(state[k], t) for k, t in want.state_dict().items())
+    assert [t.device.type for t in model.parameters()] == ["cpu"] * 4
+
+
+def test_parameters_a_checkpoint_cannot_fill_are_refused_by_what_they_are(tmp_path):
+    """A view into a larger storage, or a tensor whose elements share memory (expanded), is
+    refused naming what it is and what to do."""
+    torch.manual_seed(0)
+    ref = Transposed().eval()
+    path = save(ref.state_dict(), tmp_path / "model.safetensors")
+    cases = {
+        "a view into a larger storage": torch.randn(8, 16)[:, :8],
+        "share memory": torch.randn(8, 1).expand(8, 8),
+    }
+    for message, value in cases.items():
+        model = Transposed().eval()
+        model.w = torch.nn.Parameter(value)
+        with pytest.raises(CheckpointError, match=f"'w' .*{message}.*contiguous"):
+            stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)

@@ -40,7 +40,10 @@ _CHUNK = 64 << 20  # bytes per readinto call
 # straight into pinned memory. No other buffer holds the checkpoint: peak host memory is the
 # store plus the page cache. Everything that can be checked without reading bytes (names,
 # dtypes, shapes, sizes, file lengths) is checked first, so a bad checkpoint fails before
-# anything is read or any model tensor changed.
+# anything is read or any model tensor changed. One exception to reading in place: a tensor
+# whose elements are one dense block in another order than C (a transposed weight, which
+# keeps its strides as torch's load_state_dict does) is read into a buffer of its own size
+# and its bytes copied into place, one such tensor at a time.
 
 
 class CheckpointError(ValueError):

@@ -52,12 +52,20 @@ def fill_host(host: torch.Tensor, layout: Layout, checkpoint: Checkpoint | None,
     for leaf in layout.leaves:
         originals.setdefault(leaf.key, leaf.source)
     if checkpoint is not None:
-        pieces = []
+        pieces, reordered = [], []
         for key, (entry, leaf) in reads.items():
             lo, _, off = layout.pieces[key]
-            start = off + leaf.start - lo
-            pieces.append((entry, host[start : start + entry.nbytes]))
+            dst = _element_bytes(host, off + leaf.start - lo, leaf.size, leaf.stride,
+                                 leaf.dtype.itemsize)  # fmt: skip
+            if dst.is_contiguous():
+                pieces.append((entry, dst.view(-1)))
+            else:
+                reordered.append((entry, dst))
         checkpoint.read_into(pieces)
+        for entry, dst in reordered:  # see Note: [Reading into the host store]
+            buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+            checkpoint.read_into([(entry, buf)])
+            dst.copy_(buf.view(dst.shape))
     for key, t in originals.items():
         if key in reads:
             continue
@@ -216,14 +224,20 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
             if any(leaf.source.is_meta for _, leaf in group):
                 missing.append(group[0][0].name)
             continue
+        first = group[0][1]
         for slot, leaf in group:
             _check_entry(entry, names[0], leaf.dtype, leaf.size)
-            if not slot.tensor.is_contiguous() or leaf.start != 0:
+            why = _unfillable(leaf)
+            if why is None and (leaf.start, leaf.stride) != (first.start, first.stride):
+                why = f"views the storage of {group[0][0].name!r} with other strides"
+            if why is not None:
                 raise CheckpointError(
-                    f"{slot.name!r} is a view into a larger storage: loading it from a "
-                    "checkpoint is not supported"
+                    f"{slot.name!r} {why}: a checkpoint's values cannot be read into it. Give "
+                    "it a storage of its own before streaming (module.w = nn.Parameter("
+                    "w.contiguous()); a buffer: w.contiguous()), or load the checkpoint with "
+                    "load_state_dict and pass no checkpoint"
                 )
-        reads[group[0][1].key] = (entry, group[0][1])
+        reads[first.key] = (entry, first)
     if not reads and not any(
         n in checkpoint.entries for slot in layout.resident for n in _names(slot)
     ):
@@ -286,8 +300,53 @@ def _resident_from_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[in
         _check_entry(entry, names[0], t.dtype, tuple(t.shape))
         buf = torch.empty(entry.nbytes, dtype=torch.uint8)
         checkpoint.read_into([(entry, buf)])
-        out[id(t)] = buf.view(t.dtype).reshape(t.shape)
+        if t.is_contiguous() or not _dense(t.shape, t.stride()):  # a view: C order, its own
+            out[id(t)] = buf.view(t.dtype).reshape(t.shape)
+            continue
+        value = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)  # strides kept
+        whole = torch.empty(0, dtype=torch.uint8).set_(value.untyped_storage())
+        _element_bytes(whole, 0, tuple(t.shape), t.stride(), t.dtype.itemsize).copy_(
+            buf.view(*t.shape, -1)
+        )
+        out[id(t)] = value
     return out
+
+
+def _dense(size: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """The elements fill one block of memory with no gap and no overlap, in any order of the
+    dimensions (a transposed weight is dense, a slice or an expanded tensor is not)."""
+    expected = 1
+    for st, n in sorted((st, n) for n, st in zip(size, stride, strict=True) if n != 1):
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _unfillable(leaf: Leaf) -> str | None:
+    """Why a checkpoint entry (its elements in C order) cannot fill ``leaf``'s bytes, or None:
+    it can when the leaf's elements are the dense block its storage starts with."""
+    if leaf.start != 0:
+        return "is a view into a larger storage (it starts inside it)"
+    numel = 1
+    for n in leaf.size:
+        numel *= n
+    extent = (leaf.end - leaf.start) // leaf.dtype.itemsize
+    if extent < numel or any(
+        st == 0 and n > 1 for n, st in zip(leaf.size, leaf.stride, strict=True)
+    ):
+        return "has elements that share memory (an expanded tensor)"
+    if not _dense(leaf.size, leaf.stride):
+        return "is a view into a larger storage (its elements are not one dense block)"
+    return None
+
+
+def _element_bytes(base: torch.Tensor, start: int, size: tuple[int, ...],
+                   stride: tuple[int, ...], itemsize: int) -> torch.Tensor:  # fmt: skip
+    """The bytes of a tensor of ``size`` and ``stride`` (in elements of ``itemsize`` bytes)
+    at byte ``start`` of ``base`` (1-D uint8), as a uint8 view with a last dimension for each
+    element's bytes: a copy between two layouts moves bytes, for every dtype."""
+    return base[start:].as_strided((*size, itemsize), (*(s * itemsize for s in stride), 1))
 
 
 def rebuild(t: torch.Tensor, leaves, make, dev: torch.device, leaf_ids: set[int]):
