@@ -235,6 +235,43 @@ def test_qwen3_moe_placeholders_serve_reads_and_writes():
     assert same(snapshot(model), snapshot(ref))
 
 
+@pytest.mark.parametrize("layout", ["fused", "list"])
+def test_set_on_an_expert_placeholder_is_refused(layout):
+    """``p.set_(x)`` never reaches ``__torch_function__`` (torch binds it outside the override
+    machinery): it pointed the placeholder at ``x``'s storage while the forward kept computing
+    from the host store, so the resident model used ``x`` and the streamed one the old values
+    (logits off, silently). It is refused like ``.data = x``; the values and outputs are
+    unchanged, and ``copy_`` (the way the error names) reaches the outputs."""
+    ref, model = (qwen3(), qwen3()) if layout == "fused" else (moe(), moe())
+    h = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    x = prompt() if layout == "fused" else tokens(SPEC, 2, 3, 0)
+
+    def out(m):
+        with torch.no_grad():
+            y = m(x)
+        return y.logits if layout == "fused" else y
+
+    def expert(m):
+        if layout == "fused":
+            return m.model.layers[1].mlp.experts.down_proj
+        return next(m.blocks[1].experts[4].parameters())
+
+    out(model)  # the cache holds the experts
+    p = expert(model)
+    before = snapshot(model)
+    new = torch.ones(p.shape, dtype=p.dtype)
+    with torch.no_grad(), pytest.raises(HostedError, match=r"set_ on streamed .*copy_"):
+        p.set_(new)
+    assert type(p) is not nn.Parameter and same(snapshot(model), before)
+    assert torch.equal(out(model), out(ref))
+    with torch.no_grad():
+        p.copy_(new)
+        expert(ref).set_(new.clone())
+    assert torch.equal(out(model), out(ref))
+    h.remove()
+    assert same(snapshot(model), snapshot(ref))
+
+
 @pytest.mark.parametrize("root", ["model", "layer"])
 def test_qwen3_moe_refused_assign_loads_nothing(root):
     """load_state_dict(assign=True) is refused before any tensor is assigned (the experts'

@@ -23,7 +23,9 @@ function that reaches it is seen. A placeholder never computes on its empty stor
   parameter: compute it under ``torch.no_grad()`` or on ``p.detach()``), a result that shares
   memory with the copy in a way no placeholder can express, a change of the tensor's own
   geometry (``resize_``, ``t_``, ``set_``), ``.data = ...`` assignment, numpy/DLPack sharing,
-  a read during CUDA-graph capture or `torch.compile` tracing;
+  a read during CUDA-graph capture or `torch.compile` tracing. ``set_`` never reaches
+  ``__torch_function__`` (torch binds it apart), so the placeholder classes refuse it as a
+  method of their own (`_set`); the engines call ``set_`` only on plain (bound) tensors;
 - ``model.to(dtype)``, ``.half()``, ``.cpu()``... are checked before any tensor is converted
   (`guard_conversions`): a conversion that would change a hosted tensor's dtype or device
   raises and changes nothing; one that changes nothing (``model.to(its device)``) runs, except
@@ -149,11 +151,29 @@ def _serve_function(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
     return _serve(func, args, kwargs or {})
 
 
+def _set(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.set_`` of a placeholder: refused (Note: [Placeholders never answer]). torch
+    binds ``set_`` outside the ``__torch_function__`` machinery, so `_serve` never sees it:
+    unrefused, it pointed the placeholder at another storage while the engine kept the values
+    (and the forward) on the host store's. A tensor of this class that is no placeholder
+    (made by ``type(p)(...)``) is a plain one."""
+    ref = REFS.get(self)
+    if ref is None:
+        self.__class__ = nn.Parameter if isinstance(self, nn.Parameter) else torch.Tensor
+        return self.set_(*args, **kwargs)
+    raise HostedError(
+        f"set_ on streamed tensor {ref.name!r} outside its unit: it would replace the storage "
+        "of the tensor the engine streams, whose values live in the host store. Write its "
+        "values with `p.copy_(value)` under torch.no_grad(), or remove() the handle first"
+    )
+
+
 class HostedTensor(torch.Tensor):
     """The class of a streamed buffer (or a view of a streamed tensor) outside its unit. See
     Note: [Placeholders never answer]."""
 
     __torch_function__ = classmethod(_serve_function)  # type: ignore[assignment]
+    set_ = _set  # type: ignore[assignment]  # not seen by __torch_function__
 
 
 class HostedParameter(nn.Parameter):
@@ -161,6 +181,7 @@ class HostedParameter(nn.Parameter):
     answer]."""
 
     __torch_function__ = classmethod(_serve_function)  # type: ignore[assignment]
+    set_ = _set  # type: ignore[assignment]  # not seen by __torch_function__
 
     def __new__(cls, data: torch.Tensor | None = None, requires_grad: bool = True) -> Any:
         # ``type(p)(values)`` (Parameter.__deepcopy__) makes a plain parameter
