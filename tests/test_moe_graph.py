@@ -151,6 +151,34 @@ def test_device_policy_chooses_as_the_host_policy(policy, slots):
     h.remove()
 
 
+@pytest.mark.parametrize("order", ["hit first", "miss first"])
+def test_lfu_never_gives_a_hit_slot_to_a_miss_after_millions_of_uses(order):
+    """The device's LFU score is ``uses * 2**40 + stamp`` against 2**62 for a pinned slot
+    (hit by this call): once the unpinned experts had been used 2**22 times (a few million
+    tokens of a long-running server), their scores passed the pinned ones', so a miss was
+    given the slot of an expert this call hits. Its copy then overwrote that slot, which the
+    stage copy of the hit reads (on a GPU, place by place: a hit placed after the miss
+    computed with the miss's weights), and the hit was dropped from the map. Uses are
+    capped in the score: a hit's slot is never a victim."""
+    model = qwen3(layers=1)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=4 * slot_bytes, policy="lfu",
+                          pin_memory=False)  # fmt: skip
+    tables = DeviceTables(h._runtime)  # 2 cache slots beside the stage of 2
+    tables.push()
+    hit, miss = (0, 5) if order == "hit first" else (5, 0)
+    other = 1 if order == "hit first" else 6
+    with torch.no_grad():
+        tables.copies.copy(0, *tables.route(0, torch.tensor(sorted([hit, other]))))
+        tables.uses[:-1] += 1 << 22  # a long run: every expert used 4M times
+        src, valid, missed, dst, write = tables.route(0, torch.tensor(sorted([hit, miss])))
+    place = sorted([hit, miss]).index(hit)
+    assert not missed[place] and missed[1 - place] and write[1 - place]
+    assert int(tables.slot_of[hit]) >= 0 and int(tables.slot_of[other]) == -1  # LFU ties: LRU
+    assert not torch.equal(dst[1 - place], src[place])  # the miss goes elsewhere
+    h.remove()
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_eager_calls_writes_and_remove_between_replays():
     ref, model = qwen3(), qwen3()

@@ -16,7 +16,10 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
 - One block call of one token (``top_k`` routed experts): the routed experts are sorted; a hit
   is an expert with a slot; each miss takes, in order, the unpinned slot of least score (LRU:
   the stamp; LFU: uses, then the stamp; an empty slot first; a slot hit by this call is pinned)
-  while there are unpinned slots; the tables are updated through the trash entries.
+  while there are unpinned slots; the tables are updated through the trash entries. A pinned
+  slot scores 2**62 and the LFU score counts uses up to 2**22 - 1 (``_USES_CAP``; past it,
+  ties go by the stamp), so no unpinned score reaches it: a miss never takes the slot of an
+  expert its call hits, whose stage copy reads it.
 - One copy kernel then fills the stage: a hit from its cache slot (device to device), a miss
   from the host store, read by the kernel through its mapped address (pinned host memory is
   addressable from the device under unified addressing), and written to its new cache slot as
@@ -70,6 +73,9 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 __all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
 
 _STAMP_BITS = 40  # LFU score: uses above the stamp (stamps stay below 2**40)
+# Uses counted in the LFU score: below 2**62 (a pinned slot's score) with any stamp, so an
+# unpinned slot always scores below a pinned one (Note: [Routed experts in a CUDA graph])
+_USES_CAP = (1 << (62 - _STAMP_BITS)) - 1
 
 
 def tables_of(rt: Any) -> DeviceTables:
@@ -239,7 +245,7 @@ class DeviceTables:
         score = self.stamp[:sc]
         if self.lfu:
             owner = torch.where(self.key_of[:sc] >= 0, self.key_of[:sc], trash_key)
-            score = self.uses[owner] * (1 << _STAMP_BITS) + score
+            score = self.uses[owner].clamp(max=_USES_CAP) * (1 << _STAMP_BITS) + score
             score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
         score = torch.cat([score, self.big])
         score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: the hits
