@@ -1090,14 +1090,21 @@ class InferenceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.can("edit"))
     @rule(data=st.data())
     def edit(self, data):
+        """An in-place write (``mul_``), or ``p.set_`` to a new storage: computed with the new
+        values, or refused clearly with nothing changed."""
         names = [n for n, _ in self.ref.named_parameters()]
         name = data.draw(st.sampled_from(names), label="parameter")
+        how = data.draw(st.sampled_from(["mul_", "mul_", "set_"]), label="edit")
 
         def fn(model, call):
             with torch.no_grad():
-                model.get_parameter(name).mul_(0.5)
+                p = model.get_parameter(name)
+                if how == "mul_":
+                    p.mul_(0.5)
+                else:
+                    p.set_((p * 0.5).detach().clone())
 
-        self.both(fn, f"edit {name}")
+        self.both(fn, f"edit {how} {name}")
 
     @precondition(lambda self: self.can("read"))
     @rule()
