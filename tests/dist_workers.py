@@ -493,9 +493,63 @@ def dcp_worker(rank: int, world: int, device: str, *, steps: int = 2) -> dict[st
     return out
 
 
+def _bf16_build(device: str) -> tuple[nn.Module, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = GPT(EVEN_GPT).to(device, torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torchoffload.OffloadedOptimizer(  # fp32 masters of the bf16 shards on the host
+        model.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=4096, host_threads=1
+    )
+    return model, opt
+
+
+def dcp_bf16_worker(rank: int, world: int, device: str, *, steps: int = 2) -> dict[str, Any]:
+    """A bf16 FSDP2 GPT with OffloadedOptimizer (fp32 masters on the host) trained 2 * ``steps``
+    steps, and again resumed after ``steps`` from a `torch.distributed.checkpoint` of model
+    and optimizer (nested and flattened optimizer state dicts): the final local parameters of
+    each. The checkpoint holds only "state" and "param_groups": the masters must be there."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as sd
+
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    model, opt = _bf16_build(device)
+    g = torch.Generator().manual_seed(rank)
+    _dcp_train(model, opt, g, 2 * steps)
+    out: dict[str, Any] = {"whole": [_local(p) for p in model.parameters()]}
+    opt.remove()
+    for flatten in (False, True):
+        options = sd.StateDictOptions(flatten_optimizer_state_dict=flatten)
+        path = os.path.join(holder[0], f"bf16-{flatten}")
+        model, opt = _bf16_build(device)
+        g = torch.Generator().manual_seed(rank)
+        _dcp_train(model, opt, g, steps)
+        state = {"model": sd.get_model_state_dict(model),
+                 "optim": sd.get_optimizer_state_dict(model, opt, options=options)}  # fmt: skip
+        dcp.save(state, checkpoint_id=path)
+        opt.remove()
+        model, opt = _bf16_build(device)
+        state = {"model": sd.get_model_state_dict(model),
+                 "optim": sd.get_optimizer_state_dict(model, opt, options=options)}  # fmt: skip
+        dcp.load(state, checkpoint_id=path)
+        sd.set_model_state_dict(model, state["model"])
+        sd.set_optimizer_state_dict(model, opt, state["optim"], options=options)
+        _dcp_train(model, opt, g, steps)
+        out["flat" if flatten else "nested"] = [_local(p) for p in model.parameters()]
+        opt.remove()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(holder[0])
+    return out
+
+
 # -- every CPU worker in one spawn ----------------------------------------------------------------
 
-CPU_PARTS = ("fsdp", "tp", "optimizer", "dcp")
+CPU_PARTS = ("fsdp", "tp", "optimizer", "dcp", "dcp_bf16")
 
 
 def cpu_worker(rank: int, world: int, device: str) -> dict[str, Any]:
@@ -509,6 +563,7 @@ def cpu_worker(rank: int, world: int, device: str) -> dict[str, Any]:
         "tp": tp_worker,
         "optimizer": offloaded_optimizer_worker,
         "dcp": dcp_worker,
+        "dcp_bf16": dcp_bf16_worker,
     }
     out: dict[str, Any] = {}
     for name in CPU_PARTS:

@@ -188,3 +188,16 @@ def test_offloaded_optimizer_distributed_checkpoint(cpu_results):
                 assert torch.equal(value, host[key][name]), (rank, key, name)
         for a, b in zip(r["plain"]["params"], r["host"]["params"], strict=True):
             assert torch.equal(a, b), rank
+
+
+def test_offloaded_optimizer_distributed_checkpoint_keeps_the_fp32_masters(cpu_results):
+    """A bf16 FSDP2 model's OffloadedOptimizer keeps fp32 masters; resumed from a
+    torch.distributed.checkpoint (which keeps only "state" and "param_groups", nested or
+    flattened) after 2 of 4 steps, it ends bitwise where the uninterrupted run does, on every
+    rank. With the masters in a top-level "master_params" DCP dropped them, they were rebuilt
+    from the bf16 parameters, and every parameter differed on both ranks."""
+    for rank, r in enumerate(part(cpu_results, "dcp_bf16")):
+        for how in ("nested", "flat"):
+            for i, (a, b) in enumerate(zip(r["whole"], r[how], strict=True)):
+                assert a.dtype == torch.bfloat16
+                assert torch.equal(a, b), (rank, how, i)

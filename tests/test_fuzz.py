@@ -305,8 +305,9 @@ class MasterRef:
                     p.grad.zero_()
 
     def state_dict(self):
-        """The masters too, as OffloadedOptimizer's "master_params": read again first from a
-        parameter written outside, as the next step would (they round to the parameters)."""
+        """The masters too, as OffloadedOptimizer's state dict holds them: read again first
+        from a parameter written outside, as the next step would (they round to the
+        parameters)."""
         self.follow()
         return {"opt": self.opt.state_dict(), "masters": [m.clone() for m in self.masters]}
 
@@ -2113,7 +2114,7 @@ def test_new5_checkpoint_after_an_in_place_edit():
     resumed.load_state_dict(checkpoint[0])
     opt2 = to.OffloadedOptimizer(resumed.parameters(), torch.optim.AdamW, lr=1e-2)
     try:
-        # ValueError: master_params[0] does not round to parameter 0's current value
+        # ValueError: the master of parameter 0 does not round to parameter 0's current value
         opt2.load_state_dict(checkpoint[1])
     finally:
         opt2.remove()
@@ -2298,8 +2299,9 @@ def test_new8_resident_optimizer_after_an_edit_of_a_view(part):
             for m in (plain_model, off):
                 m.blocks[0].gate.mul_(0.9)
         plain.wrote(plain_model.blocks[0].gate)
-        masters = opt.state_dict()["master_params"]
-        assert_same(plain.masters, [masters[i] for i in range(len(names))], "masters")
+        state = opt.state_dict()["state"]  # each master in its parameter's state entry
+        masters = [state[i]["torchoffload_master"] for i in range(len(names))]
+        assert_same(plain.masters, masters, "masters")
     finally:
         opt.remove()
 

@@ -74,14 +74,34 @@ def same_state(opt, ref):
     return True
 
 
+MASTER = "torchoffload_master"  # the key of a parameter's fp32 master in its state entry
+
+
+def masters_of(sd):
+    """The fp32 masters in a state dict of OffloadedOptimizer, by index."""
+    return {i: s[MASTER] for i, s in sd["state"].items() if MASTER in s}
+
+
+def class_state(sd):
+    """A state dict's entries without the masters: the optimizer class's own state."""
+    out = {i: {k: v for k, v in s.items() if k != MASTER} for i, s in sd["state"].items()}
+    return {i: s for i, s in out.items() if s}
+
+
 def assert_state_equal(mine, theirs, extra=True):
-    """Two state dicts of one optimizer class: the same entries, bitwise; with ``extra``, also
-    the keys besides "state" and "param_groups" (``"master_params"``)."""
-    assert mine["state"].keys() == theirs["state"].keys()
-    for i, entries in mine["state"].items():
-        assert entries.keys() == theirs["state"][i].keys()
+    """Two state dicts of one optimizer class: the same entries of the class's state, bitwise;
+    with ``extra`` (two of OffloadedOptimizer), also the same masters and the keys besides
+    "state" and "param_groups"."""
+    mine_state, their_state = class_state(mine), class_state(theirs)
+    assert mine_state.keys() == their_state.keys()
+    for i, entries in mine_state.items():
+        assert entries.keys() == their_state[i].keys()
         for k, v in entries.items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(theirs["state"][i][k])), (i, k)
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(their_state[i][k])), (i, k)
+    if extra:
+        a, b = masters_of(mine), masters_of(theirs)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(v, b[i]) for i, v in a.items())
     for key in (mine.keys() - {"state", "param_groups"}) if extra else ():
         for i, v in mine[key].items():
             assert torch.equal(v, theirs[key][i]), (key, i)
@@ -117,7 +137,8 @@ def test_step_is_bitwise_the_optimizer_class_on_fp32_host_copies(dtype, convert_
         ref.step()
         assert same_params(a, ref.twin), i
     assert same_state(opt, ref)
-    masters = opt.state_dict()["master_params"]
+    masters = masters_of(opt.state_dict())
+    assert "master_params" not in opt.state_dict()
     if dtype == torch.float32:
         assert masters == {}
     else:
@@ -455,6 +476,160 @@ def test_load_state_dict_refuses_masters_that_do_not_match_the_model():
         other.load_state_dict({"state": {}, "param_groups": []})
     fresh.load_state_dict(a.state_dict())
     other.load_state_dict(sd)
+
+
+def _steps(m, opt, steps):
+    for i in steps:
+        loss_of(m, batch(i, torch.bfloat16)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _resumed(cls, kw, save, load, fraction=1.0):
+    """A bf16 model trained 4 steps, and one resumed after 2 from what ``save(model, opt)``
+    gave (loaded by ``load(model, opt, saved)`` into a fresh model and optimizer, this one
+    with ``offload_fraction=fraction``) and trained 2 more."""
+    whole = model(torch.bfloat16)
+    opt = to.OffloadedOptimizer(whole.parameters(), cls, bucket_bytes=2048, **kw)
+    _steps(whole, opt, range(4))
+    opt.remove()
+    a = model(torch.bfloat16)
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=2048, **kw)
+    _steps(a, opt, range(2))
+    saved = copy.deepcopy(save(a, opt))
+    opt.remove()
+    b = model(torch.bfloat16, seed=3)
+    b.load_state_dict(a.state_dict())
+    opt = to.OffloadedOptimizer(b.parameters(), cls, bucket_bytes=4096,
+                                offload_fraction=fraction, **kw)  # fmt: skip
+    load(b, opt, saved)
+    _steps(b, opt, range(2, 4))
+    opt.remove()
+    return whole, b
+
+
+def _dcp(flatten):
+    """Save and load through torch.distributed.checkpoint's get/set_optimizer_state_dict
+    (keys by name; with ``flatten``, one key a state tensor, put back together by the keys of
+    ``opt.state[p]``, as torchtitan saves)."""
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    options = dsd.StateDictOptions(flatten_optimizer_state_dict=flatten)
+
+    def save(m, opt):
+        return dsd.get_optimizer_state_dict(m, opt, options=options)
+
+    def load(m, opt, saved):
+        dsd.set_optimizer_state_dict(m, opt, saved, options=options)
+
+    return save, load
+
+
+def _state_only(m, opt):
+    """What a tool that keeps only "state" and "param_groups" keeps of a state dict."""
+    sd = opt.state_dict()
+    return {"state": sd["state"], "param_groups": sd["param_groups"]}
+
+
+def _load(m, opt, saved):
+    opt.load_state_dict(saved)
+
+
+RESUMED = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    "sgd": (torch.optim.SGD, dict(lr=0.3)),  # keeps no state: the master is all the entry
+}
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5], ids=["host", "split"])
+@pytest.mark.parametrize("name", list(RESUMED))
+@pytest.mark.parametrize("how", ["state-only", "dcp", "dcp-flat"])
+def test_masters_travel_in_the_state_entries(how, name, fraction):
+    """A bf16 parameter's fp32 master is in its state entry (``state[i][MASTER]``), so a tool
+    that keeps only "state" and "param_groups" (torch.distributed.checkpoint's
+    get/set_optimizer_state_dict, flattened or not) keeps it: resumed after 2 steps, 2 more
+    end bitwise where 4 uninterrupted ones do. As a top-level "master_params" they were
+    dropped by such tools and rebuilt from the bf16 parameters: every parameter differed."""
+    save, load = {"state-only": (_state_only, _load), "dcp": _dcp(False),
+                  "dcp-flat": _dcp(True)}[how]  # fmt: skip
+    cls, kw = RESUMED[name]
+    whole, resumed = _resumed(cls, kw, save, load, fraction)
+    assert same_params(whole, resumed)
+
+
+def test_masters_in_the_state_entries_of_bf16_parameters_only():
+    """The state dict's format: the master of every bf16 parameter (one stepped by a
+    stateless class too), none for an fp32 one (its own master) and no top-level
+    "master_params"; ``opt.state[p]`` shows it too, and a master saved in the old format
+    (top-level "master_params", checkpoints of earlier versions) still loads."""
+    a = model(torch.bfloat16)
+    a[0].float()  # fp32: its own master (it takes fp32 inputs, gives bf16 outputs)
+    a[0].register_forward_hook(lambda mod, args, out: out.bfloat16())
+    cls, kw = RESUMED["sgd"]
+    opt = to.OffloadedOptimizer(a.parameters(), cls, bucket_bytes=2048, **kw)
+    for i in range(2):
+        loss_of(a, batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    sd = opt.state_dict()
+    assert "master_params" not in sd and sd.keys() == {"state", "param_groups"}
+    params = list(a.parameters())
+    assert sorted(sd["state"]) == [i for i, p in enumerate(params) if p.dtype == torch.bfloat16]
+    for i, entry in sd["state"].items():
+        assert entry.keys() == {MASTER} and entry[MASTER].dtype == torch.float32
+        assert torch.equal(entry[MASTER].bfloat16(), params[i].detach())
+        assert not torch.equal(entry[MASTER], params[i].detach().float())  # low bits kept
+        assert torch.equal(opt.state[params[i]][MASTER], entry[MASTER])
+    assert dict(opt.state[params[0]]) == {}
+    opt.remove()
+
+    def old_format(m, opt):
+        sd = opt.state_dict()
+        masters = {i: s.pop(MASTER) for i, s in sd["state"].items() if MASTER in s}
+        sd["state"] = {i: s for i, s in sd["state"].items() if s}
+        assert masters
+        return {**sd, "master_params": masters}
+
+    for name in RESUMED:
+        whole, resumed = _resumed(*RESUMED[name], old_format, _load)
+        assert same_params(whole, resumed), name
+
+
+def test_our_state_dict_in_the_plain_class_and_back():
+    """The plain class loads our state dict: it casts the extra master to the parameter's
+    dtype (its values, then) and keeps it, unread by its step, which stays torch's; loaded
+    back from the plain class's state dict, a master of the parameter's own dtype carries
+    nothing the parameter does not and is not read (it went stale as the plain class
+    stepped): the masters are rebuilt from the parameters, as from any plain state dict."""
+    a = model(torch.bfloat16)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    _steps(a, opt, range(2))
+    sd = copy.deepcopy(opt.state_dict())
+    opt.remove()
+    plain_model = copy.deepcopy(a)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(sd))  # each its own "step" tensors (not cast)
+    twin = copy.deepcopy(plain_model)
+    reference = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    reference.load_state_dict({**sd, "state": {i: {k: v for k, v in s.items() if k != MASTER}
+                                               for i, s in sd["state"].items()}})  # fmt: skip
+    for p in plain_model.parameters():
+        assert plain.state[p][MASTER].dtype == torch.bfloat16
+        assert torch.equal(plain.state[p][MASTER], p.detach())
+    _steps(plain_model, plain, range(2, 4))
+    _steps(twin, reference, range(2, 4))
+    assert same_params(plain_model, twin)  # the extra key changes nothing of its step
+    saved = plain.state_dict()
+    assert all(s[MASTER].dtype == torch.bfloat16 for s in saved["state"].values())
+    models, opts = [], []
+    for state in (saved["state"], {i: {k: v for k, v in s.items() if k != MASTER}
+                                   for i, s in saved["state"].items()}):  # fmt: skip
+        models.append(copy.deepcopy(plain_model))
+        opts.append(to.OffloadedOptimizer(models[-1].parameters(), torch.optim.AdamW, lr=1e-2))
+        opts[-1].load_state_dict(copy.deepcopy({**saved, "state": state}))  # stale: not read
+        _steps(models[-1], opts[-1], range(4, 6))
+        opts[-1].remove()
+    assert same_params(*models)
 
 
 def test_parameters_changed_outside_the_optimizer_are_read_again():
@@ -1396,7 +1571,7 @@ def test_offload_fraction_state_dict_moves_between_placements():
         ref.step()
     for step, fraction in ((5, 1.0), (6, 0.6)):
         saved = opt.state_dict()
-        assert len(saved["master_params"]) == len(list(a.parameters()))
+        assert len(masters_of(saved)) == len(list(a.parameters()))
         opt.remove()
         b = model(torch.bfloat16, seed=3)
         b.load_state_dict(a.state_dict())
@@ -1734,7 +1909,7 @@ def test_state_dict_after_an_in_place_edit_holds_the_masters_of_the_edited_value
         m.bias.add_(0.01)
     checkpoint = copy.deepcopy((m.state_dict(), opt.state_dict()))
     for i, p in enumerate(m.parameters()):
-        assert torch.equal(checkpoint[1]["master_params"][i].to(p.dtype), p.detach()), i
+        assert torch.equal(masters_of(checkpoint[1])[i].to(p.dtype), p.detach()), i
     resumed = build()
     resumed.load_state_dict(checkpoint[0])
     opt2 = to.OffloadedOptimizer(resumed.parameters(), torch.optim.AdamW, lr=1e-2,

@@ -481,6 +481,20 @@ def same_params(a, b):
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
+MASTER = "torchoffload_master"  # an fp32 master in its parameter's state entry
+
+
+def masters_of(sd):
+    """The fp32 masters in a state dict of OffloadedOptimizer, by index."""
+    return {i: s[MASTER] for i, s in sd["state"].items() if MASTER in s}
+
+
+def class_state(sd):
+    """A state dict's entries without the masters: the optimizer class's own state."""
+    out = {i: {k: v for k, v in s.items() if k != MASTER} for i, s in sd["state"].items()}
+    return {i: s for i, s in out.items() if s}
+
+
 CLASSES = {
     "8bit-stochastic": (AdamW8bit, {}),
     "8bit-kahan": (AdamW8bit, dict(bf16_rounding="kahan")),
@@ -509,7 +523,7 @@ def test_the_host_step_is_bitwise_the_class_on_plain_host_tensors(
         opt.zero_grad()
         ref.step(batch(i))
         assert same_params(a, ref.twin), i
-    mine, theirs = opt.state_dict()["state"], ref.opt.state_dict()["state"]
+    mine, theirs = class_state(opt.state_dict()), ref.opt.state_dict()["state"]
     assert mine.keys() == theirs.keys()
     for i in mine:
         assert mine[i].keys() == theirs[i].keys()
@@ -523,7 +537,11 @@ def test_the_host_step_is_bitwise_the_class_on_plain_host_tensors(
     assert crossing == link_bytes_per_param(BF16, master_dtype=master_dtype, convert_on=convert_on)
     per = 4 if bf16_masters else 8 + (2 if convert_on == "host" else 0)  # master, grad, staging
     assert per * numel <= stats.pinned_bytes < per * numel + 3 * 64 * 6
-    assert (opt.state_dict()["master_params"] == {}) == bf16_masters
+    masters = masters_of(opt.state_dict())
+    assert "master_params" not in opt.state_dict()
+    assert (masters == {}) == bf16_masters
+    assert all(torch.equal(m, ref.masters[i]) for i, m in masters.items())
+    assert len(masters) in (0, len(ref.masters))
     opt.remove()
 
 
@@ -575,7 +593,7 @@ def test_bf16_masters_state_dict_round_trip_continues_bitwise():
         opt.step()
         opt.zero_grad()
     sd = _save_load(opt.state_dict())
-    assert sd["master_params"] == {}  # the parameters are the masters
+    assert masters_of(sd) == {}  # the parameters are the masters
     b = copy.deepcopy(a)
     opt_b = to.OffloadedOptimizer(b.parameters(), AdamW8bit, lr=0.5, master_dtype=BF16)
     opt_b.load_state_dict(sd)
@@ -629,9 +647,9 @@ def test_loaded_groups_lacking_a_key_take_the_class_default_as_the_plain_class(m
     ref.opt = AdamW8bit(groups(None, ref.masters), lr=1e-3)
     with torch.no_grad():
         for i, m in enumerate(ref.masters):
-            if m.dtype == torch.float32 and i in sd["master_params"]:
-                m.copy_(sd["master_params"][i])
-    ref.opt.load_state_dict(copy.deepcopy({k: v for k, v in sd.items() if k != "master_params"}))
+            if m.dtype == torch.float32 and i in masters_of(sd):
+                m.copy_(masters_of(sd)[i])
+    ref.opt.load_state_dict(copy.deepcopy({**sd, "state": class_state(sd)}))
     opt = to.OffloadedOptimizer(groups(b), AdamW8bit, lr=1e-3, bucket_bytes=8192,
                                 master_dtype=master_dtype)  # fmt: skip
     opt.load_state_dict(copy.deepcopy(sd))
@@ -646,7 +664,7 @@ def test_loaded_groups_lacking_a_key_take_the_class_default_as_the_plain_class(m
         opt.zero_grad()
         ref.step(batch(i))
         assert same_params(b, ref.twin), i
-    mine, theirs = opt.state_dict()["state"], ref.opt.state_dict()["state"]
+    mine, theirs = class_state(opt.state_dict()), ref.opt.state_dict()["state"]
     for i in theirs:
         assert mine[i].keys() == theirs[i].keys()
         assert all(torch.equal(mine[i][k], theirs[i][k]) for k in theirs[i])

@@ -24,9 +24,16 @@ from torchoffload.optim._build import (
 from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._grads import MovedGrad
-from torchoffload.optim._params import as_saved, hyper, storage_families
+from torchoffload.optim._params import hyper, storage_families
 from torchoffload.optim._runtime import HostStepRuntime, close_soon
-from torchoffload.optim._state import load_state, state_dict_of, stats_of
+from torchoffload.optim._state import (
+    device_master,
+    entry_of,
+    host_master,
+    load_state,
+    state_dict_of,
+    stats_of,
+)
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -58,8 +65,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     gradients back to the device and runs on them (Notes: [Reading a moved gradient], [A
     second backward]): exact, but that bucket loses the overlap. ``max_grad_norm`` (the
     config) clips on the host instead. LR schedulers, `state_dict`/`load_state_dict` (in the
-    plain class's format, plus ``"master_params"`` for parameters whose fp32 master is not the
-    parameter itself), `zero_grad` in both forms and step hooks work as with the plain class.
+    plain class's format, each fp32 master in its parameter's state entry), `zero_grad` in
+    both forms and step hooks work as with the plain class.
     `step()` consumes the gradients (they left the device): afterwards
     ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
     calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
@@ -212,18 +219,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
-        """The plain optimizer class's state dict (host tensors), plus ``"master_params"``:
-        the fp32 master of every parameter that is not fp32, by index (none for a bf16
-        parameter with ``master_dtype=torch.bfloat16``: its master is its own bits). A
-        parameter changed in place since the last step has its master read again first, as the
-        next step would: the masters round to the parameters as they are now."""
+        """The plain optimizer class's state dict (host tensors), with the fp32 master of
+        each parameter that is not its own master in its state entry, as
+        ``"torchoffload_master"`` (Note: [The fp32 master in the state dict]). A parameter
+        changed in place since the last step has its master read again first, as the next
+        step would: the masters round to the parameters as they are now."""
         self._live().check_idle("state_dict()")
         return state_dict_of(self._runtime, self._device, self._host_index, self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of this class or of the plain optimizer class. Masters come from
-        ``"master_params"`` when present (they must round to the current parameters: load the
-        model's state dict from the same checkpoint first), else from the parameters."""
+        """Load a state dict of this class (an earlier version's too) or of the plain class.
+        Masters come from it when present (they must round to the parameters: load the model's
+        first), else from the parameters (Note: [The fp32 master in the state dict])."""
         self._live().check_idle("load_state_dict()")
         load_state(self._runtime, self._device, self._host_index, self.param_groups, state_dict,
                    self.defaults)  # fmt: skip
@@ -298,7 +305,10 @@ class HostStateView(Mapping):
     backward and `step()`, as `state_dict()` is. Its truth, length and keys are the plain
     class's: code that looks at them (`torch.distributed.checkpoint`'s
     ``get_optimizer_state_dict`` takes an empty one for an optimizer never stepped, and steps
-    it once with zero gradients) sees what it would see.
+    it once with zero gradients) sees what it would see. An entry also holds the parameter's
+    fp32 master when it is not the parameter itself, as `state_dict()` does (Note: [The fp32
+    master in the state dict]: DCP's flattened state dicts are put back together by these
+    keys); a lookup of a parameter that has no state but such a master gives the master alone.
     Writes are refused (they were silently dropped: the host never read this dict)."""
 
     def __init__(self, opt: OffloadedOptimizer):
@@ -313,13 +323,13 @@ class HostStateView(Mapping):
         for rec in rt.records:
             st = rt.buckets[rec.entry.bucket].optimizer.state.get(rec.master)
             if st:
-                out[rec.param] = _view(st, rec.param)
+                out[rec.param] = _view(st, rec.param, host_master(rec))
         dev = opt._device
         if dev is not None:
-            for p, master in zip(dev.params, dev.masters, strict=True):
+            for k, (p, master) in enumerate(zip(dev.params, dev.masters, strict=True)):
                 st = dev.optimizer.state.get(master)
                 if st:
-                    out[p] = types.MappingProxyType(st)
+                    out[p] = _view(st, p, device_master(dev, k))
         return out
 
     def __getitem__(self, param: torch.Tensor) -> Mapping[str, Any]:
@@ -328,20 +338,21 @@ class HostStateView(Mapping):
         place = self._place(param)
         if place is None:
             raise KeyError(param)
-        optimizer, master = place
-        return _view(optimizer.state.get(master) or {}, param)  # {}: not stepped yet
+        optimizer, master, own = place
+        return _view(optimizer.state.get(master), param, own)  # {}: not stepped yet
 
-    def _place(self, param: torch.Tensor) -> tuple[torch.optim.Optimizer, torch.Tensor] | None:
-        """The optimizer (a host bucket's or the device part's) that steps ``param``, and the
-        master it keys the state by: both fixed at construction."""
+    def _place(self, param: torch.Tensor) -> tuple[Any, torch.Tensor, Any] | None:
+        """The optimizer (a host bucket's or the device part's) that steps ``param``, the
+        master it keys the state by, and that master unless it is the parameter's own bits:
+        fixed at construction."""
         rt, dev = self._opt._runtime, self._opt._device
         i = rt.host.index.get(id(param))
         if i is not None and rt.records[i].param is param:
             rec = rt.records[i]
-            return rt.buckets[rec.entry.bucket].optimizer, rec.master
+            return rt.buckets[rec.entry.bucket].optimizer, rec.master, host_master(rec)
         k = None if dev is None else dev.position.get(id(param))
         if k is not None and dev.params[k] is param:
-            return dev.optimizer, dev.masters[k]
+            return dev.optimizer, dev.masters[k], device_master(dev, k)
         return None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -356,10 +367,11 @@ class HostStateView(Mapping):
         return f"HostStateView({len(self)} parameters with state)"
 
 
-def _view(state: dict[str, Any], param: torch.Tensor) -> Mapping[str, Any]:
-    """A read-only view of ``param``'s state (DTensors for a DTensor parameter: Note: [The
-    state of a DTensor parameter])."""
-    return types.MappingProxyType({k: as_saved(v, param) for k, v in state.items()})
+def _view(state: Any, param: torch.Tensor, master: Any) -> Mapping[str, Any]:
+    """A read-only view of ``param``'s state and its ``master`` (None: its own), as
+    `state_dict()` gives them (Notes: [The state of a DTensor parameter], [The fp32 master in
+    the state dict])."""
+    return types.MappingProxyType(entry_of(state, param, master))
 
 
 def _zeros_like(p: torch.Tensor) -> torch.Tensor:

@@ -139,10 +139,11 @@ def hyper(group: dict[str, Any]) -> dict[str, Any]:
 # offset), so that `torch.distributed.checkpoint` saves each rank's shard where it goes and
 # reads back this rank's (plain tensors were saved as if every rank held the same one: one
 # rank's shard was written, and every rank loaded it as its own), a full state dict gathers
-# them, and a norm of one is the global norm. The fp32 masters (``"master_params"``, which
-# DCP does not save) stay this rank's plain tensors. `load_state_dict` takes a DTensor laid
-# out as its parameter (its local tensor) or a plain tensor of the local shape (a state dict
-# saved per rank before), and refuses one laid out otherwise.
+# them, and a norm of one is the global norm. The fp32 masters, in the same state entries
+# (Note: [The fp32 master in the state dict]), are DTensors over this rank's host masters
+# too. `load_state_dict` takes a DTensor laid out as its parameter (its local tensor) or a
+# plain tensor of the local shape (a state dict saved per rank before), and refuses one laid
+# out otherwise.
 
 
 def as_saved(value: Any, param: torch.Tensor) -> Any:

@@ -1,6 +1,7 @@
 """An `OffloadedOptimizer`'s state dict across its host part (a `HostStepRuntime`) and its
 device part (a `DeviceStep`, ``offload_fraction`` < 1), in the plain optimizer class's format
-plus ``"master_params"``; and its stats."""
+with each fp32 master in its parameter's state entry (Note: [The fp32 master in the state
+dict]); and its stats."""
 
 from __future__ import annotations
 
@@ -12,6 +13,32 @@ from torchoffload.optim._config import OptimizerStats
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._params import as_local, as_saved, hyper, shape_of, value_of
 from torchoffload.optim._runtime import HostStepRuntime
+
+# Note: [The fp32 master in the state dict]
+# A parameter whose fp32 master is not the parameter itself (a bf16 or fp16 one; not an fp32
+# one, nor a bf16 one with ``master_dtype=torch.bfloat16``) has its master in its own state
+# entry, ``state[i][MASTER]``, as the DTensor its other state is for a DTensor parameter
+# (Note: [The state of a DTensor parameter]); its entry holds the master alone when the class
+# keeps no state of it (SGD without momentum steps the master all the same). Anything that
+# keeps "state" keeps it: torch.distributed.checkpoint keeps only "state" and "param_groups",
+# and flattens the state by the keys of ``optimizer.state[p]``, so `HostStateView` shows it too.
+# The masters were a top-level ``"master_params"``, which DCP dropped: they were rebuilt from
+# the bf16 parameters on load and a resumed run diverged silently. `load_state_dict` still
+# takes that format (checkpoints of earlier versions); `state_dict()` no longer writes it,
+# since a second copy would double the masters' bytes in every checkpoint (4 bytes a
+# parameter) for readers of earlier versions only, which rebuild the masters from the
+# parameters without it. A master of the parameter's own dtype carries nothing the parameter
+# does not and is not read: the plain class casts every floating state tensor but "step" to
+# its parameter's dtype when it loads a state dict, so one that loaded ours keeps the master
+# as the parameter's value at that load, unread by its step (whose own keys are unchanged)
+# and stale after it, and writes it in its state dicts; loaded back, the masters are rebuilt
+# from the parameters, as from any plain state dict. That costs the plain class one copy of
+# the parameters; a class whose step reads every key of a state entry (none of torch.optim's)
+# would need the key dropped before it loads. A plain class's entry that is only this key
+# (a parameter with no state of its own) makes torch.optim's Adam-like classes fail, not
+# diverge, if that parameter is stepped later. The key is namespaced (no dot: DCP's flattened
+# keys are dotted paths) so that no optimizer class's own state can take it.
+MASTER = "torchoffload_master"
 
 
 def state_dict_of(
@@ -33,26 +60,42 @@ def state_dict_of(
         packed["params"] = list(range(index, index + len(group["params"])))
         index += len(group["params"])
         packed_groups.append(packed)
-    state, masters = {}, {}
+    state = {}
     for bucket in rt.buckets:
         for rec in bucket.records:
-            s = bucket.optimizer.state.get(rec.master)
-            if s:  # DTensors for a DTensor parameter: Note: [The state of a DTensor parameter]
-                state[gidx[rec.entry.index]] = {k: as_saved(v, rec.param) for k, v in s.items()}
-            if rec.master.dtype != rec.entry.dtype:  # not the parameter's own bits
-                masters[gidx[rec.entry.index]] = rec.master  # this rank's, as loaded
+            # with its master, DTensors for a DTensor parameter (`entry_of`)
+            s = entry_of(bucket.optimizer.state.get(rec.master), rec.param, host_master(rec))
+            if s:
+                state[gidx[rec.entry.index]] = s
     if dev is not None:
         for k, master in enumerate(dev.masters):
-            s = dev.optimizer.state.get(master)
+            s = entry_of(dev.optimizer.state.get(master), dev.params[k], device_master(dev, k))
             if s:
                 state[dev.index[k]] = s
-            if master is not dev.params[k]:
-                masters[dev.index[k]] = master
-    return {
-        "state": dict(sorted(state.items())),
-        "param_groups": packed_groups,
-        "master_params": dict(sorted(masters.items())),
-    }
+    return {"state": dict(sorted(state.items())), "param_groups": packed_groups}
+
+
+def host_master(rec: Any) -> torch.Tensor | None:
+    """A host record's master when it is not the parameter's own bits (bf16 masters)."""
+    return rec.master if rec.master.dtype != rec.entry.dtype else None
+
+
+def device_master(dev: DeviceStep, k: int) -> torch.Tensor | None:
+    """The device part's ``k``-th master when it is not the parameter itself."""
+    return dev.masters[k] if dev.masters[k] is not dev.params[k] else None
+
+
+def entry_of(
+    state: dict[str, Any] | None, param: torch.Tensor, master: torch.Tensor | None
+) -> dict[str, Any]:
+    """``param``'s state entry as `state_dict()` and `HostStateView` give it: the class's
+    ``state`` of it and its ``master`` (None: the parameter is its own) under `MASTER`, as the
+    plain class holds them (Notes: [The fp32 master in the state dict], [The state of a
+    DTensor parameter])."""
+    out = {k: as_saved(v, param) for k, v in (state or {}).items()}
+    if master is not None:
+        out[MASTER] = as_saved(master, param)  # this rank's, as loaded
+    return out
 
 
 def load_state(
@@ -63,8 +106,9 @@ def load_state(
     state_dict: dict[str, Any],
     defaults: dict[str, Any],
 ) -> None:
-    """Load ``state_dict`` (of `state_dict_of` or of the plain class) into an idle optimizer,
-    after checking it all: its groups' sizes and that its masters round to the parameters.
+    """Load ``state_dict`` (of `state_dict_of`, of an earlier version's with
+    ``"master_params"``, or of the plain class) into an idle optimizer, after checking it all:
+    its groups' sizes and that its masters round to the parameters.
     ``defaults``: the class's, for a group that no instance of the class holds."""
     saved = state_dict.get("param_groups")
     if not isinstance(saved, list) or len(saved) != len(param_groups):
@@ -108,19 +152,48 @@ def load_state(
 
 
 def _local_state(state_dict: dict[str, Any], every, order) -> tuple[dict, dict]:
-    """The saved state and masters of ``every`` (index, parameter) as the host steps them:
-    DTensors as their local tensors (Note: [The state of a DTensor parameter])."""
+    """The saved state (the class's keys) and masters of ``every`` (index, parameter) as the
+    host steps them: DTensors as their local tensors (Note: [The state of a DTensor
+    parameter]); the masters from the state entries (`MASTER`) or from ``"master_params"``
+    (the earlier format), those of the parameter's own dtype left out (Note: [The fp32 master
+    in the state dict])."""
     state = dict(state_dict.get("state", {}))
-    masters = dict(state_dict.get("master_params", {}))
+    older = state_dict.get("master_params", {})
+    masters = {}
     for i, param in every:
         key = order[i]
-        if isinstance(state.get(key), dict):
-            state[key] = {
-                k: as_local(v, param, f"state[{key!r}][{k!r}]") for k, v in state[key].items()
-            }
-        if key in masters:
-            masters[key] = as_local(masters[key], param, f"master_params[{key!r}]")
+        entry = state.get(key)
+        if isinstance(entry, dict):
+            entry = {k: as_local(v, param, f"state[{key!r}][{k!r}]") for k, v in entry.items()}
+            m = entry.pop(MASTER, None)
+            if m is not None:
+                masters[key] = m
+            if entry:
+                state[key] = entry
+            else:  # the master alone: the class has no state of it
+                del state[key]
+        if key in older:
+            m = as_local(older[key], param, f"master_params[{key!r}]")
+            if key in masters and not same_values(masters[key], m):
+                raise ValueError(
+                    f"load_state_dict: parameter {key!r} has two different masters, in "
+                    f"state[{key!r}][{MASTER!r}] and in master_params[{key!r}]"
+                )
+            masters[key] = m
+        m = masters.get(key)
+        if isinstance(m, torch.Tensor) and m.dtype == value_of(param).dtype:
+            del masters[key]  # a plain class's cast of it: nothing the parameter lacks
     return state, masters
+
+
+def same_values(a: Any, b: Any) -> bool:
+    """Two saved masters hold the same values in the same dtype and shape."""
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and (a.dtype, a.shape) == (b.dtype, b.shape)
+        and torch.equal(a.to(b.device), b)
+    )
 
 
 def _check_masters(every: list[tuple[int, torch.Tensor]], order: list[int], masters) -> None:
@@ -132,14 +205,14 @@ def _check_masters(every: list[tuple[int, torch.Tensor]], order: list[int], mast
         p = value_of(param)
         if tuple(m.shape) != shape_of(param):
             raise ValueError(
-                f"master_params[{order[i]}] has shape {tuple(m.shape)}, parameter {i} "
-                f"{shape_of(param)}"
+                f"the master of parameter {order[i]!r} has shape {tuple(m.shape)}, parameter "
+                f"{i} {shape_of(param)}"
             )
         rounded = m.to(device=p.device, dtype=p.dtype)
         if not torch.equal(rounded, p):
             raise ValueError(
-                f"master_params[{order[i]}] does not round to parameter {i}'s current "
-                "value: load the model's state dict from the same checkpoint first"
+                f"the master of parameter {order[i]!r} does not round to parameter {i}'s "
+                "current value: load the model's state dict from the same checkpoint first"
             )
 
 
