@@ -270,3 +270,38 @@ def test_an_accelerate_loop_clipping_on_the_host_recalls_nothing(streamed):
     assert all(torch.equal(a, b) for a, b in zip(na, nb, strict=True))
     assert any(float(n) > 0.5 for n in na)  # clipping happened
     assert_equal(wa, wb)
+
+
+def test_accelerate_moves_no_master_when_it_prepares_the_optimizer():
+    """accelerate's AcceleratedOptimizer (Trainer, ``accelerator.prepare``) moves the state
+    dict to the device and loads it back as it wraps the optimizer: before the first step no
+    tensor of it is moved, where every fp32 master of the bf16 parameters was (4 bytes a
+    parameter on the device at once; Note: [A master that is its parameter's bits])."""
+    import accelerate.optimizer
+    from accelerate import Accelerator
+
+    from torchoffload.optim._state import MASTER
+
+    model = llama().to(torch.bfloat16)
+    opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    moved = []
+    real = accelerate.optimizer.move_to_device
+
+    def spy(obj, device, *args, **kwargs):
+        if isinstance(obj, dict) and "state" in obj:  # the optimizer's state dict
+            moved.extend(t for s in obj["state"].values() for t in s.values()
+                         if isinstance(t, torch.Tensor))  # fmt: skip
+        return real(obj, device, *args, **kwargs)
+
+    accelerate.optimizer.move_to_device = spy
+    try:
+        acc = Accelerator(cpu=True)
+        model, wrapped = acc.prepare(model, opt)
+    finally:
+        accelerate.optimizer.move_to_device = real
+    assert moved == []
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    acc.backward(model(input_ids=x, labels=x).loss)
+    wrapped.step()
+    assert all(MASTER in s for s in opt.state_dict()["state"].values())  # stepped: kept
+    opt.remove()

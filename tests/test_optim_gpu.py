@@ -345,3 +345,32 @@ def test_clip_grad_norm_on_the_model_is_the_plain_loop_bitwise(dtype, overlap):
         for p, q in zip(a.parameters(), twin.parameters(), strict=True):
             assert torch.equal(p, q), step
     opt.remove()
+
+
+def test_accelerate_prepares_the_optimizer_with_no_master_on_the_device():
+    """accelerate's AcceleratedOptimizer moves the optimizer's state dict to the device and
+    loads it back as it wraps it (Trainer, ``accelerator.prepare``): before the first step no
+    fp32 master goes there (Note: [A master that is its parameter's bits]); it put every one
+    on the device at once, 4 bytes a parameter (here 2x the bf16 model's 32 MiB)."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(16)])
+    model = model.to("cuda", torch.bfloat16)
+    opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        acc = accelerate.Accelerator()
+        model, wrapped = acc.prepare(model, opt)
+        torch.cuda.synchronize()
+        grown = torch.cuda.max_memory_allocated() - before
+        assert grown < 1 << 20, f"{grown / 2**20:.1f} MiB on the device while preparing"
+        model(torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
+        wrapped.step()
+    finally:
+        opt.remove()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()

@@ -63,6 +63,9 @@ class DeviceStep:
             for p in params
         ]
         self.synced = [(p._version, p.data_ptr()) for p in params]
+        # each master read from its parameter and not stepped since (Note: [A master that is
+        # its parameter's bits] in _state.py)
+        self.fresh = [True] * len(params)
         by_group: dict[int, list[torch.Tensor]] = {}
         for master, g in zip(self.masters, group_of, strict=True):
             by_group.setdefault(g, []).append(master)
@@ -131,6 +134,7 @@ class DeviceStep:
             with torch.no_grad():
                 master.copy_(p)
         self.synced[k] = (p._version, p.data_ptr())
+        self.fresh[k] = True
 
     @torch.no_grad()
     def step(self, hyper: list[dict[str, Any]]) -> None:
@@ -155,6 +159,7 @@ class DeviceStep:
         for k, (master, p) in enumerate(zip(self.masters, self.params, strict=True)):
             if master is not p and stepped[k]:
                 p.copy_(master)
+                self.fresh[k] = False
             # The step consumes the gradient, as the host part's left the device (Note: [The
             # gradient after step()]).
             p.grad = ConsumedGrad(p) if stepped[k] else None

@@ -39,7 +39,7 @@ class Record:
     """One parameter: its place, its host views, its state in the current step."""
 
     __slots__ = ("entry", "param", "trainable", "master", "grad", "staging", "synced",
-                 "has_grad", "final", "dtensor", "hosted", "family")  # fmt: skip
+                 "has_grad", "final", "dtensor", "hosted", "family", "fresh")  # fmt: skip
 
     def __init__(self, entry: Entry, param: torch.Tensor, master, grad, staging):
         self.entry = entry
@@ -52,6 +52,9 @@ class Record:
         # convert (Note: [Where the conversions run])
         self.staging = staging
         self.synced: tuple[int, int] = (-1, -1)  # (version, data_ptr) the master matches
+        # the master was read from the parameter and not stepped since: its bits are the
+        # parameter's (Note: [A master that is its parameter's bits])
+        self.fresh = True
         self.has_grad = False
         self.final = False
         # Streamed by stream_parameters: its values are in the host store (Note: [Hosted
@@ -206,6 +209,7 @@ class HostMasters:
     # - A master follows its parameter
     def refresh(self, rec: Record) -> None:
         """Read the master again from the parameter (a streamed one's host store)."""
+        rec.fresh = True
         if rec.hosted is not None:
             rec.master.copy_(rec.hosted.host)
             rec.synced = (rec.hosted.version, -2)
@@ -247,6 +251,7 @@ class HostMasters:
     def load_master(self, rec: Record, master: torch.Tensor) -> None:
         """Take a saved master (one that rounds to the parameter: `load_state_dict`)."""
         rec.master.copy_(master)
+        rec.fresh = False
         if rec.hosted is not None:
             rec.synced = (rec.hosted.version, -2)
         else:

@@ -75,14 +75,29 @@ def state_dict_of(
     return {"state": dict(sorted(state.items())), "param_groups": packed_groups}
 
 
+# Note: [A master that is its parameter's bits]
+# A master read from its parameter (at the build, again after an in-place write, or rebuilt by
+# a `load_state_dict` without one) and not stepped since holds the parameter's value exactly
+# (bf16 and fp16 widen to fp32 without rounding), so it carries nothing the parameter does not,
+# and `state_dict()` and `opt.state` leave it out: a load rebuilds it from the parameter, the
+# same bits. Written out, it cost a device its size at the wrong time: accelerate's
+# `AcceleratedOptimizer` (under Trainer and `accelerator.prepare`) moves the whole state dict
+# to the device and loads it back when it wraps the optimizer, before any step, which put
+# every fp32 master on the device at once (4 bytes a parameter: 12.8 GB at the Llama-3.2-3B
+# shape, more than the offloaded step's own peak at 8B). "Stepped" is counted per bucket (a
+# step of the class may move any of its masters); a step undone does not make its masters
+# fresh again (kept: correct, at most their bytes).
+
+
 def host_master(rec: Any) -> torch.Tensor | None:
-    """A host record's master when it is not the parameter's own bits (bf16 masters)."""
-    return rec.master if rec.master.dtype != rec.entry.dtype else None
+    """A host record's master when it is not the parameter's own bits (bf16 masters stepped
+    since they were read: Note: [A master that is its parameter's bits])."""
+    return rec.master if rec.master.dtype != rec.entry.dtype and not rec.fresh else None
 
 
 def device_master(dev: DeviceStep, k: int) -> torch.Tensor | None:
-    """The device part's ``k``-th master when it is not the parameter itself."""
-    return dev.masters[k] if dev.masters[k] is not dev.params[k] else None
+    """The device part's ``k``-th master when it is not the parameter itself, nor its bits."""
+    return dev.masters[k] if dev.masters[k] is not dev.params[k] and not dev.fresh[k] else None
 
 
 def entry_of(
@@ -262,6 +277,7 @@ def _load_device(dev: DeviceStep, order, state, masters, theirs) -> dict[int, di
         if m is not None and master is not dev.params[k]:
             master.copy_(m)
             dev.synced[k] = (dev.params[k]._version, dev.params[k].data_ptr())
+            dev.fresh[k] = False
         else:
             dev.reload(k)
     return dict(zip(dev.groups, dev.optimizer.param_groups, strict=True))

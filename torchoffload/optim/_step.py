@@ -260,6 +260,8 @@ class HostStep:
                 rec.master.grad = grad
             grads = [g for g in grads if g is not None]
             bucket.steps += 1  # Note: [Copies aside made ahead]
+            for rec in bucket.records:  # Note: [A master that is its parameter's bits]
+                rec.fresh = False
             NormPool.results(bucket.norms)  # they read the gradients the class may write
             versions = [g._version for g in grads]
             try:
