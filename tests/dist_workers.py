@@ -435,8 +435,10 @@ def _dcp_build(mode: str, device: str, kw: dict[str, Any]) -> tuple[nn.Module, A
 
 
 def _dcp_train(model: nn.Module, opt: Any, g: torch.Generator, steps: int) -> None:
+    device = next(model.parameters()).device
     for _ in range(steps):
-        model.loss(torch.randint(0, EVEN_GPT.vocab, (2, 32), generator=g)).backward()
+        x = torch.randint(0, EVEN_GPT.vocab, (2, 32), generator=g).to(device)
+        model.loss(x).backward()
         opt.step()
         opt.zero_grad()
 

@@ -179,7 +179,11 @@ def test_offloaded_optimizer_distributed_checkpoint(cpu_results):
     the plain class's does (plain tensors of local shards were saved as if replicated: each
     rank loaded shards of the other's state); the gathered state is the plain AdamW's, and
     training resumed from the checkpoint ends bitwise where plain AdamW's does."""
-    for rank, r in enumerate(part(cpu_results, "dcp")):
+    check_distributed_checkpoint(part(cpu_results, "dcp"))
+
+
+def check_distributed_checkpoint(results) -> None:
+    for rank, r in enumerate(results):
         assert r["host"]["types"] == r["plain"]["types"], rank
         plain, host = r["plain"]["full"], r["host"]["full"]
         assert plain.keys() == host.keys()
@@ -196,7 +200,13 @@ def test_offloaded_optimizer_distributed_checkpoint_keeps_the_fp32_masters(cpu_r
     flattened) after 2 of 4 steps, it ends bitwise where the uninterrupted run does, on every
     rank. With the masters in a top-level "master_params" DCP dropped them, they were rebuilt
     from the bf16 parameters, and every parameter differed on both ranks."""
-    for rank, r in enumerate(part(cpu_results, "dcp_bf16")):
+    check_resumed_from_dcp(part(cpu_results, "dcp_bf16"))
+
+
+def check_resumed_from_dcp(results) -> None:
+    """Each rank's parameters resumed from DCP (nested and flattened) are bitwise the
+    uninterrupted run's."""
+    for rank, r in enumerate(results):
         for how in ("nested", "flat"):
             for i, (a, b) in enumerate(zip(r["whole"], r[how], strict=True)):
                 assert a.dtype == torch.bfloat16

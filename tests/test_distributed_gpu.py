@@ -10,12 +10,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_workers import fsdp_worker, offloaded_optimizer_worker, spawn, tp_worker
+from dist_workers import (
+    dcp_bf16_worker,
+    dcp_worker,
+    fsdp_worker,
+    offloaded_optimizer_worker,
+    spawn,
+    tp_worker,
+)
 from test_distributed import (
     STEPS,
     check_fsdp_parity,
     check_offloaded_bytes_match_unsharded,
     check_offloaded_optimizer_parity,
+    check_resumed_from_dcp,
     check_tp_parity,
     tp_local_shard_bytes,
 )
@@ -89,3 +97,24 @@ def test_offloaded_optimizer_under_fsdp2_nccl():
     """Each rank offloads its own shards' state over NCCL; training is bitwise AdamW stepping
     fp32 host copies of the same shards (gradient accumulation, clip_grad_norm_ before step)."""
     check_offloaded_optimizer_parity(spawn(offloaded_optimizer_worker, WORLD, "cuda"))
+
+
+def test_offloaded_optimizer_resumes_from_a_distributed_checkpoint_nccl():
+    """A bf16 FSDP2 model resumed from torch.distributed.checkpoint over NCCL (its state held
+    as DTensors over host tensors, the fp32 masters in the state entries) ends bitwise where
+    the uninterrupted run does, nested and flattened, on both ranks."""
+    check_resumed_from_dcp(spawn(dcp_bf16_worker, WORLD, "cuda"))
+
+
+def test_offloaded_optimizer_state_dict_gathers_over_nccl():
+    """The state of a CUDA DTensor parameter is DTensors over host tensors: DCP saves and
+    loads it, and a full (gathered) state dict holds what plain AdamW's holds, by key and
+    shape (their values differ: plain AdamW steps on the GPU here, the host on the CPU)."""
+    for rank, r in enumerate(spawn(dcp_worker, WORLD, "cuda")):
+        assert r["host"]["types"] == r["plain"]["types"], rank
+        plain, host = r["plain"]["full"], r["host"]["full"]
+        assert plain.keys() == host.keys(), rank
+        for key, state in plain.items():
+            assert state.keys() == host[key].keys(), (rank, key)
+            for name, value in state.items():
+                assert tuple(host[key][name].shape) == tuple(value.shape), (rank, key, name)
