@@ -6,6 +6,7 @@ what it began can be undone (see Note: [One call at a time] in weights/_call.py)
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from collections.abc import Callable
@@ -17,11 +18,35 @@ import torch
 _EVAL_FRAME = "torch._dynamo.eval_frame"  # the module of torch.compiler.disable's wrapper
 
 
+# Note: [Another thread's frame without a collection]
+# ``sys._current_frames()`` holds the interpreter's thread-list lock while it builds its dict;
+# on CPython before 3.12 (gh-106883) an allocation there may start a garbage collection, and a
+# finalizer that needs that lock (one that starts a thread, as an `OffloadedOptimizer` freed
+# on one of torchoffload's threads does: Note: [Closing from a thread of our own]) deadlocks
+# the process, holding the GIL. Seen as a hung test run on the 2-core machine (Python 3.11.7):
+# the worker, polling the caller's frame, collected an earlier test's optimizer. So the
+# collector is paused for the call; it runs at the next allocation after.
+
+
+def current_frame(thread: int) -> FrameType | None:
+    """The frame ``thread`` runs now (None: no such thread), with the collector paused
+    (Note: [Another thread's frame without a collection])."""
+    if thread == threading.get_ident():
+        return sys._getframe(1)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return sys._current_frames().get(thread)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def running(thread: int, frame: FrameType | None) -> bool:
     """Whether ``frame`` is on ``thread``'s stack now (no frame: always)."""
     if frame is None:
         return True
-    f = sys._getframe() if thread == threading.get_ident() else sys._current_frames().get(thread)
+    f = sys._getframe() if thread == threading.get_ident() else current_frame(thread)
     while f is not None:
         if f is frame:
             return True
