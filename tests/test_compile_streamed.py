@@ -14,7 +14,7 @@ from torch._inductor.utils import run_and_get_code
 import torchoffload.compile as toc
 from torchoffload import minimum_budget
 from torchoffload.models import GPT, GPTConfig
-from torchoffload.weights._checkpoint import write_safetensors
+from torchoffload.weights._checkpoint import CheckpointError, write_safetensors
 
 CFG = GPTConfig(hidden=64, layers=2, heads=2, vocab=128, max_seq=32)
 
@@ -84,6 +84,17 @@ def test_bad_input(kept):
         toc.compile_streamed(model, (tokens,), budget_bytes=1 << 20, checkpoint=3)
     with pytest.raises(ValueError, match="budget_bytes"):
         toc.compile_streamed(model, (tokens,), budget_bytes=0)
+
+
+def test_a_checkpoint_lacking_a_weight_of_a_real_model_is_refused(kept, tmp_path):
+    """As `stream_weights` (strict): every weight the program reads must be in the checkpoint,
+    even when the model holds values of its own (there is no strict=False here)."""
+    model, tokens, _, _ = kept
+    sd = {k: v for k, v in model.state_dict().items() if k not in ("head.weight", "ln_f.bias")}
+    write_safetensors(tmp_path / "m.safetensors", sd)
+    with pytest.raises(CheckpointError, match="has no tensor 'ln_f.bias'"):
+        toc.compile_streamed(model, (tokens,), budget_bytes=1 << 20, pin_memory=False,
+                             checkpoint=tmp_path / "m.safetensors")  # fmt: skip
 
 
 class _ClonedTable(torch.nn.Module):

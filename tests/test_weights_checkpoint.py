@@ -520,3 +520,146 @@ def test_parameters_a_checkpoint_cannot_fill_are_refused_by_what_they_are(tmp_pa
         model.w = torch.nn.Parameter(value)
         with pytest.raises(CheckpointError, match=f"'w' .*{message}.*contiguous"):
             stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+
+
+def snapshot(model):
+    """What a refused call must leave as it was: every tensor's object, values and device, the
+    hooks, and no engine attached."""
+    tensors = [
+        (n, t, t.detach().clone(), t.device) for n, t in model.state_dict(keep_vars=True).items()
+    ]
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    return tensors, hooks
+
+
+def assert_unchanged(model, before):
+    tensors, hooks = before
+    now = model.state_dict(keep_vars=True)
+    for name, t, value, device in tensors:
+        assert now[name] is t and t.device == device and torch.equal(t, value), name
+    assert hooks == [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    assert getattr(model, "_torchoffload_weights", None) is None
+
+
+def random_init():
+    torch.manual_seed(123)
+    return GPT(CFG).eval()
+
+
+@pytest.mark.parametrize(
+    ("missing", "resident"),
+    [(("layers.1.fc1.weight",), ()), (("pos.weight",), ("pos",)),
+     (tuple(f"layers.3.{m}.{p}" for m in ("ln1", "qkv", "proj", "ln2", "fc1", "fc2")
+            for p in ("weight", "bias")), ())],  # a whole layer: a shard the index lacks
+)  # fmt: skip
+def test_a_real_model_with_tensors_the_checkpoint_lacks_is_refused(tmp_path, missing, resident):
+    """A model built with random values and a checkpoint that lacks some of its tensors (another
+    prefix, a shard missing from the index): a `CheckpointError` naming how many and the first
+    few, before anything changes, as torch's ``load_state_dict`` (strict by default). Those
+    tensors kept their random values silently."""
+    state = {k: v for k, v in unique_state(reference()).items() if k not in missing}
+    path = save(state, tmp_path / "model.safetensors")
+    model = random_init()
+    before = snapshot(model)
+    shown = ", ".join(repr(n) for n in missing[:5])  # the first five, in the model's order
+    message = (
+        rf"{len(missing)} tensors? of the model .*not in the checkpoint.*{shown}.*strict=False"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, resident=resident, pin_memory=False,
+                       checkpoint=path)  # fmt: skip
+    assert_unchanged(model, before)
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False)  # usable
+    handle.remove()
+
+
+@pytest.mark.parametrize("resident", [(), ("layers.1.fc1",)])
+def test_strict_false_keeps_the_values_of_tensors_the_checkpoint_lacks(tmp_path, resident):
+    """``strict=False``: a tensor the checkpoint lacks keeps its own values, as with torch's
+    ``load_state_dict(strict=False)``; outputs bitwise that model's."""
+    state = unique_state(reference())
+    del state["layers.1.fc1.weight"]
+    path = save(state, tmp_path / "model.safetensors")
+    want = random_init()
+    result = want.load_state_dict(state, strict=False)
+    assert "layers.1.fc1.weight" in result.missing_keys  # (and head.weight: torch does not see
+    # that it is tok.weight, which it loads)
+    model = random_init()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, resident=resident,
+                            pin_memory=False, checkpoint=path, strict=False)  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), want(tokens()))
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in want.state_dict().items())
+    handle.remove()
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), want(tokens()))
+    model = on_meta()  # a tensor on meta has no values of its own to keep
+    with pytest.raises(CheckpointError, match="'layers.1.fc1.weight'.*no values"):
+        stream_weights(model, "cpu", budget_bytes=1 << 20, resident=resident,
+                       pin_memory=False, checkpoint=path, strict=False)  # fmt: skip
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_entries_the_model_does_not_have_are_ignored(tmp_path):
+    """Unexpected entries (an older Hugging Face checkpoint's ``rotary_emb.inv_freq``, another
+    head) are ignored, strict or not, as Hugging Face does."""
+    ref = reference()
+    state = {**unique_state(ref), "rotary_emb.inv_freq": torch.arange(4.0),
+             "classifier.weight": torch.ones(2, 64)}  # fmt: skip
+    path = save(state, tmp_path / "model.safetensors")
+    model = random_init()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+
+
+@pytest.mark.parametrize("kept", ["tok.weight", "head.weight"])
+def test_a_tied_weight_saved_under_one_of_its_names_is_not_missing(tmp_path, kept):
+    ref = reference()
+    state = dict(ref.state_dict())
+    del state["head.weight" if kept == "tok.weight" else "tok.weight"]
+    path = save(state, tmp_path / "model.safetensors")
+    model = random_init()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, pin_memory=False, checkpoint=path)
+    with torch.no_grad():
+        assert torch.equal(model(tokens()), ref(tokens()))
+    handle.remove()
+    assert model.head.weight is model.tok.weight
+
+
+def test_non_persistent_buffers_and_empty_tensors_need_no_entry(tmp_path):
+    """What ``state_dict()`` leaves out (a non-persistent buffer) and tensors with no elements
+    are not required of a checkpoint."""
+    torch.manual_seed(0)
+    ref = WithBuffers().eval()
+    path = save(ref.state_dict(), tmp_path / "buffers.safetensors")
+    assert "table" not in ref.state_dict()
+    torch.manual_seed(1)
+    model = WithBuffers().eval()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, unit="leaves", pin_memory=False,
+                            checkpoint=path)  # fmt: skip
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+    ref = WithEmpty().eval()
+    path = save({"a.weight": ref.a.weight, "a.bias": ref.a.bias}, tmp_path / "e.safetensors")
+    model = WithEmpty().eval()
+    handle = stream_weights(model, "cpu", budget_bytes=1 << 20, unit="leaves", pin_memory=False,
+                            checkpoint=path)  # fmt: skip
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    handle.remove()
+
+
+def test_strict_is_checked_and_needs_a_checkpoint():
+    """``strict=False`` without a checkpoint asks for nothing (no value is read): refused, as a
+    likely mistake; ``strict`` must be a bool."""
+    with pytest.raises(ValueError, match="strict=False.*checkpoint="):
+        stream_weights(reference(), "cpu", budget_bytes=1 << 20, pin_memory=False, strict=False)
+    with pytest.raises(TypeError, match="strict must be a bool"):
+        stream_weights(reference(), "cpu", budget_bytes=1 << 20, pin_memory=False, strict=1)
+    handle = stream_weights(reference(), "cpu", budget_bytes=1 << 20, pin_memory=False, strict=True)
+    handle.remove()

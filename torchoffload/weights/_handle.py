@@ -19,7 +19,7 @@ from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
 from torchoffload._modules import held
 from torchoffload._transfer import compute_device
-from torchoffload._validate import check_int
+from torchoffload._validate import check_bool, check_int
 from torchoffload.weights import _layout
 from torchoffload.weights._checkpoint import Checkpoint
 from torchoffload.weights._graph import StreamedGraph
@@ -240,6 +240,7 @@ def stream_weights(
     pin_memory: bool = True,
     time_waits: bool = False,
     checkpoint: str | os.PathLike[str] | None = None,
+    strict: bool = True,
 ) -> WeightStreamHandle:
     """Keep ``model``'s weights in pinned host memory and stream them to ``device`` as it runs.
 
@@ -270,8 +271,14 @@ def stream_weights(
             values from, read straight into the pinned host store. The model may then be built
             on the ``meta`` device: its weights never exist anywhere else. Tensors are matched
             by their ``state_dict()`` names (a tied weight by any of its names); dtypes and
-            shapes must match. A tensor the checkpoint lacks keeps its own values (on meta:
-            an error). After ``remove()``, tensors that were on meta are on the host.
+            shapes must match. A tensor the checkpoint lacks is an error (see ``strict``);
+            entries the model does not have are ignored. After ``remove()``, tensors that were
+            on meta are on the host.
+        strict: with ``checkpoint``, as torch's ``load_state_dict``: ``True`` raises
+            `CheckpointError` before anything changes when the checkpoint lacks a tensor of
+            the model (non-persistent buffers and tensors with no elements need no entry);
+            ``False`` lets such a tensor keep its own values (one on meta has none: still an
+            error). ``strict=False`` without a checkpoint is refused (nothing is read).
 
     Returns a `WeightStreamHandle`: ``stats()``, ``schedule``, ``remove()``.
 
@@ -289,6 +296,7 @@ def stream_weights(
     start_time = time.perf_counter()
     _check_model(model)
     resident = _check_resident(resident)
+    _check_strict(strict, checkpoint)
     config = StreamConfig(
         compute_device(device), budget_bytes, prefetch_depth, use_streams, pin_memory, time_waits
     )
@@ -297,7 +305,7 @@ def stream_weights(
         model, budget=budget_bytes, depth=prefetch_depth, resident=resident, unit=unit
     )
     with torch.inference_mode(False), torch.no_grad():
-        runtime = WeightRuntime(layout, config, source)
+        runtime = WeightRuntime(layout, config, source, strict=strict)
     hooks = install_hooks(runtime, model)
     hooks += _hosted.guard_conversions(model, "stream_weights", _NO_COPY)
     handle = WeightStreamHandle(runtime, hooks, model, time.perf_counter() - start_time)
@@ -342,6 +350,15 @@ def _check_model(model: Any) -> None:
                 f"{name!r} already streams with another model (its values live in that "
                 "handle's host store); call that handle's remove() first"
             )
+
+
+def _check_strict(strict: Any, checkpoint: Any) -> None:
+    check_bool("strict", strict)
+    if not strict and checkpoint is None:
+        raise ValueError(
+            "strict=False says what to do with tensors a checkpoint lacks, but no checkpoint= "
+            "was given (every tensor keeps its own values): pass checkpoint=, or drop strict"
+        )
 
 
 def _check_resident(resident: Any) -> tuple[str, ...]:

@@ -72,10 +72,18 @@ class WeightRuntime:
     """One model's streamed weights. Construct it from a layout; drive it through the API in
     the module docstring."""
 
-    def __init__(self, layout: Layout, config: StreamConfig, checkpoint: Checkpoint | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        config: StreamConfig,
+        checkpoint: Checkpoint | None = None,
+        *,
+        strict: bool = True,
+    ):
         """``checkpoint``: read the values of the tensors it holds from it (the model may be
-        on the meta device); the others keep their own (Note: [Reading into the host
-        store] in _checkpoint.py)."""
+        on the meta device; Note: [Reading into the host store] in _checkpoint.py). A tensor
+        it lacks is an error, or with ``strict=False`` keeps its own values (Note: [Tensors a
+        checkpoint lacks] in _store.py)."""
         dev = config.device
         self.config = config
         self.device = dev
@@ -92,7 +100,7 @@ class WeightRuntime:
                     f"{slot.tensor.device}: move it to {dev} before stream_weights"
                 )
         # - Host store: every streamed storage once, in the pieces of the layout
-        reads, resident_values = read_plan(layout, checkpoint)
+        reads, resident_values = read_plan(layout, checkpoint, strict=strict)
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
         host = pinned_buffer(layout.host_bytes, pin=pin)
         fill_host(host, layout, checkpoint, reads)

@@ -22,11 +22,12 @@ if TYPE_CHECKING:
 
 
 def read_plan(
-    layout: Layout, checkpoint: Checkpoint | None
+    layout: Layout, checkpoint: Checkpoint | None, *, strict: bool = True
 ) -> tuple[dict[Any, tuple[Entry, Leaf]], dict[int, torch.Tensor]]:
     """What to read from ``checkpoint`` (None: the model's own values): for each streamed
     storage it holds, its entry and leaf; and the values of the resident tensors it holds, on
-    the host (by id). Raises before anything of the model changes."""
+    the host (by id). Raises before anything of the model changes; ``strict``: a tensor the
+    checkpoint lacks is an error (Note: [Tensors a checkpoint lacks])."""
     if checkpoint is None:
         meta = [s.name for s in (*layout.streamed, *layout.resident) if s.tensor.is_meta]
         if meta:
@@ -41,7 +42,8 @@ def read_plan(
         entry = checkpoint.find(_names(slot))
         if entry is not None:
             _check_entry(entry, entry.name, slot.tensor.dtype, tuple(slot.tensor.shape))
-    return _match_checkpoint(layout, checkpoint), _resident_from_checkpoint(layout, checkpoint)
+    reads = _match_checkpoint(layout, checkpoint, strict=strict)
+    return reads, _resident_from_checkpoint(layout, checkpoint)
 
 
 def fill_host(host: torch.Tensor, layout: Layout, checkpoint: Checkpoint | None,
@@ -198,13 +200,31 @@ def _names(slot: Any) -> list[str]:
     ]
 
 
-def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple[Entry, Leaf]]:
+# Note: [Tensors a checkpoint lacks]
+# A tensor of the model that the checkpoint does not hold under any of its ``state_dict()``
+# names (a tied weight saved once is held) is an error by default, as torch's
+# ``load_state_dict(strict=True)``: a model built with random values and a checkpoint whose
+# names mostly differ (another prefix, a shard missing from the index) would otherwise compute
+# silently with random weights. ``strict=False`` keeps such a tensor's own values. Not
+# required: non-persistent buffers (not in ``state_dict()``, never read from a checkpoint),
+# tensors with no elements (no values), and tensors another engine hosts (in no list of the
+# layout: Note: [Tensors hosted by another engine] in _layout.py). A tensor on meta that the
+# checkpoint lacks has no values: an error whatever ``strict`` says. Entries the model does
+# not have are ignored (older Hugging Face checkpoints hold ``rotary_emb.inv_freq``), unless
+# no entry matches at all: then it is not this model's checkpoint.
+
+
+def _match_checkpoint(
+    layout: Layout, checkpoint: Checkpoint, *, strict: bool = True
+) -> dict[Any, tuple[Entry, Leaf]]:
     """For each streamed storage the checkpoint holds: its entry and its leaf, checked (name
     under any of the tensor's names, dtype, shape, a whole contiguous storage). Raises
     `CheckpointError` before anything is read or changed; a tensor on the meta device that the
-    checkpoint lacks is an error (it has no values)."""
+    checkpoint lacks is an error (it has no values), and so is any other it lacks if ``strict``
+    (Note: [Tensors a checkpoint lacks])."""
     reads: dict[Any, tuple[Entry, Leaf]] = {}
-    missing: list[str] = []
+    missing: list[str] = []  # on meta: no values
+    lacked: list[str] = []  # real: they would keep their own values
     by_key: dict[Any, list[tuple[Slot, Leaf]]] = {}  # tensors sharing a storage: tied
     for slot in layout.streamed:
         t = slot.tensor
@@ -215,6 +235,7 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
                     "loading it from a checkpoint is not supported; materialize it and pass "
                     "no checkpoint"
                 )
+            lacked.extend(_names(slot)[:1])
             continue
         by_key.setdefault(slot.leaves[0].key, []).append((slot, slot.leaves[0]))
     for group in by_key.values():
@@ -223,6 +244,8 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
         if entry is None:
             if any(leaf.source.is_meta for _, leaf in group):
                 missing.append(group[0][0].name)
+            else:
+                lacked.extend(names[:1])
             continue
         first = group[0][1]
         for slot, leaf in group:
@@ -248,8 +271,12 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
         )
     _check_replaceable((*layout.streamed, *layout.resident, *layout.empty), CheckpointError)
     for slot in layout.resident:
-        if slot.tensor.is_meta and not any(n in checkpoint.entries for n in _names(slot)):
-            missing.append(slot.name)
+        names = _names(slot)
+        if not any(n in checkpoint.entries for n in names):
+            if slot.tensor.is_meta:
+                missing.append(slot.name)
+            else:
+                lacked.extend(names[:1])
     if missing:
         raise CheckpointError(
             f"{len(missing)} tensors are on the meta device and not in the checkpoint "
@@ -257,6 +284,15 @@ def _match_checkpoint(layout: Layout, checkpoint: Checkpoint) -> dict[Any, tuple
             "values. Check that the checkpoint is this model's (names as in state_dict()); "
             "buffers computed at construction (rotary tables) must be real: build with "
             "accelerate's init_empty_weights(include_buffers=False)"
+        )
+    if strict and lacked:
+        are = "tensor of the model is" if len(lacked) == 1 else "tensors of the model are"
+        raise CheckpointError(
+            f"{len(lacked)} {are} not in the checkpoint {checkpoint.source} (first: "
+            f"{', '.join(map(repr, lacked[:5]))}): they would keep the values they have now. "
+            "Check that the checkpoint is this model's and complete (names as in "
+            "state_dict(), every shard in the index), or pass strict=False to keep their own "
+            "values"
         )
     return reads
 
