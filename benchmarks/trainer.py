@@ -34,6 +34,7 @@ import sys
 import time
 
 import torch
+from optim import host_rss, model_arguments  # benchmarks/, the script's directory
 
 GiB = 2**30
 
@@ -45,6 +46,7 @@ def model_of(args, device):
         hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads, intermediate_size=args.intermediate,
         vocab_size=args.vocab, max_position_embeddings=args.seq, attn_implementation="sdpa",
+        tie_word_embeddings=not args.untied,
     )  # fmt: skip
     torch.manual_seed(0)
     with torch.device(device):
@@ -62,14 +64,6 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
-
-
-def host_rss() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / GiB
-    return float("nan")
 
 
 def phase_ms(begun: dict, end: float, opt) -> dict:
@@ -207,14 +201,7 @@ ROWS = (
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--hidden", type=int, default=3072)
-    p.add_argument("--layers", type=int, default=28)
-    p.add_argument("--heads", type=int, default=24)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=8192)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=4096)
+    model_arguments(p)  # optim.py's: the Llama-3.2-3B shape, batch 2 x 4096
     p.add_argument("--steps", type=int, default=4, help="timed steps (one more runs first)")
     p.add_argument("--clip", type=float, default=1.0, help="Trainer's max_grad_norm")
     p.add_argument("--rows", default=",".join(ROWS))

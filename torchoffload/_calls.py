@@ -46,7 +46,7 @@ def running(thread: int, frame: FrameType | None) -> bool:
     """Whether ``frame`` is on ``thread``'s stack now (no frame: always)."""
     if frame is None:
         return True
-    f = sys._getframe() if thread == threading.get_ident() else current_frame(thread)
+    f = current_frame(thread)
     while f is not None:
         if f is frame:
             return True
