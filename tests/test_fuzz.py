@@ -136,8 +136,11 @@ def assert_same(a, b, what: str) -> None:
         assert a == b, f"{what}: {a!r} vs {b!r}"
 
 
-def values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+def values(model: torch.nn.Module) -> dict[str, object]:
+    """Each tensor's values (of a tensor on meta, which has none: its dtype, shape and
+    strides)."""
+    return {k: (v.dtype, tuple(v.shape), v.stride()) if v.is_meta else v.detach().clone()
+            for k, v in model.state_dict().items()}  # fmt: skip
 
 
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
@@ -1030,7 +1033,47 @@ class InferenceMachine(RuleBasedStateMachine):
         self.kw = dict(budget_bytes=int(least + frac * max(total - least, 0)),
                        prefetch_depth=depth, unit=unit, resident=resident,
                        use_streams=data.draw(st.booleans(), label="use_streams"))  # fmt: skip
+        self.load = {}  # what the first apply reads its weights from
+        source = data.draw(st.sampled_from(["model", "model", "checkpoint", "partial checkpoint",
+                                            "checkpoint, on meta"]), label="weights")  # fmt: skip
+        if source != "model":
+            self.from_checkpoint(data, meta=source.endswith("meta"), partial="partial" in source)
         self.start()
+
+    def from_checkpoint(self, data, *, meta: bool, partial: bool):
+        """``stream_weights(checkpoint=)``: the plain model's weights saved as safetensors, read
+        into the offloaded twin built on meta, or real with other values (every one must be
+        overwritten); a checkpoint without one tensor of a real model is refused (strict), or
+        with ``strict=False`` that tensor keeps its own values, as torch's load does."""
+        import tempfile
+
+        from test_weights_checkpoint import save, unique_state
+
+        state = {k: v.detach().clone() for k, v in unique_state(self.ref).items()}
+        if partial:
+            dropped = data.draw(st.sampled_from(sorted(state)), label="left out")
+            state.pop(dropped)
+        path = save(state, os.path.join(tempfile.mkdtemp(prefix="fuzz-ckpt-"), "m.safetensors"))
+        if meta:
+            with torch.device("meta"):
+                self.off = build(self.spec).eval()
+        else:
+            with torch.no_grad():
+                for t in self.off.state_dict().values():
+                    t.copy_(torch.full_like(t, 3))
+        self.load = dict(checkpoint=path)
+        if partial and data.draw(st.booleans(), label="strict=False"):
+            self.load["strict"] = False
+            with torch.no_grad():  # the plain twin takes the checkpoint as torch loads it
+                for t in self.ref.state_dict().values():
+                    t.copy_(torch.full_like(t, 3))
+                self.ref.load_state_dict(state, strict=False)
+
+    def stream_kw(self) -> dict:
+        """The engine's arguments; the checkpoint is read by the first apply only (a later one
+        streams the model as it is then)."""
+        kw, self.load = {**self.kw, **self.load}, {}
+        return kw
 
     def start(self):
         """Apply the engine; a clear refusal ends the example (nothing changed)."""
@@ -1041,7 +1084,7 @@ class InferenceMachine(RuleBasedStateMachine):
             self.stopped = True
 
     def apply(self):
-        self.handle = to.stream_weights(self.off, "cpu", **self.kw)
+        self.handle = to.stream_weights(self.off, "cpu", **self.stream_kw())
         self.call = self.off
 
     def live(self):
@@ -1208,7 +1251,7 @@ class CudaGraph(InferenceMachine):
     ENGINE = "cuda_graph"
 
     def apply(self):
-        self.handle = to.stream_weights(self.off, "cpu", **self.kw)
+        self.handle = to.stream_weights(self.off, "cpu", **self.stream_kw())
         self.call = self.handle.cuda_graph(self.off)
 
 

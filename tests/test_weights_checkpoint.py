@@ -16,7 +16,13 @@ from torchoffload.models import GPT, GPTConfig
 from torchoffload.weights._checkpoint import Checkpoint, CheckpointError
 
 CFG = GPTConfig(hidden=64, layers=4, heads=4, vocab=128, max_seq=64)
-_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+_NAMES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+}
 
 
 def save(tensors: dict[str, torch.Tensor], path, *, truncate=0, dtype_names=None):
