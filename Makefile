@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: demo test docs fuzz gpu-test lint format bench clean
+.PHONY: demo test docs fuzz fuzz-gpu gpu-test lint format bench clean
 
 # The demo needs torch and the package only.
 $(STAMP): pyproject.toml Makefile
@@ -57,6 +57,11 @@ FUZZ_ENGINE ?=
 fuzz: $(DEV_STAMP)
 	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
 		tests/test_fuzz.py::test_fuzz $(if $(FUZZ_ENGINE),-k "$(FUZZ_ENGINE)")
+
+# The same machines on a GPU (tests/test_fuzz.py::test_fuzz_gpu), copy streams slowed or not.
+fuzz-gpu:
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PYTHONPATH=. $(PYTHON) -m pytest -q -s \
+		-m gpu tests/test_fuzz.py::test_fuzz_gpu $(if $(FUZZ_ENGINE),-k "$(FUZZ_ENGINE)")
 
 SOURCES := torchoffload tests benchmarks examples
 

@@ -74,6 +74,23 @@ def profile(ci_examples: int) -> settings:
     return LONG if FUZZ else settings(CI, max_examples=ci_examples)
 
 
+# - The device. The machines run on the CPU (CI, `make fuzz`); test_fuzz_gpu (`make fuzz-gpu`)
+# runs them on a GPU, its copy streams slowed or not: both twins compute there under
+# deterministic algorithms, the engines copy through pinned memory on their own streams (real
+# CUDA graphs, events, the host step's overlap), and where the offloaded side steps with
+# OffloadedOptimizer the reference steps host copies of the parameters with the plain class
+# (``MasterRef(host=True)``), as the host step does: CUDA's and the CPU's kernels round apart.
+DEVICE = torch.device("cpu")  # set by test_fuzz_gpu
+
+
+def on_gpu() -> bool:
+    return DEVICE.type != "cpu"
+
+
+def inputs(spec, batch: int, seq: int, seed: int) -> torch.Tensor:
+    return tokens(spec, batch, seq, seed).to(DEVICE)
+
+
 # - Operations known broken and being fixed: (engine, operation) -> issue 38 item (negative:
 # the fuzzer's NEW-n). Generation skips these until the fix merges; the corpus below holds each
 # as an xfail(strict=True) case.
@@ -123,6 +140,8 @@ def assert_same(a, b, what: str) -> None:
             assert_same(x, y, f"{what}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{what}: tensor vs {type(b).__name__}"
+        if a.device != b.device:  # on a GPU, a host store's values against the device's
+            a, b = a.cpu(), b.cpu()
         assert a.dtype == b.dtype and a.shape == b.shape, (
             f"{what}: plain {a.dtype}{list(a.shape)} vs offloaded {b.dtype}{list(b.shape)}"
         )
@@ -175,6 +194,18 @@ def taken_by_the_worker(opt: to.OffloadedOptimizer) -> None:
     refuses is refused every time it runs (hypothesis requires the same draws)."""
     for bucket in opt._runtime.buckets:
         assert not bucket.dispatched or bucket.handled.wait(60), "the host step hangs"
+
+
+def fails_alike(plain, error: BaseException) -> bool:
+    """``plain()`` (the plain twin's side of an operation) raises ``error``'s type and message:
+    torch's own refusal, as without torchoffload. Seen on a GPU: Adagrad built over a bf16
+    model that was then converted (its state keeps bf16) fails in torch's foreach kernels, the
+    default there, on both twins."""
+    try:
+        plain()
+    except Exception as e:
+        return type(e) is type(error) and str(e) == str(error)
+    return False
 
 
 class Refused(Exception):
@@ -246,10 +277,14 @@ class MasterRef:
     only if its bytes changed (Note: [Parameters that share a storage]): a write that left
     every byte as it was is no write there, and its fp32 master is kept."""
 
-    def __init__(self, model, cls, kw, split, max_grad_norm=None, by_model=False, twin=None):
+    def __init__(self, model, cls, kw, split, max_grad_norm=None, by_model=False, twin=None,
+                 host=False, dtype=torch.float32):  # fmt: skip
         self.params = list(model.parameters())
         self.twin = None if twin is None else list(twin.parameters())
-        self.masters = [p.detach().float().clone() for p in self.params]
+        # ``host``: masters in host memory (on a GPU, as the host step keeps them); ``dtype``:
+        # theirs (bf16 masters: the parameters' own bits)
+        self.masters = [p.detach().to("cpu" if host else p.device, dtype, copy=True)
+                        for p in self.params]  # fmt: skip
         self.opt = cls(param_groups(model, self.masters, split), **kw)
         self.shared = shared_counters(self.params)
         self.versions = [p._version for p in self.params]
@@ -274,9 +309,9 @@ class MasterRef:
         """Read again the master of every parameter written since the last step."""
         for i, (m, p) in enumerate(zip(self.masters, self.params, strict=True)):
             if id(p) in self.written:
-                if not self.told_apart(i) and same_bytes(p.detach(), m.to(p.dtype)):
+                if not self.told_apart(i) and same_bytes(p.detach().cpu(), m.to(p.dtype).cpu()):
                     continue
-                m.copy_(p.detach().float())
+                m.copy_(p.detach())
             elif p._version != self.versions[i]:
                 assert self.shared[i] & self.written, (
                     f"parameter {i} was written outside the optimizer by a rule that did not "
@@ -288,7 +323,7 @@ class MasterRef:
     def step(self):
         self.follow()
         for m, p in zip(self.masters, self.params, strict=True):
-            m.grad = None if p.grad is None else p.grad.float()
+            m.grad = None if p.grad is None else p.grad.to(m.device, m.dtype)
         if self.max_grad_norm is not None:
             given = [m for g in self.opt.param_groups for m in g["params"]]
             order = self.masters if self.by_model else given
@@ -383,7 +418,7 @@ def least_parameter_budget(model, unit, resident) -> int:
     import re
 
     try:
-        to.stream_parameters(copy.deepcopy(model), budget_bytes=1, unit=unit,
+        to.stream_parameters(copy.deepcopy(model), budget_bytes=1, unit=unit, device=DEVICE,
                              resident=resident).remove()  # fmt: skip
     except ValueError as e:
         found = re.search(r"\((\d+) bytes", str(e))
@@ -435,7 +470,7 @@ class TrainingMachine(RuleBasedStateMachine):
         self.copies = []
         spec: Spec = data.draw(specs(dtypes=self.DTYPES, dropout=True), label="spec")
         self.spec = spec
-        self.ref, self.off = Side(build(spec)), Side(build(spec))
+        self.ref, self.off = Side(build(spec).to(DEVICE)), Side(build(spec).to(DEVICE))
         self.data = data
         self.draw_engine(data)
         try:
@@ -483,6 +518,10 @@ class TrainingMachine(RuleBasedStateMachine):
 
     def ref_optimizer(self):
         dtype = self.spec.torch_dtype
+        if self.OFFLOADED_OPTIMIZER and on_gpu():
+            return MasterRef(self.ref.model, self.opt_cls, self.opt_kw, self.split,
+                             self.max_grad_norm, self.by_model, self.off.model, host=True,
+                             dtype=dtype if self.bf16_masters else torch.float32)  # fmt: skip
         if self.OFFLOADED_OPTIMIZER and dtype == torch.bfloat16 and not self.bf16_masters:
             return MasterRef(self.ref.model, self.opt_cls, self.opt_kw, self.split,
                              self.max_grad_norm, self.by_model, self.off.model)  # fmt: skip
@@ -566,6 +605,11 @@ class TrainingMachine(RuleBasedStateMachine):
             if self.pending:
                 self.stopped = True  # the plain twin converted: the two have parted
             return None
+        except Exception as e:
+            if not fails_alike(lambda: fn(self.ref), e):
+                raise
+            self.stopped = True  # plain PyTorch raises the same error: the example ends
+            return None
         want = fn(self.ref)
         assert_same(want, got, what)
         return want
@@ -589,7 +633,7 @@ class TrainingMachine(RuleBasedStateMachine):
     def draw_input(self, data):
         batch = data.draw(st.integers(1, 3), label="batch")
         seq = data.draw(st.integers(1, 5), label="seq")
-        return tokens(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
+        return inputs(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
 
     # -- rules
     def live(self) -> bool:
@@ -696,7 +740,7 @@ class TrainingMachine(RuleBasedStateMachine):
                 elif how == "add":
                     p.add_(0.01)
                 else:
-                    p.copy_(torch.full(p.shape, 0.125, dtype=p.dtype))
+                    p.copy_(torch.full(p.shape, 0.125, dtype=p.dtype, device=p.device))
             if isinstance(side.opt, MasterRef):
                 side.opt.wrote([p])
 
@@ -715,7 +759,8 @@ class TrainingMachine(RuleBasedStateMachine):
 
         def fn(side):
             p = side.model.get_parameter(name)
-            p.grad = None if how == "none" else torch.full(p.shape, 0.01, dtype=p.dtype)
+            p.grad = (None if how == "none"
+                      else torch.full(p.shape, 0.01, dtype=p.dtype, device=p.device))  # fmt: skip
 
         self.both(fn, f"{name}.grad = {how}")
 
@@ -901,11 +946,18 @@ class Optimizer(TrainingMachine):
 
     def optimizer_configs(self):
         clip = st.sampled_from([None, 0.05, 1.0])
+        host = st.fixed_dictionaries(
+            {
+                "bucket_bytes": st.sampled_from([None, 64, 1024]),
+                "max_grad_norm": clip,
+                "step_ahead": st.booleans(),
+            },
+            optional={"overlap": st.booleans(), "convert_on": st.sampled_from(["device", "host"])},
+        )
+        if on_gpu():  # a device part steps with CUDA's kernels, the reference on the host's
+            return host
         return st.one_of(
-            st.fixed_dictionaries({"bucket_bytes": st.sampled_from([None, 64, 1024]),
-                                   "max_grad_norm": clip, "step_ahead": st.booleans()},
-                                  optional={"overlap": st.booleans(),
-                                            "convert_on": st.sampled_from(["device", "host"])}),
+            host,
             st.fixed_dictionaries({"offload_fraction": st.sampled_from([0.25, 0.5, 0.75]),
                                    "bucket_bytes": st.sampled_from([None, 64, 1024]),
                                    "step_ahead": st.booleans()}),
@@ -971,7 +1023,7 @@ class StreamParameters(Optimizer):
         )  # fmt: skip
 
     def apply_engine(self):
-        self.off.handle = to.stream_parameters(self.off.model, **self.stream_kw)
+        self.off.handle = to.stream_parameters(self.off.model, device=DEVICE, **self.stream_kw)
 
     def reapply(self):
         sd = self.off.opt.state_dict()
@@ -1013,7 +1065,7 @@ class InferenceMachine(RuleBasedStateMachine):
         spec = data.draw(specs(), label="spec")
         self.spec = spec
         self.handle = None
-        self.ref, self.off = build(spec).eval(), build(spec).eval()
+        self.ref, self.off = build(spec).eval().to(DEVICE), build(spec).eval()  # off: host
         depth = data.draw(st.integers(0, 3), label="prefetch_depth")
         units = [None, "blocks", "leaves"] if spec.layers > 1 else [None, "leaves"]
         if spec.transposed and not self.op_ok("foreign_read"):
@@ -1049,7 +1101,7 @@ class InferenceMachine(RuleBasedStateMachine):
 
         from test_weights_checkpoint import save, unique_state
 
-        state = {k: v.detach().clone() for k, v in unique_state(self.ref).items()}
+        state = {k: v.detach().cpu().clone() for k, v in unique_state(self.ref).items()}
         if partial:
             dropped = data.draw(st.sampled_from(sorted(state)), label="left out")
             state.pop(dropped)
@@ -1084,7 +1136,7 @@ class InferenceMachine(RuleBasedStateMachine):
             self.stopped = True
 
     def apply(self):
-        self.handle = to.stream_weights(self.off, "cpu", **self.stream_kw())
+        self.handle = to.stream_weights(self.off, DEVICE, **self.stream_kw())
         self.call = self.off
 
     def live(self):
@@ -1115,7 +1167,7 @@ class InferenceMachine(RuleBasedStateMachine):
     def call_model(self, data):
         batch = data.draw(st.integers(1, 3), label="batch")
         seq = data.draw(st.integers(1, 5), label="seq")
-        x = tokens(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
+        x = inputs(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
         mode = torch.inference_mode if data.draw(st.booleans()) else torch.no_grad
 
         def fn(model, call):
@@ -1229,7 +1281,13 @@ class InferenceMachine(RuleBasedStateMachine):
         def fn(model, call):
             if model is self.off:
                 self.handle.remove()
-                self.apply()
+                try:
+                    self.apply()
+                except Exception:
+                    # refused: the offloaded twin no longer streams (on a GPU its tensors are
+                    # back on the host, the plain twin's on the device): the two have parted
+                    self.stopped = True
+                    raise
 
         self.both(fn, "remove() and apply again")
 
@@ -1251,7 +1309,10 @@ class CudaGraph(InferenceMachine):
     ENGINE = "cuda_graph"
 
     def apply(self):
-        self.handle = to.stream_weights(self.off, "cpu", **self.stream_kw())
+        kw = self.stream_kw()
+        if on_gpu():  # a graph needs them there (refused clearly otherwise, by cuda_graph)
+            kw.update(use_streams=True, pin_memory=True)
+        self.handle = to.stream_weights(self.off, DEVICE, **kw)
         self.call = self.handle.cuda_graph(self.off)
 
 
@@ -1270,7 +1331,7 @@ class Experts(InferenceMachine):
         self.pending = False
         self.spec = spec = spec or data.draw(moe_specs(), label="spec")
         self.handle = None
-        self.ref, self.off = build_moe(spec).eval(), build_moe(spec).eval()
+        self.ref, self.off = build_moe(spec).eval().to(DEVICE), build_moe(spec).eval()
         try:
             with refusal_allowed(lambda: values(self.off)):
                 least = to.minimum_cache_bytes(self.off)
@@ -1287,7 +1348,7 @@ class Experts(InferenceMachine):
         self.start()
 
     def apply(self):
-        self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        self.handle = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)
         self.call = self.off
 
 
@@ -1350,7 +1411,7 @@ class ExpertGraph(Experts):
                             norm_topk=dims["norm_topk"], dense_first=False,
                             dtype=str(dims["dtype"]).removeprefix("torch."), seed=0)  # fmt: skip
         self.handle = None
-        self.ref, self.off = FusedMoE(**dims).eval(), FusedMoE(**dims).eval()
+        self.ref, self.off = FusedMoE(**dims).eval().to(DEVICE), FusedMoE(**dims).eval()
         least = to.minimum_cache_bytes(self.off)
         slot = least // dims["top_k"]
         total = dims["experts"] * dims["layers"]
@@ -1363,7 +1424,7 @@ class ExpertGraph(Experts):
         self.start()
 
     def apply(self):
-        self.handle = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        self.handle = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)
         self.call = self.handle.cuda_graph(self.off)
 
     def both(self, fn, what):
@@ -1376,7 +1437,7 @@ class ExpertGraph(Experts):
     @rule(data=st.data())
     def decode_step(self, data):
         """One token: the graph's call (twice as often as other shapes)."""
-        x = tokens(self.spec, 1, 1, data.draw(st.integers(0, 99), label="input seed"))
+        x = inputs(self.spec, 1, 1, data.draw(st.integers(0, 99), label="input seed"))
 
         def fn(model, call):
             with torch.inference_mode():
@@ -1451,13 +1512,14 @@ class ExpertsWeights(Experts):
         Experts.setup(self, data, spec=spec)
 
     def apply(self):
-        experts = to.stream_experts(self.off, "cpu", pin_memory=False, **self.kw)
+        experts = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)
         try:
             least = to.minimum_budget(self.off, **self.weights_kw)
             dense = sum(t.numel() * t.element_size() for n, t in self.ref.state_dict().items()
                         if ".experts." not in n)  # fmt: skip
             budget = int(least + self.budget_frac * max(dense - least, 0))
-            weights = to.stream_weights(self.off, "cpu", budget_bytes=budget, pin_memory=False,
+            weights = to.stream_weights(self.off, DEVICE, budget_bytes=budget,
+                                        pin_memory=on_gpu(),
                                         use_streams=self.kw["use_streams"],
                                         **self.weights_kw)  # fmt: skip
         except BaseException:
@@ -1577,18 +1639,46 @@ ENGINES = {
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_fuzz(engine):
+    run_machine(engine)
+
+
+# The machines whose engines have a GPU path of their own (plan: its decisions are those of
+# the activation and parameter machines; expert_host: on a GPU its cold experts round as the
+# CPU's kernels, not bitwise; the compiled machines compile for each example).
+GPU_ENGINES = ["activations", "layers", "optimizer", "stream_parameters", "stream_weights",
+               "cuda_graph", "stream_experts", "expert_graph", "experts_weights"]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slow", [False, True], ids=["copies", "slowed-copies"])
+@pytest.mark.parametrize("engine", GPU_ENGINES)
+def test_fuzz_gpu(engine, slow, gpu_deterministic, monkeypatch):
+    """The machine on the GPU (Note at DEVICE), its copy streams slowed or not: a copy that
+    compute does not wait for, or a slot reused before its reader finished, reads other
+    bytes there."""
+    from torchoffload import testing
+
+    monkeypatch.setattr(sys.modules[__name__], "DEVICE", torch.device("cuda"))
+    with testing.slow_copies(cycles=2_000_000) if slow else contextlib.nullcontext():
+        run_machine(engine, f"{engine} on cuda{', copies slowed' if slow else ''}")
+
+
+def run_machine(engine: str, name: str | None = None) -> None:
     machine, ci_examples = ENGINES[engine]
     if broken(engine, "*"):
         pytest.skip(f"issue 38 item {KNOWN_BROKEN[engine, '*']}: in KNOWN_BROKEN")
     if not FUZZ and ci_examples == 0:
         pytest.skip("compiles for each example: `make fuzz` runs it")
+    for table in (EXAMPLES, OPERATIONS, REFUSED, DRAWN):
+        table.pop(engine, None)
     start = time.perf_counter()
     machine.TestCase.settings = profile(ci_examples)
     machine.TestCase().runTest()
     if FUZZ:
         took = time.perf_counter() - start
         print(
-            f"\nfuzz {engine}: {EXAMPLES.get(engine, 0)} examples, {OPERATIONS.get(engine, 0)} "
+            f"\nfuzz {name or engine}: {EXAMPLES.get(engine, 0)} examples, "
+            f"{OPERATIONS.get(engine, 0)} "
             f"operations compared ({REFUSED.get(engine, 0)} clear refusals) in {took:.1f} s"
             + (
                 f"; optimizers built: {dict(sorted(DRAWN[engine].items()))}"
