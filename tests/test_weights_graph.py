@@ -710,3 +710,35 @@ def test_a_read_only_in_the_warm_up_is_allowed(streamed):
     x = tokens((2, 16), 0)
     for _ in range(3):
         assert torch.equal(g(x), ref(x))
+
+
+@pytest.mark.parametrize("change", ["assign a streamed", "assign a resident", "data", "module"])
+def test_a_graph_is_captured_again_when_the_model_holds_other_tensors(change):
+    """Note: [The model a graph was captured with]: a replay would read the tensors the capture
+    saw (on a GPU, outputs of the old model); the changed model's next call is captured again
+    and computes with what the model holds, as the eager call and the resident model do."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cpu", budget_bytes=2 * minimum_budget(model, resident=["pos"]),
+                       resident=["pos"])  # fmt: skip
+    g = h.cuda_graph(model)
+    x = tokens((2, 8), 0)
+    for _ in range(3):
+        g(x)
+    assert g.stats().captures == 1
+    for m in (ref, model):
+        with torch.no_grad():
+            if change == "assign a streamed":
+                m.layers[1].fc1.weight = torch.nn.Parameter(m.layers[1].fc1.weight * 0.5)
+            elif change == "assign a resident":
+                m.pos.weight = torch.nn.Parameter(m.pos.weight * 0.5)
+            elif change == "data":
+                m.pos.weight.data = m.pos.weight.detach() * 0.5
+            else:
+                m.ln_f = torch.nn.LayerNorm(CFG.hidden, eps=0.5)
+    with torch.no_grad():
+        expected = ref(x)
+    assert torch.equal(g(x), expected)
+    assert g.stats().captures == 2
+    assert torch.equal(g(x), expected)  # and replays it
+    assert g.stats().captures == 2
+    h.remove()

@@ -205,3 +205,30 @@ def test_static_inputs_mirror_their_arguments():
     finally:
         torch._dynamo.reset()
         h.remove()
+
+
+@pytest.mark.parametrize("change", ["assign a streamed", "assign a resident", "data"])
+def test_replays_after_the_model_holds_other_tensors(change):
+    """A tensor assigned, or a resident tensor's storage replaced, between replays: outputs
+    are the resident model's with the change (a replay of the old graph read the old
+    addresses; Note: [The model a graph was captured with])."""
+    ref, model = make(), make()
+    budget = 3 * minimum_budget(model, prefetch_depth=0, resident=["pos"])
+    h = stream_weights(model, "cuda", budget_bytes=budget, prefetch_depth=0, resident=["pos"])
+    g = h.cuda_graph(model)
+    x = tokens((2, 64), 0)
+    with testing.slow_copies(cycles=2_000_000), torch.no_grad():
+        for _ in range(3):
+            g(x)
+        for m in (ref, model):
+            if change == "assign a streamed":
+                m.layers[1].fc1.weight = torch.nn.Parameter(m.layers[1].fc1.weight * -2.0)
+            elif change == "assign a resident":
+                m.pos.weight = torch.nn.Parameter(m.pos.weight * -2.0)
+            else:
+                m.pos.weight.data = m.pos.weight.detach() * -2.0
+        expected = ref(x)
+        assert torch.equal(g(x), expected)
+        assert torch.equal(g(x), expected)
+    assert g.stats().captures == 2
+    h.remove()

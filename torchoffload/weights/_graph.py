@@ -164,10 +164,59 @@ class GraphRuntime(Protocol):
     def count_replay(self, delta: Counters) -> None: ...
 
 
+# Note: [The model a graph was captured with]
+# A captured graph reads every tensor of the model at the address it had at the capture: a
+# resident tensor's storage, a streamed tensor's through the arena its unit binds. The user
+# may still change what the model holds, as on the resident model: assign a new tensor
+# (``module.weight = nn.Parameter(w)``, ``load_state_dict(assign=True)`` of resident keys), a
+# resident tensor's storage (``p.data = x``, ``p.set_(x)``), or a submodule. The eager call
+# then computes with the new tensors (Note: [Placeholders never answer] for streamed ones),
+# but a replay would read the old addresses: outputs silently those of the old model (found by
+# the fuzzer on an H100: stream_experts' graph after ``model.emb.weight = nn.Parameter(...)``,
+# 0.52 off; a freed tensor's memory may even hold other bytes by then). So a capture records
+# what every module holds (`_Bindings`: each parameter, buffer and submodule slot, and a
+# plain tensor's data pointer; an engine's tensors by identity), and a call
+# whose model no longer holds it is captured again: the new graph reads the new tensors, as
+# the eager call does. In-place writes keep the address and need nothing. A check walks every
+# slot before each replay: about a microsecond per ten tensors on the host, small beside a
+# decode step that copies weights.
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)  # subclasses: by identity
+
+
+class _Bindings:
+    """What every module of ``model`` holds at a capture (Note: [The model a graph was captured
+    with]); `held()` says whether it still does."""
+
+    __slots__ = ("slots",)
+
+    def __init__(self, model: Any) -> None:
+        from torchoffload._hosted import HOSTED
+        from torchoffload.weights._binding import STREAMED
+
+        self.slots: list[tuple[dict, str, Any, int]] = []
+        if model is None:
+            return
+        for m in model.modules():
+            for held in (m._parameters, m._buffers, m._modules):
+                for name, x in held.items():
+                    # an engine's tensor: bound to other bytes at each call, and its storage
+                    # cannot be set (Note: [Placeholders never answer]): its identity only
+                    plain = type(x) in _PLAIN and x not in STREAMED and x not in HOSTED
+                    self.slots.append((held, name, x, x.data_ptr() if plain else -1))
+
+    def held(self) -> bool:
+        for held, name, x, ptr in self.slots:
+            if held.get(name) is not x or (ptr != -1 and x.data_ptr() != ptr):
+                return False
+        return True
+
+
 class _Captured:
     __slots__ = (
         "graph", "inputs", "positions", "outputs", "delta", "fn_args", "arena", "primes",
-        "written", "held",
+        "written", "held", "bindings",
     )  # fmt: skip
 
     def __init__(self, written: frozenset[int] = frozenset()) -> None:
@@ -182,19 +231,22 @@ class _Captured:
         self.fn_args: Any = None  # (args, kwargs) over the static inputs (the CPU replay)
         self.arena: Any = None  # the runtime's `graph_state()` at capture
         self.primes: Primes = ()  # units a replay finds loaded (Note: [Primed replays])
+        self.bindings = _Bindings(None)  # Note: [The model a graph was captured with]
 
 
 class StreamedGraph:
     """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
     signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
 
-    def __init__(self, runtime: GraphRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True):
+    def __init__(self, runtime: GraphRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True,
+                 model: Any = None):  # fmt: skip
         check_callable("fn", fn, optional=False)
         check_int("max_graphs", max_graphs, minimum=1)
         check_bool("prime", prime)
         self.prime = prime
         self._rt = runtime
         self._fn = fn
+        self._model = model  # Note: [The model a graph was captured with]
         self.max_graphs = max_graphs
         self.device = runtime.device
         self._cuda = self.device.type == "cuda"
@@ -237,8 +289,9 @@ class StreamedGraph:
                     "place])"
                 )
         with torch.no_grad():
-            if entry.graph is not None and entry.arena != rt.graph_state():
-                # kept units moved: capture again
+            if entry.graph is not None and (
+                entry.arena != rt.graph_state() or not entry.bindings.held()
+            ):  # kept units moved, or the model holds other tensors: capture again
                 entry = self._graphs[key] = _Captured(entry.written)
             if entry.graph is None:
                 self._capture(entry, leaves, spec)
@@ -303,6 +356,7 @@ class StreamedGraph:
                 entry.positions.append(i)
                 entry.inputs.append(s)
         entry.arena = self._rt.graph_state()
+        entry.bindings = _Bindings(self._model)
         args, kwargs = tree_unflatten(statics, spec)
         entry.fn_args = (args, kwargs)
         primes = self._rt.primes() if self.prime else ()  # Note: [Primed replays]
