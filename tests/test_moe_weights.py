@@ -10,12 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 from fuzz_models import tokens  # tests/ is on sys.path
+from safetensors.torch import save_file
 from test_moe import GEN, SPEC, inputs, moe, prompt, qwen3, same, snapshot
 from torch import nn
 
 import torchoffload as to
 from torchoffload import stream_experts, stream_parameters, stream_weights
 from torchoffload._hosted import HostedError
+from torchoffload.weights import CheckpointError
 
 
 def dense_bytes(model) -> int:
@@ -246,3 +248,109 @@ def test_module_list_dense_first_block_given_units():
     hw.remove()
     he.remove()
     assert same(snapshot(model), snapshot(ref))
+
+
+# -- a checkpoint read by stream_weights (Note: [Checkpoint entries of tensors another engine
+# hosts] in weights/_store.py) -------------------------------------------------------------------
+
+
+def other_values(model, path):
+    """Save ``model``'s state dict with other values (each tensor + noise) to ``path``; return
+    it."""
+    gen = torch.Generator().manual_seed(7)
+    sd = {k: (v + torch.randn(v.shape, generator=gen).to(v.dtype)).contiguous()
+          for k, v in model.state_dict().items()}  # fmt: skip
+    save_file(sd, str(path))
+    return sd
+
+
+def build(kind, dtype=torch.float32):
+    return qwen3(dtype=dtype) if kind == "qwen3" else moe(dtype=str(dtype).split(".")[1])
+
+
+def run(model, kind):
+    x = prompt() if kind == "qwen3" else tokens(SPEC, 2, 5, 1)
+    with torch.no_grad():
+        out = model(x)
+    return out.logits if kind == "qwen3" else out
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "list"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_entries_of_a_checkpoint_are_read_into_the_expert_store(tmp_path, kind, dtype):
+    """The experts held their old values (logits 58 and 2455 off in float32)."""
+    model, ref = build(kind, dtype), build(kind, dtype)
+    sd = other_values(model, tmp_path / "model.safetensors")
+    ref.load_state_dict(sd)
+    he = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    with torch.no_grad():
+        run(model, kind)  # every expert in the cache, with the old values
+    hw = stream_weights(model, "cpu", budget_bytes=1 << 30, pin_memory=False,
+                        checkpoint=tmp_path / "model.safetensors")  # fmt: skip
+    assert torch.equal(run(model, kind), run(ref, kind))
+    assert same(model.state_dict(), sd)
+    hw.remove()
+    he.remove()
+    assert same(snapshot(model), snapshot(ref))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "list"])
+def test_a_checkpoint_lacking_an_expert_is_refused_unless_not_strict(tmp_path, kind):
+    model, ref = build(kind), build(kind)
+    sd = other_values(model, tmp_path / "full.safetensors")
+    expert = next(k for k in sd if ".experts." in k)
+    save_file({k: v for k, v in sd.items() if k != expert}, str(tmp_path / "part.safetensors"))
+    he = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=rf"1 tensor of the model is not .*'{expert}'"):
+        stream_weights(model, "cpu", budget_bytes=1 << 30, pin_memory=False,
+                       checkpoint=tmp_path / "part.safetensors")  # fmt: skip
+    assert same(snapshot(model), before) and not hasattr(model, "_torchoffload_weights")
+    hw = stream_weights(model, "cpu", budget_bytes=1 << 30, pin_memory=False, strict=False,
+                        checkpoint=tmp_path / "part.safetensors")  # fmt: skip
+    ref.load_state_dict({k: v for k, v in sd.items() if k != expert}, strict=False)
+    assert torch.equal(run(model, kind), run(ref, kind))
+    assert same(model.state_dict(), ref.state_dict())
+    hw.remove()
+    he.remove()
+
+
+def test_an_expert_entry_of_another_shape_is_refused_before_anything_changes(tmp_path):
+    model = qwen3()
+    sd = other_values(model, tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    sd[name] = sd[name][:, :, :-1].contiguous()
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    he = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    before = snapshot(model)
+    with pytest.raises(CheckpointError, match=rf"'{name}' is \[8, 32, 16\] torch.float32"):
+        stream_weights(model, "cpu", budget_bytes=1 << 30, pin_memory=False,
+                       checkpoint=tmp_path / "model.safetensors")  # fmt: skip
+    assert same(snapshot(model), before)
+    he.remove()
+
+
+def test_a_meta_model_cannot_stream_its_experts():
+    """stream_experts needs the experts' values at setup: experts on meta are refused (load
+    the model first); stream_weights' checkpoint comes after it."""
+    with torch.device("meta"):
+        model = qwen3()
+    with pytest.raises(
+        ValueError, match="'model.layers.0.mlp.experts.gate_up_proj' is on the meta"
+    ):
+        stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+
+
+def test_an_engine_whose_store_cannot_be_filled_is_refused(tmp_path, monkeypatch):
+    from torchoffload.moe._store import ExpertStore
+
+    model = moe()
+    other_values(model, tmp_path / "model.safetensors")
+    he = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    before = snapshot(model)
+    monkeypatch.delattr(ExpertStore, "fill_piece")
+    with pytest.raises(CheckpointError, match="'blocks.0.experts.0.w1.weight' streams with "):
+        stream_weights(model, "cpu", budget_bytes=1 << 30, pin_memory=False,
+                       checkpoint=tmp_path / "model.safetensors")  # fmt: skip
+    assert same(snapshot(model), before)
+    he.remove()

@@ -613,6 +613,23 @@ def _bump_versions(store: HostStore, key: Any) -> None:
                 torch.Tensor.zero_(t)  # empty: no bytes written, the counter bumped
 
 
+def fill(t: torch.Tensor, read: Callable[[torch.Tensor], None]) -> None:
+    """Write placeholder ``t``'s values in place in its host store, from elsewhere (a
+    checkpoint: Note: [Checkpoint entries of tensors another engine hosts] in
+    weights/_store.py). ``read`` fills the bytes of ``t``'s piece, a host uint8 tensor, handed
+    out by the store's ``fill_piece(key, read)`` (a store without one cannot be filled:
+    `fillable`); then ``t``'s placeholders count the write, as after a write back."""
+    ref = REFS[t]
+    ref.store.fill_piece(ref.key, read)  # type: ignore[attr-defined]
+    _bump_versions(ref.store, ref.key)
+
+
+def fillable(t: torch.Tensor) -> bool:
+    """`fill` can write ``t``: its store hands out pieces and ``t`` is one whole piece."""
+    ref = REFS.get(t)
+    return ref is not None and hasattr(ref.store, "fill_piece") and ref.offset == 0
+
+
 def _on_real_copy(func: Any, args: tuple, kwargs: dict) -> Any:
     """``copy.deepcopy`` / pickling of a placeholder: of a plain tensor with its values."""
     t = args[0]

@@ -90,6 +90,17 @@ class ExpertStore:
             with torch.no_grad():
                 self.source(li, pi, 0, n).copy_(data)
 
+    def fill_piece(self, key: Any, read: Callable[[torch.Tensor], None]) -> None:
+        """``read`` writes a piece's bytes in place (a checkpoint's entry: see `_hosted.fill`),
+        after every copy that read them and with their experts forgotten by the cache, as
+        before a write back."""
+        with self._lock:
+            self._check_live()
+            li, pi = key
+            n = self.layout.layers[li].pieces[pi].nbytes
+            self._on_write(li, self.layout.layers[li].experts_of_piece(pi, 0, n))
+            read(self.source(li, pi, 0, n))
+
     def _check_live(self) -> None:
         if self.removed:
             raise _hosted.HostedError(

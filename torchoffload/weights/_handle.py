@@ -284,7 +284,8 @@ def stream_weights(
 
     Tensors that stream with another engine (the experts of `stream_experts`, applied
     first) are left alone: in no unit, in no budget, not moved; a unit may contain them, and
-    that engine loads them inside its forward. `remove()` this handle before that one.
+    that engine loads them inside its forward; ``checkpoint`` entries of theirs are read into
+    that engine's host store. `remove()` this handle before that one.
     See Note: [Tensors hosted by another engine] in _layout.py.
 
     Outside its unit's forward a streamed tensor is empty (Note: [Binding weights in place]):

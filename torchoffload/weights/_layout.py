@@ -233,7 +233,9 @@ def candidates(
     stream_weights holds, and refuses `remove()` while stream_weights holds its dense
     tensors: it would move them back under stream_weights). A graph captured by one engine
     does not drive the other's copies: `cuda_graph` refuses a layout with hosted tensors, and
-    stream_experts' `cuda_graph` refuses while stream_weights holds its dense tensors.
+    stream_experts' `cuda_graph` refuses while stream_weights holds its dense tensors. A
+    checkpoint's entry of such a tensor is read into the other engine's store (Note:
+    [Checkpoint entries of tensors another engine hosts] in _store.py).
 
     Note: [Tensors with no elements]
     A plain tensor with no elements has no bytes to store or copy: it is in no unit, neither

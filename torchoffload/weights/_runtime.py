@@ -35,7 +35,7 @@ from torchoffload.weights._checkpoint import Checkpoint
 from torchoffload.weights._layout import Layout, Slot
 from torchoffload.weights._pipeline import Pipeline
 from torchoffload.weights._schedule import Schedule
-from torchoffload.weights._store import HostStore, fill_host, read_plan
+from torchoffload.weights._store import HostStore, fill_host, fill_hosted, read_plan
 
 __all__ = ["STREAMED", "StreamConfig", "WeightRuntime"]
 
@@ -100,7 +100,7 @@ class WeightRuntime:
                     f"{slot.tensor.device}: move it to {dev} before stream_weights"
                 )
         # - Host store: every streamed storage once, in the pieces of the layout
-        reads, resident_values = read_plan(layout, checkpoint, strict=strict)
+        reads, resident_values, hosted = read_plan(layout, checkpoint, strict=strict)
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
         host = pinned_buffer(layout.host_bytes, pin=pin)
         fill_host(host, layout, checkpoint, reads)
@@ -119,6 +119,8 @@ class WeightRuntime:
         self.resident_bytes = self.binding.setup(self, self.store, arena.storage, self.units,
                                                  resident_values)  # fmt: skip
         self.resident_names = [q for s in layout.resident for _, _, q in s.where]
+        # See Note: [Checkpoint entries of tensors another engine hosts] in _store.py
+        fill_hosted(checkpoint, hosted)
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 

@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 
 def read_plan(
     layout: Layout, checkpoint: Checkpoint | None, *, strict: bool = True
-) -> tuple[dict[Any, tuple[Entry, Leaf]], dict[int, torch.Tensor]]:
+) -> tuple[dict[Any, tuple[Entry, Leaf]], dict[int, torch.Tensor], list[tuple[Entry, Slot]]]:
     """What to read from ``checkpoint`` (None: the model's own values): for each streamed
-    storage it holds, its entry and leaf; and the values of the resident tensors it holds, on
-    the host (by id). Raises before anything of the model changes; ``strict``: a tensor the
-    checkpoint lacks is an error (Note: [Tensors a checkpoint lacks])."""
+    storage it holds, its entry and leaf; the values of the resident tensors it holds, on
+    the host (by id); and the entries of tensors another engine hosts, for `fill_hosted`.
+    Raises before anything of the model changes; ``strict``: a tensor the checkpoint lacks is
+    an error (Note: [Tensors a checkpoint lacks])."""
     if checkpoint is None:
         meta = [s.name for s in (*layout.streamed, *layout.resident) if s.tensor.is_meta]
         if meta:
@@ -37,13 +38,13 @@ def read_plan(
                 "directory), or load the weights first"
             )
         _check_replaceable(layout.empty, ValueError)
-        return {}, {}
+        return {}, {}, []
     for slot in layout.empty:  # Note: [Tensors with no elements] in _layout.py
         entry = checkpoint.find(_names(slot))
         if entry is not None:
             _check_entry(entry, entry.name, slot.tensor.dtype, tuple(slot.tensor.shape))
-    reads = _match_checkpoint(layout, checkpoint, strict=strict)
-    return reads, _resident_from_checkpoint(layout, checkpoint)
+    reads, hosted = _match_checkpoint(layout, checkpoint, strict=strict)
+    return reads, _resident_from_checkpoint(layout, checkpoint), hosted
 
 
 def fill_host(host: torch.Tensor, layout: Layout, checkpoint: Checkpoint | None,
@@ -76,6 +77,60 @@ def fill_host(host: torch.Tensor, layout: Layout, checkpoint: Checkpoint | None,
         src = torch.empty(0, dtype=torch.uint8, device=t.device)
         src.set_(storage, 0, (storage.nbytes(),), (1,))
         host[off : off + hi - lo].copy_(src[lo:hi])
+
+
+# Note: [Checkpoint entries of tensors another engine hosts]
+# A tensor that another engine hosts (an expert of `stream_experts`, applied first: Note:
+# [Tensors hosted by another engine] in _layout.py) is still a tensor of the model, and its
+# checkpoint entry is its value: it is read, straight into that engine's host store (the
+# store's ``fill_piece``, through `_hosted.fill`), as torch's ``load_state_dict`` would load it
+# into the plain model. It was left out: the expert computed silently with its old values
+# (every expert of a Qwen3-MoE or a ModuleList mixture: logits 58 and 2455 off). Its entry is
+# checked with the others before anything changes (dtype, shape; the tensor one whole C-order
+# piece of a store that hands pieces out, else `CheckpointError`), counts as a match of the
+# model, and a tensor the checkpoint lacks is refused under ``strict`` as any other (Note:
+# [Tensors a checkpoint lacks]). The reads come last in the runtime's setup, after every
+# check and allocation, each after the other engine's copies that read those bytes, with
+# its cached copies forgotten (as a write of its store).
+
+
+def _match_hosted(
+    layout: Layout, checkpoint: Checkpoint, lacked: list[str]
+) -> list[tuple[Entry, Slot]]:
+    """The entries of the tensors another engine hosts (Note: [Checkpoint entries of tensors
+    another engine hosts]), checked; the names of those it lacks go to ``lacked``."""
+    out: list[tuple[Entry, Slot]] = []
+    for slot in layout.hosted:
+        names, t = _names(slot), slot.tensor
+        entry = checkpoint.find(names)
+        if entry is None:
+            lacked.extend(names[:1])
+            continue
+        _check_entry(entry, names[0], t.dtype, tuple(t.shape))
+        if not _hosted.fillable(t) or t.stride() != _c_strides(tuple(t.shape)):
+            raise CheckpointError(
+                f"{slot.name!r} streams with another engine that cannot read a checkpoint "
+                "entry into it: load the checkpoint with load_state_dict, or pass no "
+                "checkpoint"
+            )
+        out.append((entry, slot))
+    return out
+
+
+def fill_hosted(checkpoint: Checkpoint | None, hosted: list[tuple[Entry, Slot]]) -> None:
+    """Read each entry into the host store of the engine that hosts its tensor (Note:
+    [Checkpoint entries of tensors another engine hosts])."""
+    for entry, slot in hosted:
+        assert checkpoint is not None
+        _hosted.fill(slot.tensor, lambda buf, entry=entry: checkpoint.read_into([(entry, buf)]))
+
+
+def _c_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
 
 
 class HostStore:
@@ -206,9 +261,9 @@ def _names(slot: Any) -> list[str]:
 # ``load_state_dict(strict=True)``: a model built with random values and a checkpoint whose
 # names mostly differ (another prefix, a shard missing from the index) would otherwise compute
 # silently with random weights. ``strict=False`` keeps such a tensor's own values. Not
-# required: non-persistent buffers (not in ``state_dict()``, never read from a checkpoint),
-# tensors with no elements (no values), and tensors another engine hosts (in no list of the
-# layout: Note: [Tensors hosted by another engine] in _layout.py). A tensor on meta that the
+# required: non-persistent buffers (not in ``state_dict()``, never read from a checkpoint)
+# and tensors with no elements (no values). Tensors another engine hosts are required too
+# (Note: [Checkpoint entries of tensors another engine hosts]). A tensor on meta that the
 # checkpoint lacks has no values: an error whatever ``strict`` says. Entries the model does
 # not have are ignored (older Hugging Face checkpoints hold ``rotary_emb.inv_freq``), unless
 # no entry matches at all: then it is not this model's checkpoint.
@@ -216,9 +271,10 @@ def _names(slot: Any) -> list[str]:
 
 def _match_checkpoint(
     layout: Layout, checkpoint: Checkpoint, *, strict: bool = True
-) -> dict[Any, tuple[Entry, Leaf]]:
+) -> tuple[dict[Any, tuple[Entry, Leaf]], list[tuple[Entry, Slot]]]:
     """For each streamed storage the checkpoint holds: its entry and its leaf, checked (name
-    under any of the tensor's names, dtype, shape, a whole contiguous storage). Raises
+    under any of the tensor's names, dtype, shape, a whole contiguous storage); and the
+    entries of hosted tensors (`_match_hosted`). Raises
     `CheckpointError` before anything is read or changed; a tensor on the meta device that the
     checkpoint lacks is an error (it has no values), and so is any other it lacks if ``strict``
     (Note: [Tensors a checkpoint lacks])."""
@@ -261,8 +317,11 @@ def _match_checkpoint(
                     "load_state_dict and pass no checkpoint"
                 )
         reads[first.key] = (entry, first)
-    if not reads and not any(
-        n in checkpoint.entries for slot in layout.resident for n in _names(slot)
+    hosted = _match_hosted(layout, checkpoint, lacked)
+    if (
+        not reads
+        and not hosted
+        and not any(n in checkpoint.entries for slot in layout.resident for n in _names(slot))
     ):
         raise CheckpointError(
             f"no tensor of the model is in the checkpoint {checkpoint.source} (model names "
@@ -294,7 +353,7 @@ def _match_checkpoint(
             "state_dict(), every shard in the index), or pass strict=False to keep their own "
             "values"
         )
-    return reads
+    return reads, hosted
 
 
 def _check_replaceable(slots: tuple[Slot, ...], error: type[ValueError]) -> None:
