@@ -572,3 +572,58 @@ def test_a_units_input_used_inside_and_outside_it_sums_its_gradient_as_plain_aut
     rt = handle._runtime
     assert rt.loaded_bytes == 0 and all(u.inputs_pending == 0 for u in rt.units)
     handle.remove()
+
+
+class _WithEmpty(nn.Module):
+    """Blocks holding a parameter and a buffer with no elements (their values exact all the
+    same: sums of nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.e = nn.Parameter(torch.empty(0, 8))
+        self.register_buffer("z", torch.empty(8, 0).t())
+
+    def forward(self, x):
+        return self.a(x) + self.e.sum(0) + self.z.sum(0)
+
+
+@pytest.mark.parametrize("meta", ["e", "z", "both"])
+def test_a_tensor_with_no_elements_on_meta_is_made_on_the_device(meta):
+    """Note: [Tensors with no elements] as in stream_weights: the same object made on the
+    compute device with its geometry. It stayed on meta: the forward raised "Tensor on device
+    meta is not on the expected device cpu!", state_dict() held a meta tensor, and so did the
+    model after remove()."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_WithEmpty(), _WithEmpty())
+    model = copy.deepcopy(ref)
+    held = {}
+    for block in model:
+        if meta in ("e", "both"):
+            block.e = nn.Parameter(torch.empty(0, 8, device="meta"))
+        if meta in ("z", "both"):
+            block.z = torch.empty(8, 0, device="meta").t()
+        held[block] = (block.e, block.z)
+    handle = to.stream_parameters(model, 1 << 20, device="cpu", unit=list(model),
+                                  pin_memory=False)  # fmt: skip
+    opt = to.OffloadedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):
+            m(x).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+    for block, want in zip(model, ref, strict=True):
+        assert (block.e, block.z) == held[block] and type(block.e) is nn.Parameter
+        assert [(t.device, t.shape, t.stride()) for t in held[block]] == [
+            (t.device, t.shape, t.stride()) for t in (want.e, want.z)]  # fmt: skip
+    sd, want = model.state_dict(), ref.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    opt.remove()
+    handle.remove()
+    assert all(not t.is_meta for t in model.state_dict().values())
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))

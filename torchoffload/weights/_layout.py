@@ -246,6 +246,8 @@ def candidates(
     it); `remove()` gives it back the tensor it had or, if that was on meta, an empty one on
     the host (as every tensor that was on meta). A checkpoint need not hold it; if it does,
     the entry's dtype and shape are checked. A composite with no elements is left as it is.
+    `stream_parameters` places them the same way, and leaves them on the device after
+    `remove()`, as its resident tensors (one on meta stayed there: the forward raised).
     """
     slots = find_slots(model)
     streamed: list[Slot] = []

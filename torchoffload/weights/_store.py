@@ -37,7 +37,7 @@ def read_plan(
                 f"{meta[0]!r}) and have no values: pass checkpoint= (a safetensors file or "
                 "directory), or load the weights first"
             )
-        _check_replaceable(layout.empty, ValueError)
+        check_replaceable(layout.empty, ValueError)
         return {}, {}, []
     for slot in layout.empty:  # Note: [Tensors with no elements] in _layout.py
         entry = checkpoint.find(_names(slot))
@@ -328,7 +328,7 @@ def _match_checkpoint(
             f"like {layout.streamed[0].name!r}, checkpoint names like "
             f"{next(iter(checkpoint.entries), '(none)')!r}): is it this model's checkpoint?"
         )
-    _check_replaceable((*layout.streamed, *layout.resident, *layout.empty), CheckpointError)
+    check_replaceable((*layout.streamed, *layout.resident, *layout.empty), CheckpointError)
     for slot in layout.resident:
         names = _names(slot)
         if not any(n in checkpoint.entries for n in names):
@@ -356,7 +356,7 @@ def _match_checkpoint(
     return reads, hosted
 
 
-def _check_replaceable(slots: tuple[Slot, ...], error: type[ValueError]) -> None:
+def check_replaceable(slots: tuple[Slot, ...], error: type[ValueError]) -> None:
     """A tensor on the meta device gets its contents swapped in place (`set_data`), which a
     weak reference to it prevents: refused before anything changes."""
     for slot in slots:

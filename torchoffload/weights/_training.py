@@ -60,8 +60,10 @@ from torchoffload._modules import held
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
 from torchoffload.weights import _layout
+from torchoffload.weights._binding import set_data
 from torchoffload.weights._pieces import Piece, PieceStore
 from torchoffload.weights._runtime import STREAMED, StreamConfig
+from torchoffload.weights._store import check_replaceable
 
 
 def _in_backward() -> bool:
@@ -551,10 +553,7 @@ def stream_parameters(
             f"({largest} bytes, {largest / 2**20:.1f} MiB): the minimum budget. Its backward "
             "may hold two units at once; prefetching needs more"
         )
-    for t in (s.tensor for s in layout.resident):
-        if t.device != dev and not t.is_meta:
-            with torch.no_grad():
-                t.data = t.data.to(dev)
+    _place(layout, dev)
     runtime = ParameterRuntime(layout, config)
     hooks: list[RemovableHandle] = []
     ref = weakref.ref(runtime)
@@ -587,6 +586,20 @@ class _Hook:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(_NO_COPY)
+
+
+def _place(layout: _layout.Layout, dev: torch.device) -> None:
+    """Resident tensors moved to ``dev`` (one on meta is left: it has no values), and tensors
+    with no elements made there, as `stream_weights` does (Note: [Tensors with no elements] in
+    _layout.py); they stay on ``dev`` after `remove()`, as the resident ones."""
+    check_replaceable(layout.empty, ValueError)
+    with torch.no_grad():
+        for t in (s.tensor for s in layout.empty):
+            if t.device != dev:
+                set_data(t, torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev))
+        for t in (s.tensor for s in layout.resident):
+            if t.device != dev and not t.is_meta:
+                t.data = t.data.to(dev)
 
 
 def _unit_bytes(layout: _layout.Layout, unit: _layout.UnitLayout) -> int:
