@@ -1345,7 +1345,13 @@ class Experts(InferenceMachine):
         self.kw = dict(cache_bytes=cache - data.draw(st.sampled_from([0, 0, 0, 1]), label="less"),
                        policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
                        use_streams=data.draw(st.booleans(), label="use_streams"))  # fmt: skip
+        self.load = {}
+        self.draw_weights(data)
         self.start()
+
+    def draw_weights(self, data):
+        """Where the first apply reads the weights from: the model's own (stream_experts
+        takes no checkpoint)."""
 
     def apply(self):
         self.handle = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)
@@ -1496,7 +1502,10 @@ class ExpertsWeights(Experts):
     """stream_experts, then stream_weights over the dense parts at a random budget from the
     least up, prefetch depth and cut (Note: [Tensors hosted by another engine]): every
     operation of the inference machine, remove() of both in order and apply again, and
-    stream_experts' remove() first, which must be refused changing nothing."""
+    stream_experts' remove() first, which must be refused changing nothing. The weights
+    may come from a checkpoint that stream_weights reads, experts included (Note:
+    [Checkpoint entries of tensors another engine hosts]), into a real model with other values
+    (a model on meta cannot stream its experts), whole or lacking one tensor."""
 
     ENGINE = "experts_weights"
 
@@ -1511,6 +1520,12 @@ class ExpertsWeights(Experts):
         self.budget_frac = data.draw(st.sampled_from([0.0, 0.3, 1.0, 3.0]), label="budget")
         Experts.setup(self, data, spec=spec)
 
+    def draw_weights(self, data):
+        source = data.draw(st.sampled_from(["model", "model", "checkpoint", "partial checkpoint"]),
+                           label="weights")  # fmt: skip
+        if source != "model":
+            self.from_checkpoint(data, meta=False, partial="partial" in source)
+
     def apply(self):
         experts = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)
         try:
@@ -1518,9 +1533,10 @@ class ExpertsWeights(Experts):
             dense = sum(t.numel() * t.element_size() for n, t in self.ref.state_dict().items()
                         if ".experts." not in n)  # fmt: skip
             budget = int(least + self.budget_frac * max(dense - least, 0))
+            load, self.load = self.load, {}  # the first apply only
             weights = to.stream_weights(self.off, DEVICE, budget_bytes=budget,
                                         pin_memory=on_gpu(),
-                                        use_streams=self.kw["use_streams"],
+                                        use_streams=self.kw["use_streams"], **load,
                                         **self.weights_kw)  # fmt: skip
         except BaseException:
             experts.remove()
