@@ -30,7 +30,11 @@ function that reaches it is seen. A placeholder never computes on its empty stor
   (`guard_conversions`): a conversion that would change a hosted tensor's dtype or device
   raises and changes nothing; one that changes nothing (``model.to(its device)``) runs, except
   under ``torch.__future__.set_swap_module_params_on_conversion(True)``, where it would swap
-  the tensor objects the engine streams: refused too.
+  the tensor objects the engine streams: refused too;
+- a function that gives a device copy another storage (``torch.ops.aten.set_``, which
+  reaches ``__torch_function__`` where the method does not) is refused like a geometry
+  change, and one that writes an argument without bumping its version counter is told by
+  its schema (Note: [Writes that bump no version counter]).
 Binding swaps the class back, so inside its unit a parameter is a plain tensor with no
 per-op cost. The class swap is an attribute store on the Python object; nothing else of the
 tensor changes.
@@ -544,8 +548,8 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
                 v.requires_grad_(True)
             temps[id(t)] = (v, pk)
     # set_ gives each copy a version counter of its own: a write through any of them counts.
-    before = {i: (v._version, v.shape, v.stride(), v.storage_offset()) for i, (v, _) in
-              temps.items()}  # fmt: skip
+    before = {i: (v._version, v.shape, v.stride(), v.storage_offset(),
+                  v.untyped_storage()._cdata) for i, (v, _) in temps.items()}  # fmt: skip
     a, k = pytree.tree_map(
         lambda x: temps[id(x)][0] if id(x) in temps and isinstance(x, torch.Tensor) else x,
         (args, kwargs),
@@ -553,14 +557,15 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
     with DisableTorchFunctionSubclass():
         out = func(*a, **k)
     name = refs[0].name
+    declared = _declared_writes(func, a, k)
     written: dict[tuple[int, Any], list[tuple[int, int]]] = {}
     for i, (v, pk) in temps.items():
-        if (v.shape, v.stride(), v.storage_offset()) != before[i][1:]:
+        if (v.shape, v.stride(), v.storage_offset(), v.untyped_storage()._cdata) != before[i][1:]:
             raise HostedError(
-                f"{_fname(func)} changed the geometry of streamed tensor {name!r} outside its "
-                "unit; it was not applied"
+                f"{_fname(func)} changed the geometry or the storage of streamed tensor "
+                f"{name!r} outside its unit; it was not applied"
             )
-        if v._version != before[i][0]:
+        if v._version != before[i][0] or id(v) in declared:
             written.setdefault(pk, []).append(_byte_range(v))
     by_temp = {id(temps[id(t)][0]): t for t in holders}
     storages = {p.untyped_storage()._cdata: pk for pk, (_, p) in pieces.items()}
@@ -594,6 +599,58 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict, holders: list[torch.Ten
         return p
 
     return pytree.tree_map(back, out)
+
+
+def _declared_writes(func: Any, args: tuple, kwargs: dict) -> set[int]:
+    """The ids of the tensors ``func`` was given in arguments that its aten schema marks
+    written (``Tensor(a!)``), whether or not it bumped their version counters.
+
+    Note: [Writes that bump no version counter]
+    A write through a placeholder's device copy is told by the copy's version counter
+    (`_run_on_values`), but a few kernels write their arguments without bumping it: the fused
+    optimizer steps (``torch._fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``,
+    ``_fused_adagrad_``, which ``torch.optim.AdamW(fused=True)`` calls on the parameters).
+    Told by the version only, such a step of a streamed parameter was computed and dropped:
+    the parameters silently kept their old values (0.10 off after one AdamW step). So an
+    argument that the function's schema declares written counts as written too (every
+    overload's, by position and by name: a write-back of unchanged bytes costs a copy, never
+    a value)."""
+    positions, names = _schema_writes(func)
+    if not positions and not names:
+        return set()
+    ids: set[int] = set()
+    given = [x for i, x in enumerate(args) if i in positions]
+    given += [x for n, x in kwargs.items() if n in names]
+    for t in pytree.tree_leaves(given):
+        if isinstance(t, torch.Tensor):
+            ids.add(id(t))
+    return ids
+
+
+_SCHEMA_WRITES: dict[Any, tuple[frozenset[int], frozenset[str]]] = {}
+
+
+def _schema_writes(func: Any) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of the arguments written by ``func`` (an OpOverload, a packet, or a
+    torch function or method named after an in-place aten op); none where it has no schema."""
+    found = _SCHEMA_WRITES.get(func)
+    if found is not None:
+        return found
+    schemas = []
+    if isinstance(func, torch._ops.OpOverload):
+        schemas = [func._schema]
+    else:
+        name = getattr(func, "__name__", "")
+        packet = func if isinstance(func, torch._ops.OpOverloadPacket) else None
+        if packet is None and name.endswith("_") and not name.startswith("__"):
+            packet = getattr(torch.ops.aten, name, None)
+        if packet is not None:
+            schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    args = [(i, a.name) for s in schemas for i, a in enumerate(s.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]  # fmt: skip
+    found = (frozenset(i for i, _ in args), frozenset(n for _, n in args))
+    _SCHEMA_WRITES[func] = found
+    return found
 
 
 def _byte_range(v: torch.Tensor) -> tuple[int, int]:
