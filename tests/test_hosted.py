@@ -526,3 +526,23 @@ def test_an_aten_op_that_replaces_the_storage_is_refused(engine):
     assert torch.equal(outputs(call, x), outputs(ref, x))
     handle.remove()
     assert same_state(state(model), state(ref))
+
+
+@pytest.mark.parametrize("engine", ALL_ENGINES)
+def test_sharing_the_model_memory_is_refused(engine):
+    """``model.share_memory()`` shared the placeholders' empty storages (``Module._apply``
+    runs past ``__torch_function__``): under stream_parameters on the CPU the next forward
+    resized a shared storage and crashed the process (SIGSEGV); under every engine a process
+    given a streamed tensor got a copy, its writes lost. Refused before anything changes."""
+    model, ref, handle, call, x, _ = streamed(engine)
+    outputs(call, x)
+    shared = {n: t.is_shared() for n, t in model.state_dict().items()}
+    with pytest.raises(HostedError, match=r"share_memory\(\).*Nothing was changed.*remove"):
+        model.share_memory()
+    assert {n: t.is_shared() for n, t in model.state_dict().items()} == shared
+    assert not any(p.is_shared() for p in model.parameters() if not is_placeholder(p))
+    assert torch.equal(outputs(call, x), outputs(ref, x))
+    handle.remove()
+    model.share_memory()
+    assert all(p.is_shared() for p in model.parameters())
+    assert torch.equal(outputs(model, x), outputs(ref, x))

@@ -30,7 +30,8 @@ function that reaches it is seen. A placeholder never computes on its empty stor
   (`guard_conversions`): a conversion that would change a hosted tensor's dtype or device
   raises and changes nothing; one that changes nothing (``model.to(its device)``) runs, except
   under ``torch.__future__.set_swap_module_params_on_conversion(True)``, where it would swap
-  the tensor objects the engine streams: refused too;
+  the tensor objects the engine streams: refused too; so is ``model.share_memory()`` (it
+  would share the placeholders' empty storages, never the values);
 - a function that gives a device copy another storage (``torch.ops.aten.set_``, which
   reaches ``__torch_function__`` where the method does not) is refused like a geometry
   change, and one that writes an argument without bumping its version counter is told by
@@ -729,7 +730,15 @@ class ConversionGuard:
         for t in hosted:
             ref = REFS[t]
             probe = torch.empty(0, dtype=ref.dtype, device=_device_of(t))
+            shared = probe.is_shared()
             out = fn(probe)
+            if probe.is_shared() != shared:
+                raise HostedError(
+                    f"model.share_memory() while {self.engine} is active: streamed tensor "
+                    f"{ref.name!r} has its values in the handle's host store, not in memory "
+                    "another process could share (a process would see a copy, its writes "
+                    "lost). Nothing was changed. Call the handle's remove() first"
+                )
             same = (ref.dtype, probe.device)
             if isinstance(out, torch.Tensor) and (out.dtype, out.device) != same:
                 raise HostedError(
