@@ -1186,19 +1186,27 @@ class InferenceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.can("edit"))
     @rule(data=st.data())
     def edit(self, data):
-        """An in-place write (``mul_``), or ``p.set_`` to a new storage: computed with the new
-        values, or refused clearly with nothing changed."""
+        """An in-place write (``mul_``), ``p.set_`` or ``torch.ops.aten.set_`` to a new
+        storage, or a fused optimizer's step (its kernel bumps no version counter): computed
+        with the new values, or refused clearly with nothing changed."""
         names = [n for n, _ in self.ref.named_parameters()]
         name = data.draw(st.sampled_from(names), label="parameter")
-        how = data.draw(st.sampled_from(["mul_", "mul_", "set_"]), label="edit")
+        how = data.draw(st.sampled_from(["mul_", "mul_", "set_", "aten.set_", "fused SGD step"]),
+                        label="edit")  # fmt: skip
 
         def fn(model, call):
+            p = model.get_parameter(name)
             with torch.no_grad():
-                p = model.get_parameter(name)
                 if how == "mul_":
                     p.mul_(0.5)
-                else:
+                elif how == "set_":
                     p.set_((p * 0.5).detach().clone())
+                elif how == "aten.set_":
+                    torch.ops.aten.set_.source_Tensor(p, (p * 0.5).detach().clone())
+            if how == "fused SGD step":
+                p.grad = torch.ones(p.shape, dtype=p.dtype)
+                torch.optim.SGD([p], lr=0.5, fused=True).step()
+                p.grad = None
 
         self.both(fn, f"edit {how} {name}")
 
