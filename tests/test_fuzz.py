@@ -1204,7 +1204,7 @@ class InferenceMachine(RuleBasedStateMachine):
                 elif how == "aten.set_":
                     torch.ops.aten.set_.source_Tensor(p, (p * 0.5).detach().clone())
             if how == "fused SGD step":
-                p.grad = torch.ones(p.shape, dtype=p.dtype)
+                p.grad = torch.ones(p.shape, dtype=p.dtype, device=p.device)
                 torch.optim.SGD([p], lr=0.5, fused=True).step()
                 p.grad = None
 
