@@ -2774,3 +2774,29 @@ def test_a_state_lookup_does_not_rebuild_the_whole_state(fraction, monkeypatch):
             assert opt.state[p]["step"] == 1
     assert len(built) <= 1, len(built)
     opt.remove()
+
+
+def test_state_dict_hooks_run_as_with_the_plain_class():
+    """register_state_dict_pre/post_hook and register_load_state_dict_pre/post_hook: the
+    plain class runs them around its state_dict()/load_state_dict(); ours overrode both and
+    silently skipped them (a post-hook's added key was missing, a load pre-hook's edit of
+    the groups was not loaded)."""
+    a = model()
+    twin = copy.deepcopy(a)
+    opts = [to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2),
+            torch.optim.AdamW(twin.parameters(), lr=1e-2)]  # fmt: skip
+    calls = {id(o): [] for o in opts}
+    for o in opts:
+        seen = calls[id(o)]
+        o.register_state_dict_pre_hook(lambda o: calls[id(o)].append("pre"))
+        o.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 7})
+        o.register_load_state_dict_pre_hook(
+            lambda o, sd: {**sd, "param_groups": [{**g, "lr": 0.5} for g in sd["param_groups"]]}
+        )
+        o.register_load_state_dict_post_hook(lambda o: calls[id(o)].append("loaded"))
+        sd = o.state_dict()
+        assert sd["epoch"] == 7
+        o.load_state_dict(sd)
+        assert o.param_groups[0]["lr"] == 0.5
+        assert seen == ["pre", "loaded"]
+    opts[0].remove()

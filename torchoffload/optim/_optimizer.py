@@ -66,7 +66,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     second backward]): exact, but that bucket loses the overlap. ``max_grad_norm`` (the
     config) clips on the host instead. LR schedulers, `state_dict`/`load_state_dict` (in the
     plain class's format, each fp32 master in its parameter's state entry), `zero_grad` in
-    both forms and step hooks work as with the plain class.
+    both forms, step hooks and state-dict hooks work as with the plain class.
     `step()` consumes the gradients (they left the device): afterwards
     ``param.grad`` holds a `ConsumedGrad` that raises when read or accumulated into, so a loop
     calls `zero_grad()` between `step()` and the next backward, as torch.optim loops do; one
@@ -145,14 +145,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Finish the host step (waiting for the buckets still running on the host) and make
         the compute stream wait on the uploads of the new values (no host sync)."""
-        if closure is not None:
-            raise ValueError("OffloadedOptimizer.step does not take a closure")
-        if any(getattr(self, k, None) is not None for k in ("grad_scale", "found_inf")):
-            raise RuntimeError(
-                "OffloadedOptimizer.step: grad_scale/found_inf are not supported; let "
-                "torch.amp.GradScaler unscale (scaler.step(optimizer)). See Note: [Loss "
-                "scaling]"
-            )
+        _refuse_step_arguments(self, closure)
         rt = self._live()
         dev = self._device
         if dev is None:
@@ -223,17 +216,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         each parameter that is not its own master in its state entry, as
         ``"torchoffload_master"`` (Note: [The fp32 master in the state dict]). A parameter
         changed in place since the last step has its master read again first, as the next
-        step would: the masters round to the parameters as they are now."""
+        step would: the masters round to the parameters as they are now. Its hooks
+        (``register_state_dict_pre_hook``/``_post_hook``) run as the plain class runs them."""
         self._live().check_idle("state_dict()")
-        return state_dict_of(self._runtime, self._device, self._host_index, self.param_groups)
+        return _hooked_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of this class (an earlier version's too) or of the plain class.
         Masters come from it when present (they must round to the parameters: load the model's
-        first), else from the parameters (Note: [The fp32 master in the state dict])."""
+        first), else from the parameters (Note: [The fp32 master in the state dict]). Its
+        hooks (``register_load_state_dict_pre_hook``/``_post_hook``) run as the plain class
+        runs them."""
         self._live().check_idle("load_state_dict()")
-        load_state(self._runtime, self._device, self._host_index, self.param_groups, state_dict,
-                   self.defaults)  # fmt: skip
+        _hooked_load(self, state_dict)
 
     @property
     def state(self) -> Mapping[torch.Tensor, Mapping[str, Any]]:  # type: ignore[override]
@@ -372,6 +367,43 @@ def _view(state: Any, param: torch.Tensor, master: Any) -> Mapping[str, Any]:
     `state_dict()` gives them (Notes: [The state of a DTensor parameter], [The fp32 master in
     the state dict])."""
     return types.MappingProxyType(entry_of(state, param, master))
+
+
+def _refuse_step_arguments(opt: OffloadedOptimizer, closure: Any) -> None:
+    """Refuse a closure and GradScaler's ``grad_scale``/``found_inf`` path."""
+    if closure is not None:
+        raise ValueError("OffloadedOptimizer.step does not take a closure")
+    if any(getattr(opt, k, None) is not None for k in ("grad_scale", "found_inf")):
+        raise RuntimeError(
+            "OffloadedOptimizer.step: grad_scale/found_inf are not supported; let "
+            "torch.amp.GradScaler unscale (scaler.step(optimizer)). See Note: [Loss scaling]"
+        )
+
+
+def _hooked_state_dict(opt: OffloadedOptimizer) -> dict[str, Any]:
+    """`state_dict()` of an idle ``opt`` between its state-dict hooks, as
+    `torch.optim.Optimizer.state_dict` runs them (a post-hook may return another dict)."""
+    for pre_hook in opt._optimizer_state_dict_pre_hooks.values():
+        pre_hook(opt)
+    out = state_dict_of(opt._runtime, opt._device, opt._host_index, opt.param_groups)
+    for post_hook in opt._optimizer_state_dict_post_hooks.values():
+        result = post_hook(opt, out)
+        out = out if result is None else result
+    return out
+
+
+def _hooked_load(opt: OffloadedOptimizer, state_dict: dict[str, Any]) -> None:
+    """`load_state_dict()` into an idle ``opt`` between its load hooks, as
+    `torch.optim.Optimizer.load_state_dict` runs them (on a shallow copy; a pre-hook may
+    return another dict)."""
+    state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        state_dict = state_dict if result is None else result
+    load_state(opt._runtime, opt._device, opt._host_index, opt.param_groups, state_dict,
+               opt.defaults)  # fmt: skip
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
 
 
 def _zeros_like(p: torch.Tensor) -> torch.Tensor:
