@@ -2800,3 +2800,86 @@ def test_state_dict_hooks_run_as_with_the_plain_class():
         assert o.param_groups[0]["lr"] == 0.5
         assert seen == ["pre", "loaded"]
     opts[0].remove()
+
+
+def _edit_groups(opt, edit, extra):
+    """Edit ``opt.param_groups``' parameters as a loop might (``extra``: a parameter it
+    was not built with)."""
+    groups = opt.param_groups
+    if edit == "drop":
+        groups[0]["params"].pop(0)
+    elif edit == "append":
+        groups[0]["params"].append(extra)
+    elif edit == "swap":
+        groups[0]["params"], groups[1]["params"] = groups[1]["params"], groups[0]["params"]
+    elif edit == "new group":
+        groups.append({**{k: v for k, v in groups[0].items() if k != "params"},
+                       "params": [extra]})  # fmt: skip
+    else:
+        del groups[1]
+
+
+EDITS = ["drop", "append", "swap", "new group", "delete group"]
+
+
+@pytest.mark.parametrize("edit", EDITS)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
+def test_param_groups_edited_after_the_build_are_refused_before_anything_changes(edit, overlap):
+    """torch.optim steps the parameters its param_groups hold at each step; the host steps
+    those it was built with. Edited groups were silently stepped as built (a dropped
+    parameter stepped on, an appended one never stepped, swapped groups each stepped with
+    the other's lr): refused at step(), zero_grad(), state_dict() and at the next backward,
+    before anything changes; put back, the loop goes on bitwise the plain class."""
+    a = model()
+    twin = copy.deepcopy(a)
+    extra = nn.Parameter(torch.ones(3))
+
+    def groups(ps):
+        return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
+
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
+    opt = to.OffloadedOptimizer(groups(list(a.parameters())), torch.optim.AdamW, lr=1e-2,
+                                bucket_bytes=2048, overlap=overlap)  # fmt: skip
+    saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+    loss_of(a, batch(0)).backward()
+    ref.backward(batch(0))
+    before = copy.deepcopy(a)
+    _edit_groups(opt, edit, extra)
+    for call in (opt.step, opt.zero_grad):
+        with pytest.raises(RuntimeError, match="The param groups the host steps"):
+            call()
+    assert same_params(a, before)
+    opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
+    opt.step()
+    opt.zero_grad()
+    ref.step()
+    assert same_params(a, ref.twin)
+    sd = opt.state_dict()
+    _edit_groups(opt, edit, extra)  # before a backward: refused before it accumulates
+    for call in (opt.state_dict, lambda: opt.load_state_dict(sd),
+                 lambda: loss_of(a, batch(1)).backward()):  # fmt: skip
+        with pytest.raises(RuntimeError, match="The param groups the host steps"):
+            call()
+    assert all(p.grad is None for p in a.parameters())
+    opt.remove()
+
+
+def test_param_groups_assigned_a_new_list_are_the_ones_stepped_with():
+    """``opt.param_groups = [...]`` (the same parameters, another lr): the runtime read the
+    list it was built with, so the new lr was silently not used (off after one step)."""
+    a = model()
+    twin = copy.deepcopy(a)
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048)
+    for i in range(3):
+        if i == 1:
+            for o in (opt, ref.opt):
+                o.param_groups = [{**g, "lr": 0.3} for g in o.param_groups]
+        loss_of(a, batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref.backward(batch(i))
+        ref.step()
+        assert same_params(a, ref.twin), i
+    assert opt.param_groups[0]["lr"] == 0.3
+    opt.remove()

@@ -107,6 +107,43 @@ def refuse_consumed(every: list[tuple[int, torch.Tensor]], what: str) -> None:
             )
 
 
+class GroupsCheck:
+    """The parameters of each of an optimizer's ``param_groups`` (the live list) at the
+    build; called, why the groups no longer hold them (None: they do). Note: [The param
+    groups the host steps]."""
+
+    def __init__(self, groups: list[dict[str, Any]]):
+        self.groups = groups
+        self.built = [list(group["params"]) for group in groups]
+
+    def __call__(self) -> str | None:
+        groups, built = self.groups, self.built
+        why = None
+        if len(groups) != len(built):
+            why = f"it has {len(groups)} param groups, it was built with {len(built)}"
+        for g, (group, params) in enumerate(zip(groups, built, strict=False)):
+            now = group.get("params") if isinstance(group, dict) else None
+            now = [now] if isinstance(now, torch.Tensor) else list(now or ())
+            if why is None and (len(now) != len(params) or any(
+                a is not b for a, b in zip(now, params, strict=False)
+            )):  # fmt: skip
+                why = f"param_groups[{g}]['params'] is not the parameters it was built with"
+        if why is None:
+            return None
+        return (
+            f"OffloadedOptimizer: {why}. The host steps the parameters of each group it was "
+            "built with, and torch.optim would step these: put them back, or build an "
+            "OffloadedOptimizer over the groups you want (add_param_group() is refused too). "
+            "See Note: [The param groups the host steps]"
+        )
+
+    def refuse(self) -> None:
+        """Raise the message, if any, before anything changes."""
+        message = self()
+        if message is not None:
+            raise RuntimeError(message)
+
+
 def changed_hyper(buckets: list[Bucket], snapshot: list[dict[str, Any]]) -> str | None:
     """The first hyperparameter that differs between a bucket stepped during backward and
     ``snapshot`` (those of the `step()` call), as a message; None when none does."""

@@ -21,10 +21,11 @@ from torchoffload.optim._build import (
     host_part,
     param_groups_of,
 )
+from torchoffload.optim._checks import GroupsCheck
 from torchoffload.optim._config import OptimizerOffloadConfig, OptimizerStats
 from torchoffload.optim._device import DeviceStep
 from torchoffload.optim._grads import MovedGrad
-from torchoffload.optim._params import hyper, storage_families
+from torchoffload.optim._params import GroupsInPlace, hyper, storage_families
 from torchoffload.optim._runtime import HostStepRuntime, close_soon
 from torchoffload.optim._state import (
     device_master,
@@ -83,6 +84,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     model.parameters())`` sums it: Note: [The order of the clipping norm]).
     """
 
+    param_groups = GroupsInPlace()  # Note: [The param groups the host steps]
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -104,6 +107,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, probe.defaults)
         self._building = False
         self.config = config
+        self._groups = GroupsCheck(self.param_groups)
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         families = storage_families(flat)
         on_host = host_part(flat, config.offload_fraction, families)
@@ -131,6 +135,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._runtime.hook_kept()
             for p in self._device.params:
                 MANAGED[p] = self._runtime
+        self._runtime.recalls.groups_refusal = self._groups
         self._finalizer = weakref.finalize(self, close_soon, self._runtime)
         self._forward_hooks = []
         if config.step_ahead:
@@ -146,6 +151,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Finish the host step (waiting for the buckets still running on the host) and make
         the compute stream wait on the uploads of the new values (no host sync)."""
         _refuse_step_arguments(self, closure)
+        self._groups.refuse()
         rt = self._live()
         dev = self._device
         if dev is None:
@@ -179,13 +185,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         a zero gradient (Note: [The gradient after step()]). Steps the host took during
         backward are undone: without `step()` nothing changes, as with torch.optim."""
         rt = self._live()
+        self._groups.refuse()
         params = [p for group in self.param_groups for p in group["params"]]
-        if not set_to_none and any(p in HOSTED for p in params):
-            raise ValueError(
-                "zero_grad(set_to_none=False): not supported for parameters streamed by "
-                "stream_parameters (outside its unit such a parameter has no shape for the "
-                "zeros to take); call zero_grad() (set_to_none=True)"
-            )
+        if not set_to_none:
+            _refuse_streamed_zeros(params)
         had = [p.grad is not None for p in params]  # moved and consumed ones included
         rt.discard()
         for p, has in zip(params, had, strict=True):
@@ -219,6 +222,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         step would: the masters round to the parameters as they are now. Its hooks
         (``register_state_dict_pre_hook``/``_post_hook``) run as the plain class runs them."""
         self._live().check_idle("state_dict()")
+        self._groups.refuse()
         return _hooked_state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -228,6 +232,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         hooks (``register_load_state_dict_pre_hook``/``_post_hook``) run as the plain class
         runs them."""
         self._live().check_idle("load_state_dict()")
+        self._groups.refuse()
         _hooked_load(self, state_dict)
 
     @property
@@ -367,6 +372,17 @@ def _view(state: Any, param: torch.Tensor, master: Any) -> Mapping[str, Any]:
     `state_dict()` gives them (Notes: [The state of a DTensor parameter], [The fp32 master in
     the state dict])."""
     return types.MappingProxyType(entry_of(state, param, master))
+
+
+def _refuse_streamed_zeros(params: list[torch.Tensor]) -> None:
+    """Refuse ``zero_grad(set_to_none=False)`` for parameters streamed by
+    `stream_parameters`."""
+    if any(p in HOSTED for p in params):
+        raise ValueError(
+            "zero_grad(set_to_none=False): not supported for parameters streamed by "
+            "stream_parameters (outside its unit such a parameter has no shape for the "
+            "zeros to take); call zero_grad() (set_to_none=True)"
+        )
 
 
 def _refuse_step_arguments(opt: OffloadedOptimizer, closure: Any) -> None:

@@ -121,6 +121,45 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+# Note: [The param groups the host steps]
+# The host steps the parameters of each param group the optimizer was built with: their
+# records, buckets and host optimizers are fixed then, and a bucket's optimizer takes its
+# group's hyperparameters from ``param_groups[g]`` by index. torch.optim reads
+# ``param_groups`` at every step, so a loop that edits a group's ``"params"`` (drops one to stop
+# stepping it, appends one, swaps two groups' lists) or adds or deletes a group in the list
+# changes what the plain class steps. Here such an edit was silently ignored: the build's
+# parameters were stepped, with the hyperparameters of whichever group now sat at their index
+# (an appended parameter never stepped, a dropped one stepped on). It is refused, naming the
+# group, before anything changes: at the first hook of a backward (Note: [Refused before a
+# backward accumulates]), at `step()`, `zero_grad()`, `state_dict()` and `load_state_dict()`
+# (`GroupsCheck`, which compares the parameters of each group with the build's by
+# identity). Putting the groups back, or `remove()`, goes on. What keeps each group's
+# parameters is followed: a group's dict replaced by another (new hyperparameters), and
+# ``optimizer.param_groups = [...]`` (`GroupsInPlace` keeps the list the runtime reads and
+# replaces its contents; the runtime read the list it was built with, so a scheduler-like
+# reassignment's hyperparameters were silently not used).
+
+
+class GroupsInPlace:
+    """``OffloadedOptimizer.param_groups``: one list for the optimizer's life; an assignment
+    replaces its contents (Note: [The param groups the host steps])."""
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__["_param_groups"]
+        except KeyError:
+            raise AttributeError("param_groups") from None
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        groups = obj.__dict__.get("_param_groups")
+        if groups is None:  # torch.optim.Optimizer.__init__'s []
+            obj.__dict__["_param_groups"] = value
+        else:
+            groups[:] = list(value)
+
+
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
     """A group's hyperparameters, tensors copied (a scheduler updates a tensor lr in place)."""
     return {

@@ -152,6 +152,8 @@ class Recalls:
         # accumulates]); the device part's refusals (the façade's)
         self._checked: int | None = None  # the autograd graph task checked last
         self.device_refusal: Callable[[], str | None] | None = None
+        # and the param groups' (Note: [The param groups the host steps])
+        self.groups_refusal: Callable[[], str | None] | None = None
 
     def hook(self, runtime: Any, records: list[Record]) -> list[Any]:
         """A tensor hook on each trainable parameter, run before autograd accumulates into
@@ -180,9 +182,10 @@ class Recalls:
             message = refusal(self.host, rec)
             if message is not None:
                 raise RuntimeError(message)
-        message = self.device_refusal() if self.device_refusal is not None else None
-        if message is not None:
-            raise RuntimeError(message)
+        for refusal_of in (self.groups_refusal, self.device_refusal):
+            message = refusal_of() if refusal_of is not None else None
+            if message is not None:
+                raise RuntimeError(message)
         self.hold()
         self._checked = task
 
