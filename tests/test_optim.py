@@ -2883,3 +2883,33 @@ def test_param_groups_assigned_a_new_list_are_the_ones_stepped_with():
         assert same_params(a, ref.twin), i
     assert opt.param_groups[0]["lr"] == 0.3
     opt.remove()
+
+
+@pytest.mark.parametrize("when", ["before step", "stepping ahead"])
+def test_a_tensor_in_betas_changed_in_place_is_snapshotted_not_aliased(when):
+    """Tensor betas (torch.optim takes them; an in-place fill_ changes them without a
+    recompile) were copied by reference into the hyperparameters a bucket was stepped with:
+    beta1 filled between backward and step() went unseen, so the steps taken during backward
+    with the old beta1 were committed (off after one step), and filled after a step() still
+    running ahead, it reached the buckets not yet stepped."""
+    ahead = when == "stepping ahead"
+    a, twin = Tied(), Tied()
+    kw = dict(lr=torch.tensor(1e-2), betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    ref = Reference(twin, torch.optim.AdamW, **copy.deepcopy(kw))
+    opt = to.OffloadedOptimizer(a.parameters(), SlowAdamW if ahead else torch.optim.AdamW,
+                                bucket_bytes=2048, step_ahead=ahead, model=a,
+                                **copy.deepcopy(kw))  # fmt: skip
+    for i in range(3):
+        a(tied_batch(i)).float().square().mean().backward()
+        twin(tied_batch(i)).float().square().mean().backward()
+        for o in (opt, ref.opt):
+            o.param_groups[0]["betas"][0].fill_(0.5 + 0.1 * i)
+        opt.step()
+        opt.zero_grad()
+        ref.step()
+        if ahead:  # while the host still steps
+            for o in (opt, ref.opt):
+                o.param_groups[0]["betas"][0].fill_(0.55 + 0.1 * i)
+    opt.synchronize()
+    assert same_params(a, twin)
+    opt.remove()

@@ -161,12 +161,17 @@ class GroupsInPlace:
 
 
 def hyper(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's hyperparameters, tensors copied (a scheduler updates a tensor lr in place)."""
-    return {
-        k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-        for k, v in group.items()
-        if k != "params"
-    }
+    """A group's hyperparameters, tensors copied, those in a tuple or list too (a scheduler
+    updates a tensor lr in place; a loop may so update a tensor of ``betas``)."""
+    return {k: _copied(v) for k, v in group.items() if k != "params"}
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if type(value) in (tuple, list):
+        return type(value)(_copied(v) for v in value)
+    return value
 
 
 # Note: [The state of a DTensor parameter]
