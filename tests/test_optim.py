@@ -2913,3 +2913,50 @@ def test_a_tensor_in_betas_changed_in_place_is_snapshotted_not_aliased(when):
     opt.synchronize()
     assert same_params(a, twin)
     opt.remove()
+
+
+@pytest.mark.parametrize(
+    "overlap,fraction",
+    [(True, 1.0), (False, 1.0), (True, 0.5)],
+    ids=["overlap", "at-step", "split"],
+)
+def test_global_step_hooks_run_once_a_step_on_the_users_optimizer(overlap, fraction):
+    """register_optimizer_step_pre_hook/_post_hook: torch.optim runs them around each step()
+    of the user's optimizer. They also ran around every internal step of the class (each
+    bucket's, on the worker, during backward; the device part's), over host masters: a
+    global hook halving the gradients halved them twice (off after one step at-step; with
+    overlap, refused as a class that writes its gradients). Note: [The class's step without
+    step hooks]."""
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    seen = []
+
+    def halve(o, args, kwargs):
+        seen.append(type(o).__name__)
+        for group in o.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+
+    a = model()
+    twin = copy.deepcopy(a)
+    plain = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    opt = to.OffloadedOptimizer(a.parameters(), torch.optim.AdamW, lr=1e-2, bucket_bytes=2048,
+                                overlap=overlap, offload_fraction=fraction)  # fmt: skip
+    handles = [register_optimizer_step_pre_hook(halve),
+               register_optimizer_step_post_hook(lambda o, a, k: seen.append("post"))]  # fmt: skip
+    try:
+        for i in range(2):
+            for m, o in ((a, opt), (twin, plain)):
+                loss_of(m, batch(i)).backward()
+                o.step()
+                o.zero_grad()
+            assert same_params(a, twin), i
+    finally:
+        for h in handles:
+            h.remove()
+        opt.remove()
+    assert seen == ["OffloadedOptimizer", "post", "AdamW", "post"] * 2

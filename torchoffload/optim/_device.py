@@ -32,6 +32,7 @@ import torch
 
 from torchoffload.optim._grads import ConsumedGrad
 from torchoffload.optim._params import follow_written, hyper, shared_families
+from torchoffload.optim._step import step_unhooked
 
 
 class DeviceStep:
@@ -151,7 +152,7 @@ class DeviceStep:
                     # parameter's both, not every one's)
                     master.grad = p.grad.float()
                     p.grad = None
-            self.optimizer.step()
+            step_unhooked(self.optimizer)
         finally:
             for master, p in zip(self.masters, self.params, strict=True):
                 if master is not p:

@@ -265,7 +265,7 @@ class HostStep:
             NormPool.results(bucket.norms)  # they read the gradients the class may write
             versions = [g._version for g in grads]
             try:
-                optimizer.step()
+                step_unhooked(optimizer)
             finally:
                 for rec in bucket.records:
                     rec.master.grad = None
@@ -372,6 +372,29 @@ def may_refuse(stepper: HostStep, before_block: Any) -> bool:
         for bucket in stepper.in_flight:
             bucket.handled.wait()
     return any(b.grads_written for b in stepper.buckets)
+
+
+# Note: [The class's step without step hooks]
+# torch.optim runs the global step hooks (`register_optimizer_step_pre_hook` and
+# `_post_hook`) around every optimizer's `step()`, through a wrapper it installs on the class.
+# Here the user's optimizer is the `OffloadedOptimizer`: its `step()` runs them once, as the
+# plain class's would. The instances of the class that step the buckets (on the worker,
+# during backward too, once more for a step undone and taken again) and the device part are
+# internal: the hooks ran on them as well, over host masters, once a bucket and step. A
+# hook that scales the gradients (a user's own clipping) scaled them twice: silently off
+# with ``overlap=False``, and with overlap a refusal blaming the class for writing its
+# gradients. So they step through the class's own `step`, beneath torch's wrapper
+# (`step_unhooked`). A class whose `step` calls a parent's wrapped `step` (``super().step()``
+# on a class an instance of which torch has wrapped) still runs the hooks there.
+
+
+def step_unhooked(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()`` without torch's step hooks: Note: [The class's step without step
+    hooks]."""
+    step = type(optimizer).step
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step(optimizer)
 
 
 def own_counter(t: torch.Tensor) -> torch.Tensor:
