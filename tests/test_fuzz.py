@@ -989,6 +989,28 @@ class Optimizer(TrainingMachine):
 
         self.both(fn, f"requires_grad_({on}) {name}")
 
+    @precondition(lambda self: self.can("edit_groups"))
+    @rule(data=st.data())
+    def edit_groups(self, data):
+        """``optimizer.param_groups`` edited as a loop might: assigned a new list of the
+        groups with another lr (followed), or a parameter dropped from a group (torch.optim
+        no longer steps it; refused from the next backward, step() or zero_grad() on: Note:
+        [The param groups the host steps])."""
+        how = data.draw(st.sampled_from(["new lr", "drop"]), label="param_groups edit")
+        g = data.draw(st.integers(0, len(self.ref.opt.param_groups) - 1), label="group")
+        k = data.draw(st.integers(0, len(self.ref.opt.param_groups[g]["params"]) - 1),
+                      label="parameter")  # fmt: skip
+
+        def fn(side):
+            opt = side.opt.opt if isinstance(side.opt, (PlainRef, MasterRef)) else side.opt
+            if how == "new lr":
+                opt.param_groups = [{**group, "lr": group["lr"] * 0.5}
+                                    for group in opt.param_groups]  # fmt: skip
+            else:
+                opt.param_groups[g]["params"].pop(k)
+
+        self.both(fn, f"param_groups: {how}")
+
 
 class StreamParameters(Optimizer):
     """stream_parameters with an OffloadedOptimizer, against the resident model and
