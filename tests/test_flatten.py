@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -221,6 +223,32 @@ def test_no_offload_keeps_a_composite_whole():
         out = Capture.apply(dummy, t)
     out.sum().backward()
     assert ctx.stats().composite_tensors == 0 and Capture.seen[0].a.data_ptr() == t.a.data_ptr()
+
+
+@pytest.mark.parametrize("write", ["whole", "view"])
+def test_composite_written_in_place_after_its_save_raises_the_version_error(write):
+    # A wrapper subclass's in-place op bumps only the outer version counter (its
+    # __torch_dispatch__ runs below autograd, so the buffers keep theirs); the offloaded
+    # buffers' copies were served silently, where plain PyTorch raises.
+    def run(ctx):
+        t = TwoBufferTensor(torch.randn(64), torch.randn(64))
+        dummy = torch.zeros(1, requires_grad=True)
+        with ctx:
+            out = Capture.apply(dummy, t)
+        if write == "whole":
+            t.add_(1)
+        else:
+            t[8:].mul_(2)
+        assert t.a._version == t.b._version == 0
+        out.sum().backward()
+
+    match = "modified by an inplace operation"
+    with pytest.raises(RuntimeError, match=match):
+        run(contextlib.nullcontext())  # plain PyTorch
+    ctx = offload_activations(min_bytes=0, pool=pool(), device="cpu")
+    with pytest.raises(RuntimeError, match=match):
+        run(ctx)
+    assert ctx.stats().offloaded_tensors == 2
 
 
 # -- DTensor ---------------------------------------------------------------------------------------

@@ -88,6 +88,14 @@ from torchoffload._validate import OnExhausted, check_bool, check_int
 # else is copied again: a `detach()` of a copied tensor shares its counter but not its base,
 # and costs one extra copy rather than risking a stale one.
 #
+# Note: [A composite tensor's own version counter]
+# An in-place op on a wrapper subclass (`s.add_(1)`) bumps the outer tensor's version counter
+# only: its `__torch_dispatch__` runs below autograd, so the inner buffers it writes keep
+# their versions. Checking the buffers alone would serve the copy taken at the save (plain
+# PyTorch raises its version error there). So a composite records the outer counter too, in
+# an alias of the wrapper made with Python dispatch off: a plain tensor over the wrapper's own
+# empty storage that shares its version counter and holds none of its buffers.
+#
 # Note: [Why handles retire through a graveyard]
 # A saved tensor's handle dies when autograd frees the graph, which can happen on any thread
 # and, through the garbage collector, in the middle of our own code while it holds the lock.
@@ -331,11 +339,15 @@ class _Saved:
 class _Composite:
     """What the pack hook returns for a tensor made of several buffers."""
 
-    __slots__ = ("rebuild", "parts")
+    __slots__ = ("rebuild", "parts", "alias", "version")
 
-    def __init__(self, rebuild: Any, parts: list[Any]):
+    def __init__(self, t: torch.Tensor, rebuild: Any, parts: list[Any]):
         self.rebuild = rebuild
         self.parts = parts  # per entry: _Saved, _Kept or _Composite; non-tensors as they were
+        # See Note: [A composite tensor's own version counter]
+        with torch._C.DisableTorchFunctionSubclass(), torch._C._DisableTorchDispatch():
+            self.alias = t.detach()
+        self.version = t._version
 
 
 class _Kept:
@@ -375,6 +387,7 @@ def _check_version(now: int, saved: int, what: str) -> None:
 
 def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is _Composite:
+        _check_version(packed.alias._version, packed.version, _describe(packed.alias))
         return packed.rebuild([unpack(p) if type(p) in _PACKED else p for p in packed.parts])
     if type(packed) is _Kept:
         _check_version(packed.tensor._version, packed.version, _describe(packed.tensor))
@@ -428,7 +441,7 @@ class Session:
             buffers, rebuild = flatten(t)
             c.composite_tensors += 1
             parts = [self._pack_locked(b) if isinstance(b, torch.Tensor) else b for b in buffers]
-            return _Composite(rebuild, parts)
+            return _Composite(t, rebuild, parts)
         reason = owner._skip_reason(t)
         if reason is not None:
             c.skipped_tensors += 1
