@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 
@@ -185,6 +186,67 @@ def test_non_strided_tensors_are_left_alone():
         y = torch.sparse.mm(sp * 2, torch.randn(3, 4, requires_grad=True))
     y.sum().backward()
     assert ctx.stats().skip_reasons.get("unsupported_type", 0) >= 1
+
+
+def run_plain_and_offloaded(f):
+    """``f(ctx)`` under no hooks and under an offloader: its results (a list of tensors) and
+    the offloader's stats."""
+    torch.manual_seed(0)
+    ref = f(contextlib.nullcontext())
+    torch.manual_seed(0)
+    ctx = offloader()
+    got = f(ctx)
+    for a, b in zip(ref, got, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    return ctx.stats()
+
+
+def test_forward_ad_zero_tangents_are_left_alone():
+    # matmul under forward AD saves an efficient zero tensor for the tangent of `w` (it has
+    # none): no storage at all. Copying from its null data pointer crashed the process.
+    import torch.autograd.forward_ad as fwAD
+
+    def f(ctx):
+        x = torch.randn(32, 16, requires_grad=True)
+        w = torch.randn(16, 16, requires_grad=True)
+        with ctx, fwAD.dual_level():
+            y = torch.tanh(fwAD.make_dual(x, torch.ones_like(x)) @ w).pow(3)
+            primal, tangent = fwAD.unpack_dual(y)
+            loss = primal.sum() + tangent.sum()
+        loss.backward()
+        return [primal, tangent, x.grad, w.grad]
+
+    s = run_plain_and_offloaded(f)
+    assert s.skip_reasons["unsupported_type"] == 1 and s.offloaded_tensors > 0
+
+
+def test_jvp_inside_the_block():
+    def f(ctx):
+        w = torch.randn(16, 16, requires_grad=True)
+        x = torch.randn(32, 16)
+        with ctx:
+            out, t = torch.func.jvp(lambda x: torch.tanh(x @ w).pow(3), (x,), (torch.ones_like(x),))
+        (out.sum() + t.sum()).backward()
+        return [out, t, w.grad]
+
+    assert run_plain_and_offloaded(f).offloaded_tensors > 0
+
+
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged])
+def test_nested_tensors_are_left_alone(layout):
+    # A strided nested tensor has no strides (the pack raised); a jagged one rebuilt from its
+    # buffers got a new ragged dimension, and backward refused the gradient's shape.
+    def f(ctx):
+        a = torch.randn(3, 8, requires_grad=True)
+        b = torch.randn(5, 8, requires_grad=True)
+        with ctx:
+            nt = torch.nested.as_nested_tensor([a * 1, b * 1], layout=layout)
+            y = nt.sin() * nt
+            loss = torch.nested.to_padded_tensor(y, 0.0).sum()
+        loss.backward()
+        return [a.grad, b.grad]
+
+    assert run_plain_and_offloaded(f).skip_reasons["unsupported_type"] >= 2
 
 
 # -- views and shared storage ---------------------------------------------------------------

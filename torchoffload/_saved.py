@@ -88,6 +88,15 @@ from torchoffload._validate import OnExhausted, check_bool, check_int
 # else is copied again: a `detach()` of a copied tensor shares its counter but not its base,
 # and costs one extra copy rather than risking a stale one.
 #
+# Note: [Tensors without one strided storage]
+# A saved tensor is offloaded as bytes of one storage plus a geometry (Note: [One flatten layer
+# for every engine] takes composites apart first). Tensors that are not that stay where they
+# are, counted as `unsupported_type`: other layouts (sparse COO/CSR); forward AD's zero
+# tangents (`_efficientzerotensor`: no storage at all, and copying from its null data pointer
+# crashed the process); nested tensors, strided (no strides: the pack raised) and jagged (a
+# traceable subclass whose rebuild mints a new ragged dimension from its offsets, so backward
+# refused the gradient's shape: `[2, j3, 8]` against `[2, j2, 8]`).
+#
 # Note: [A composite tensor's own version counter]
 # An in-place op on a wrapper subclass (`s.add_(1)`) bumps the outer tensor's version counter
 # only: its `__torch_dispatch__` runs below autograd, so the inner buffers it writes keep
@@ -375,11 +384,11 @@ def _view_root(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t._base
 
 
-def _check_version(now: int, saved: int, what: str) -> None:
+def _check_version(now: int, saved: int, what: Callable[[], str]) -> None:
     if now != saved:
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an "
-            f"inplace operation: [{what}] is at version {now}; expected version {saved} instead. "
+            f"inplace operation: [{what()}] is at version {now}; expected version {saved} instead. "
             "(Detected by torchoffload: autograd does not check tensors saved through "
             "saved-tensor hooks, so the offloader does.)"
         )
@@ -387,16 +396,17 @@ def _check_version(now: int, saved: int, what: str) -> None:
 
 def unpack(packed: Any) -> torch.Tensor:
     if type(packed) is _Composite:
-        _check_version(packed.alias._version, packed.version, _describe(packed.alias))
+        _check_version(packed.alias._version, packed.version, lambda: _describe(packed.alias))
         return packed.rebuild([unpack(p) if type(p) in _PACKED else p for p in packed.parts])
     if type(packed) is _Kept:
-        _check_version(packed.tensor._version, packed.version, _describe(packed.tensor))
+        _check_version(packed.tensor._version, packed.version, lambda: _describe(packed.tensor))
         return packed.tensor
     return packed.storage.session.unpack(packed)
 
 
 def _describe(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+    shape = "[nested]" if t.is_nested else list(t.shape)
+    return f"{str(t.dtype).removeprefix('torch.')}{shape}"
 
 
 class Session:
@@ -436,6 +446,7 @@ class Session:
             type(t) is not torch.Tensor
             and not isinstance(t, torch.nn.Parameter)
             and not _no_offload_active()
+            and not t.is_nested
             and is_composite(t)
         ):  # See Note: [One flatten layer for every engine] in _flatten.py
             buffers, rebuild = flatten(t)
@@ -550,7 +561,7 @@ class Session:
         rec = handle.storage
         with owner._lock:
             owner._drain()
-            _check_version(handle.alias._version, handle.version, handle.meta.describe())
+            _check_version(handle.alias._version, handle.version, handle.meta.describe)
             c = owner._counters
             self.backward = True
             pass_id = torch._C._current_graph_task_id()
@@ -764,8 +775,8 @@ class SavedTensorEngine:
             return "no_offload"
         if t.device != self.device:
             return "not_on_device"
-        if t.layout is not torch.strided:
-            return "unsupported_type"
+        if t.layout is not torch.strided or t._is_zerotensor() or t.is_nested:
+            return "unsupported_type"  # See Note: [Tensors without one strided storage]
         storage = t.untyped_storage()
         if storage.nbytes() < max(self.min_bytes, 1):
             return "small"
