@@ -115,3 +115,72 @@ def test_threads_share_the_default_pool():
     before = pool.stats().used_bytes
     run_threads(("layers", "context", "layers", "context"), "cpu", steps=8, shared_pool=True)
     assert pool.stats().used_bytes == before
+
+
+class Meet(torch.nn.Module):
+    """Waits at ``barrier`` (when set) in the middle of a layer's forward: two threads calling
+    one model are then both inside it at once, as DataParallel's replicas are."""
+
+    def __init__(self):
+        super().__init__()
+        self.barrier: threading.Barrier | None = None
+
+    def forward(self, x):
+        if self.barrier is not None:
+            self.barrier.wait(timeout=30)
+        return x
+
+
+@pytest.mark.parametrize("mode", ["layers", "stream"])
+def test_one_model_called_from_two_threads_at_once(mode):
+    # One session for the handle made the second thread's call look nested in the first: its
+    # layers saved past the hooks, and it popped hooks from its own empty stack (a torch
+    # internal assert), leaving the handle stuck in "forward".
+    import dataclasses
+
+    from torchoffload import plan
+    from torchoffload.models import BlockStack
+
+    torch.manual_seed(0)
+    model = BlockStack(hidden=64, layers=4, heads=2).requires_grad_(False)
+    meet = Meet()
+    model.layers[1].ln2 = torch.nn.Sequential(meet, model.layers[1].ln2)
+    xs = [torch.randn(2, 32, 64) for _ in range(2)]
+
+    def grad(x):  # of the input: the parameters, shared by the threads, are frozen
+        x = x.clone().requires_grad_()
+        model(x).pow(2).mean().backward()
+        return x.grad
+
+    refs = [grad(x) for x in xs]
+    pool = PinnedPool(64 << 20, slab_bytes=1 << 20, pin_memory=False)
+    if mode == "layers":
+        cfg = ActivationOffloadConfig(min_bytes=0, skip_last_layers=0)
+        handle = apply_activation_offloading(model, config=cfg, pool=pool, device="cpu")
+    else:
+        p = plan(model, (xs[0].clone().requires_grad_(),), budget_bytes=None, min_bytes=0)
+        p = dataclasses.replace(p, decisions=("stream",) * 4)
+        handle = p.apply(model, pool=pool, device="cpu")
+    results: list = [None, None]
+    errors: list = []
+
+    def worker(i):
+        try:
+            results[i] = grad(xs[i])
+        except BaseException as e:  # reported by the main thread
+            errors.append((i, repr(e)))
+
+    meet.barrier = threading.Barrier(2)
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    meet.barrier = None
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(refs, results, strict=True))
+    both = handle.stats().offloaded_tensors
+    handle.reset_stats()
+    assert torch.equal(grad(xs[0]), refs[0])
+    assert both == 2 * handle.stats().offloaded_tensors > 0  # each thread's forward offloaded
+    handle.remove()  # nothing left in a forward

@@ -296,6 +296,26 @@ class Mode(enum.Enum):
     RECOMPUTE = "recompute"  # no offloading: a plan that only checkpoints layers
 
 
+class _Forward:
+    """One forward of the model in progress on one thread: its session, the saved-tensor hooks
+    pushed around it, nested calls, and the frame that called the model (Note: [Interrupted
+    forwards]).
+
+    Note: [Forwards on several threads]
+    Saved-tensor hooks are per thread, and so is a forward: each thread that runs the model
+    (DataParallel's replicas share these hooks; a server's workers share one model) gets a
+    session of its own, keyed by its thread, with its own hooks, depth and frame. One session
+    for the handle made a second thread's call look nested in the first: its layers saved past
+    our hooks, and it popped the other thread's hooks from its own empty stack (an internal
+    assert in torch) and left the handle stuck in "forward".
+    """
+
+    __slots__ = ("session", "hooks", "depth", "frame")
+
+    def __init__(self, session: Session, hooks: Any, frame: FrameType | None):
+        self.session, self.hooks, self.depth, self.frame = session, hooks, 1, frame
+
+
 class ActivationOffloadHandle:
     """Returned by `apply_activation_offloading`, whatever the plan; `remove()` undoes it
     exactly, and so does leaving its ``with`` block.
@@ -341,10 +361,7 @@ class ActivationOffloadHandle:
         )
         self._profile: list[tuple[int, int, int]] | None = None
         # - The forward in progress
-        self._session: Session | None = None
-        self._hooks_ctx: Any = None  # saved-tensor hooks pushed around the whole forward
-        self._depth = 0
-        self._call: tuple[int, Any] | None = None  # (thread, frame): Note: [Interrupted forwards]
+        self._forwards: dict[int, _Forward] = {}  # by thread: Note: [Forwards on several threads]
         # - What remove() undoes
         self._handles: list[Any] = []
         self._wrapped: list[tuple[nn.Module, bool, Any]] = []  # layers run under checkpoint
@@ -380,16 +397,22 @@ class ActivationOffloadHandle:
 
     # -- hooks ------------------------------------------------------------------------------
 
+    @property
+    def _session(self) -> Session | None:
+        """The session of the forward this thread runs, if any."""
+        fwd = self._forwards.get(threading.get_ident())
+        return None if fwd is None else fwd.session
+
     def _model_pre(self, caller: FrameType | None) -> None:
         if _in_backward():
             return
-        if self._session is not None:
-            if running(*self._call):
-                self._depth += 1  # the model called inside its own forward
+        thread = threading.get_ident()
+        fwd = self._forwards.get(thread)
+        if fwd is not None:
+            if running(thread, fwd.frame):
+                fwd.depth += 1  # the model called inside its own forward
                 return
-            self._recover()
-        self._depth = 1
-        self._call = (threading.get_ident(), caller)
+            self._recover(thread)
         if self.mode is Mode.STREAM:
             session = Session(self._engine, self._stream_policy)
             PARAMS.acquire()
@@ -399,24 +422,25 @@ class ActivationOffloadHandle:
         if self.mode is Mode.STREAM or self.config.offload_outside_layers:
             hooks = session.saved_tensors_hooks()
             hooks.__enter__()  # else the hooks are pushed per layer
-        self._session, self._hooks_ctx = session, hooks
+        self._forwards[thread] = _Forward(session, hooks, caller)
 
     @staticmethod
     def _stream_policy(session: Session) -> BytePolicy:
         return BytePolicy(session, prefetch_bytes=32 << 20, max_inflight_bytes=256 << 20)
 
     def _model_post(self) -> None:
-        if _in_backward() or self._session is None:
+        thread = threading.get_ident()
+        fwd = self._forwards.get(thread)
+        if _in_backward() or fwd is None:
             return
-        self._depth -= 1
-        if self._depth > 0:
+        fwd.depth -= 1
+        if fwd.depth > 0:
             return
-        self._end_forward(pop=lambda hooks: hooks.__exit__(None, None, None))
+        self._end_forward(thread, pop=lambda hooks: hooks.__exit__(None, None, None))
 
-    def _end_forward(self, pop: Any) -> None:
-        session, hooks = self._session, self._hooks_ctx
-        self._session = self._hooks_ctx = self._call = None
-        self._depth = 0
+    def _end_forward(self, thread: int, pop: Any) -> None:
+        fwd = self._forwards.pop(thread)
+        session, hooks = fwd.session, fwd.hooks
         try:
             layer_hooks = getattr(session.policy, "hooks", None)
             if layer_hooks is not None:
@@ -429,9 +453,9 @@ class ActivationOffloadHandle:
                 PARAMS.release()
             session.end_forward()
 
-    def _recover(self) -> None:
+    def _recover(self, thread: int) -> None:
         """See Note: [Interrupted forwards]."""
-        session = self._session
+        session = self._forwards[thread].session
 
         def pop(hooks: Any) -> None:
             top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -439,7 +463,7 @@ class ActivationOffloadHandle:
                 hooks.__exit__(None, None, None)
 
         _log.warning("a forward under activation offloading was interrupted; its session ended")
-        self._end_forward(pop)
+        self._end_forward(thread, pop)
 
     # Note: [Hooks only where something can be offloaded]
     # Every tensor saved under saved-tensor hooks pays a Python round trip (about 15 us even
@@ -492,10 +516,11 @@ class ActivationOffloadHandle:
         their backward (their saved tensors keep what they need)."""
         if self._removed:
             return
-        if self._session is not None:
-            if running(*self._call):
-                raise RuntimeError("cannot remove activation offloading during the model's forward")
-            self._recover()
+        forwards = list(self._forwards.items())
+        if any(running(thread, fwd.frame) for thread, fwd in forwards):
+            raise RuntimeError("cannot remove activation offloading during the model's forward")
+        for thread, _ in forwards:
+            self._recover(thread)
         for h in self._handles:
             h.remove()
         self._handles.clear()
