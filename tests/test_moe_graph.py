@@ -314,3 +314,34 @@ def test_a_graph_is_captured_again_when_a_dense_tensor_is_assigned():
     assert torch.equal(got, want)
     assert again[0].stats().captures == 2
     h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_verify_removes_the_handle_of_a_graphed_call():
+    """`torchoffload.verify` calls a graphed decode step returned by ``apply`` in place of the
+    model and removes the handle that made it (it was left applied to the run's copy)."""
+    copies = []
+
+    def step_of(m):
+        cache = transformers.StaticCache(config=m.config, max_cache_len=4)
+        at = torch.tensor([0])
+
+        def step(ids):
+            out = m(input_ids=ids, position_ids=at.unsqueeze(0), cache_position=at,
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+            return out.logits[:, -1]
+
+        return step
+
+    def graphed(m):
+        copies.append(m)
+        h = to.stream_experts(m, "cpu", cache_bytes=to.minimum_cache_bytes(m), pin_memory=False)
+        return h.cuda_graph(step_of(m))
+
+    report = to.verify(qwen3(), (prompt(seq=1),), apply=graphed, reference_apply=step_of,
+                       steps=3)  # fmt: skip
+    assert report.equal and report.compared, str(report)
+    [m] = copies
+    assert not hasattr(m, "_torchoffload_experts")
+    assert all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel()
+               for t in m.state_dict(keep_vars=True).values())  # fmt: skip

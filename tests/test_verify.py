@@ -354,3 +354,24 @@ def test_a_non_persistent_buffer_changed_by_the_engine_is_named():
         ("output", "output"), ("buffer", "table")
     ]  # fmt: skip
     assert to.verify(model, x, apply=lambda m: Handle(lambda: None)).compared == 7
+
+
+def test_a_graphed_call_returned_by_apply_is_called_and_its_engine_removed():
+    """``apply`` may return ``handle.cuda_graph(fn)`` (callable, called in place of the model;
+    on the CPU its bookkeeping runs without a graph): the engine it replays is removed after
+    the run, as a handle returned by ``apply`` is. It was left applied to the run's copy (hooks,
+    host store and placeholders), so the state compared "after remove()" was the streamed one."""
+    model = net().eval()
+    budget = to.minimum_budget(model, prefetch_depth=1)
+    copies = []
+
+    def graphed(m):
+        copies.append(m)
+        return to.stream_weights(m, "cpu", budget_bytes=budget, prefetch_depth=1).cuda_graph(m)
+
+    report = to.verify(model, X, steps=3, apply=graphed)
+    assert report.equal, str(report)
+    [m] = copies
+    assert not hasattr(m, "_torchoffload_weights")
+    assert all(type(t) in (torch.Tensor, nn.Parameter) and t.numel() for t in m.state_dict(
+        keep_vars=True).values())  # fmt: skip

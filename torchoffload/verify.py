@@ -130,7 +130,9 @@ def verify(
         apply: ``apply(model_copy)`` applies an engine to the offloaded run's copy, e.g.
             ``lambda m: torchoffload.stream_weights(m, "cuda", budget_bytes=2 << 30)``. What it
             returns is removed at the end (``.remove()``); if it is callable (a compiled
-            program, ``compile_streamed``'s), it is called in place of the model.
+            program, ``compile_streamed``'s, or a graphed call, ``handle.cuda_graph(m)``), it
+            is called in place of the model. A graphed call has no ``remove()``: the handle
+            that made it (its ``handle``) is removed.
         context: a factory of a context manager entered around each forward of the offloaded
             run, e.g. ``torchoffload.offload_activations``.
         optimizer: ``optimizer(model_copy)`` builds the offloaded run's optimizer (after
@@ -200,8 +202,9 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
             stack.enter_context(_deterministic())
         m = copy.deepcopy(model)
         handle = apply(m) if apply is not None else None
-        if handle is not None and hasattr(handle, "remove"):
-            stack.callback(handle.remove)
+        undo = _remover(handle)
+        if undo is not None:
+            stack.callback(undo)
         call = handle if callable(handle) else m
         opt = make_opt(m) if make_opt is not None else None
         if opt is not None and hasattr(opt, "remove"):
@@ -234,6 +237,16 @@ def _run(model, args, kwargs, apply, context, make_opt, loss, steps, determinist
         _record_state(record, m, steps - 1, "")
     _record_state(record, m, steps - 1, " after remove")  # what the user keeps
     return record
+
+
+def _remover(handle: Any) -> Callable[[], Any] | None:
+    """What undoes what ``apply`` returned: its ``remove()``, or, for a graphed call
+    (``handle.cuda_graph(fn)``, a `StreamedGraph`), that of the handle that made it."""
+    for obj in (handle, getattr(handle, "handle", None)):
+        remove = getattr(obj, "remove", None)
+        if callable(remove):
+            return remove
+    return None
 
 
 def _record_output(record: _Record, out: Any, step: int) -> None:

@@ -201,7 +201,7 @@ class ExpertStreamHandle:
             _check_not_streamed_over(rt.layout, graph=True)
             check_graphable(rt)
             return StreamedGraph(ExpertGraphs(rt), fn, max_graphs=max_graphs, prime=False,
-                                 model=self._model)  # fmt: skip
+                                 handle=self, model=self._model)  # fmt: skip
 
     def reset_stats(self) -> None:
         with self._runtime._lock:

@@ -264,16 +264,19 @@ class _Captured:
 
 class StreamedGraph:
     """``fn`` (which calls the streamed model) replayed as CUDA graphs, one per argument
-    signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`."""
+    signature (Note: [Captured calls by signature]). Made by `WeightStreamHandle.cuda_graph`
+    (and `ExpertStreamHandle.cuda_graph`); ``handle`` is the handle that made it, whose
+    ``remove()`` undoes the engine the graph replays (`verify` removes it after its run)."""
 
     def __init__(self, runtime: GraphRuntime, fn: Any, *, max_graphs: int = 8, prime: bool = True,
-                 model: Any = None):  # fmt: skip
+                 handle: Any = None, model: Any = None):  # fmt: skip
         check_callable("fn", fn, optional=False)
         check_int("max_graphs", max_graphs, minimum=1)
         check_bool("prime", prime)
         self.prime = prime
         self._rt = runtime
         self._fn = fn
+        self.handle = handle
         self._model = model  # Note: [The model a graph was captured with]
         self.max_graphs = max_graphs
         self.device = runtime.device

@@ -175,7 +175,8 @@ class WeightStreamHandle:
                 "cuda_graph needs the host store pinned and a copy stream: call stream_weights "
                 "with pin_memory=True and use_streams=True (the defaults)"
             )
-        return StreamedGraph(rt, fn, max_graphs=max_graphs, prime=prime, model=self._model)
+        return StreamedGraph(rt, fn, max_graphs=max_graphs, prime=prime, handle=self,
+                             model=self._model)  # fmt: skip
 
     def reset_stats(self) -> None:
         rt = self._runtime
