@@ -252,6 +252,20 @@ def test_graph_mode_refuses_what_it_cannot_serve():
     h.remove()
     with pytest.raises(RuntimeError, match="removed"):
         h.cuda_graph(model)
+    mixed = qwen3()  # a layer that routes another top_k (docs/moe.md says it is refused)
+    mixed.model.layers[1].mlp.gate.top_k = 1
+    h = to.stream_experts(mixed, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    cache = transformers.StaticCache(config=mixed.config, max_cache_len=16)
+    step = h.cuda_graph(
+        lambda ids, pos: mixed(
+            input_ids=ids, position_ids=pos.unsqueeze(0), cache_position=pos, past_key_values=cache
+        )
+    )
+    with torch.inference_mode():
+        step(one, at)  # the warm-up runs eagerly
+        with pytest.raises(RuntimeError, match=r"layers.1.* shape \(1, 1\): .* same number"):
+            step(one, at)
+    h.remove()
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

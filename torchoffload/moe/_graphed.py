@@ -444,7 +444,9 @@ def graphed_forward(
     if top_k_index.shape != (1, tables.k):
         raise RuntimeError(
             f"cuda_graph of stream_experts expects {tables.k} routed experts per token, "
-            f"{layer.name!r} got routing of shape {tuple(top_k_index.shape)}"
+            f"{layer.name!r} got routing of shape {tuple(top_k_index.shape)}: graph mode "
+            "needs every expert layer to route the same number of experts per token (top_k). "
+            "Call the model without cuda_graph (the eager path serves it)"
         )
     with torch.no_grad():
         experts, place = top_k_index[0].sort()
