@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
+from torchoffload.compile._inputs import CallForm, InputCheck, InputSpec, call_form, input_specs
 
 
 class _Concat(nn.Module):
@@ -118,3 +118,62 @@ def test_an_input_laid_out_otherwise_than_exported_is_refused():
             check(args, {})
         InputCheck(inputs, dims, strides=False)(args, {})
     assert tuple(InputSpec.from_obj(i.to_obj()) for i in inputs) == inputs
+
+
+def _bound(form, check, args, kwargs):
+    """A call as `StreamedPackage` runs it: bound to the exported form, then checked."""
+    args, kwargs = form.bind(args, kwargs)
+    check(args, kwargs)
+    form.check_complete(args, kwargs)
+    return args, kwargs
+
+
+def test_a_call_is_bound_to_the_exported_form_by_name():
+    """Note: [Checking a package's inputs], keywords: a constant (or tensor) exported by
+    position and passed by keyword was refused as missing (``program(x, scale=3.0)``), and a
+    keyword the program lacks reached AOTInductor's loader ("kwarg keyword mismatch"). Bound
+    as Python binds a call, they run; what Python refuses is a ``TypeError``."""
+    x = torch.randn(2, 3)
+    form = call_form(_Scaled(), (x, 3.0), None)
+    assert form == CallForm(2, (), ("x", "scale"))
+    assert CallForm.from_obj(form.to_obj()) == form
+    check = InputCheck(*input_specs(torch.export.export(_Scaled(), (x, 3.0))))
+    for args, kwargs in (((x, 3.0), {}), ((x,), {"scale": 3.0}), ((), {"scale": 3.0, "x": x})):
+        got = _bound(form, check, args, kwargs)
+        assert got[0] == (x, 3.0) and got[1] == {}, (args, kwargs)
+    with pytest.raises(ValueError, match=r"'scale' \(args\[1\]\) is 4.0, but"):
+        _bound(form, check, (x,), {"scale": 4.0})
+    with pytest.raises(TypeError, match="multiple values for argument 'scale'"):
+        _bound(form, check, (x, 3.0), {"scale": 3.0})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bias' .*\(x, scale\)"):
+        _bound(form, check, (x, 3.0), {"bias": 1.0})
+    with pytest.raises(TypeError, match=r"exported with 2 positional arguments .* 3 were"):
+        _bound(form, check, (x, 3.0, 1.0), {})
+    with pytest.raises(ValueError, match=r"'scale' \(args\[1\]\) is missing"):
+        _bound(form, check, (), {"x": x})  # x moves to its place; scale is still missing
+
+    # Exported by keyword, passed by position; keyword-only inputs stay keywords.
+    m, y, mask = _Concat(), torch.randn(6, 4), torch.ones(3)
+    kw = {"scale": torch.ones(4), "mask": mask}
+    form = call_form(m, (x, y), {"n": 2, **kw})
+    ep = torch.export.export(m, (torch.randn(3, 4), y), {"n": 2, **kw})
+    check = InputCheck(*input_specs(ep))
+    x = torch.randn(3, 4)
+    args, kwargs = _bound(form, check, (x, y, 2), kw)
+    assert args == (x, y) and kwargs == {"n": 2, **kw}
+    with pytest.raises(TypeError, match=r"exported with 2 positional arguments \(x, y\)"):
+        _bound(form, check, (x, y, 2, kw["scale"]), {"mask": mask})
+
+
+def test_a_call_missing_a_constant_the_check_does_not_know_is_refused():
+    """A constant that `InputCheck` does not record (not a JSON scalar) and that the call
+    leaves out: AOTInductor's runner drops non-tensors, so the program would run with the
+    exported value where the model takes its default."""
+    form = CallForm(2, ("dtype",), ("x", "mode"))
+    form.check_complete((1, 2), {"dtype": torch.float32})
+    with pytest.raises(ValueError, match=r"argument mode \(args\[1\]\) is missing"):
+        form.check_complete((1,), {"dtype": torch.float32})
+    with pytest.raises(ValueError, match=r"argument dtype \(kwargs\['dtype'\]\) is missing"):
+        form.check_complete((1, 2), {})
+    with pytest.raises(ValueError, match="call must be an object"):
+        CallForm.from_obj({"args": 1, "kwargs": [1], "names": []})

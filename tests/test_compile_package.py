@@ -775,9 +775,16 @@ def test_a_package_called_with_another_input_than_exported_is_refused(tmp_path):
         program(1.0, 3, mask=mask)
     with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) is missing or not a tensor, but"):
         program([1.0] * 8, 3, mask=mask)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bias'"):  # was refused
+        program(x, 3, mask=mask, bias=1.0)  # inside AOTInductor's loader
+    with pytest.raises(TypeError, match="multiple values for argument 'n'"):
+        program(x, 3, n=3, mask=mask)
     assert program.handle.stats().calls == calls
-    with torch.no_grad():  # and the program still runs
+    with torch.no_grad():  # and the program still runs, with arguments bound by name (the
+        # constant n by keyword was refused as missing)
         assert torch.equal(program(x, 3, mask=mask), model(x, 3, mask=mask))
+        assert torch.equal(program(x, n=3, mask=mask), model(x, 3, mask=mask))
+        assert torch.equal(program(mask=mask, n=3, x=x), model(x, 3, mask=mask))
     program.remove()
     assert [i.name for i in catalog.inputs] == ["x", "n", "mask"]
     assert toc.read_catalog(tmp_path / "m.pt2").inputs == catalog.inputs

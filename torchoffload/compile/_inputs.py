@@ -16,6 +16,18 @@ tensors by position only, is checked without flattening ``(args, kwargs)`` (4 us
 per call, CPU). An argument the program does not take is left to the program (AOTInductor's
 runner refuses a tensor it does not take).
 
+Keywords: AOTInductor's runner takes the keywords the program was exported with and flattens
+the rest by position, and `InputCheck` knows each input by its place in ``(args, kwargs)``. A
+call that passed by keyword what the export passed by position (``program(x, scale=3.0)`` for
+an export with ``(x, 3.0)``), or the other way round, was refused as missing an argument it
+had, or failed inside AOTInductor's loader ("Ran into a kwarg keyword mismatch"). So the
+export also records the call's form (`CallForm`: how many positional arguments, which
+keywords, and the forward's positional parameter names), and each call is first bound to that
+form as Python binds a call to a signature: by name where the forward's signature allows it,
+with Python's ``TypeError`` for a value given twice or a keyword the program does not take.
+Then it is checked; a call that still lacks an argument is refused (a constant the check does
+not know, left out, would run with the exported value).
+
 Strides: an AOTInductor kernel indexes an input with the strides of the exported program's
 input (it checks them only under ``AOTI_RUNTIME_CHECK_INPUTS=1``), so a transposed or sliced
 input of the right shape was read as if laid out the exported way: other values, silently (max
@@ -27,6 +39,7 @@ layout.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +47,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["InputCheck", "InputSpec", "input_specs"]
+__all__ = ["CallForm", "InputCheck", "InputSpec", "call_form", "input_specs"]
 
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
@@ -125,6 +138,99 @@ def input_specs(
         lower = int(vr.lower) if vr.lower.is_Integer else 0
         ranges[str(sym)] = (lower, int(vr.upper) if vr.upper.is_Integer else None)  # None: oo
     return tuple(out), ranges
+
+
+@dataclass(frozen=True)
+class CallForm:
+    """How a program was called at export: ``args`` positional arguments and the keywords
+    ``kwargs``; ``names[i]`` is the name of the forward's ``i``-th positional parameter ("" for
+    one that cannot be passed by keyword). Note: [Checking a package's inputs]."""
+
+    args: int
+    kwargs: tuple[str, ...]
+    names: tuple[str, ...] = ()
+
+    def to_obj(self) -> dict[str, Any]:
+        return {"args": self.args, "kwargs": list(self.kwargs), "names": list(self.names)}
+
+    @classmethod
+    def from_obj(cls, d: object) -> CallForm:
+        ok = isinstance(d, dict) and isinstance(d.get("args"), int) and d["args"] >= 0
+        lists = [d.get(k) for k in ("kwargs", "names")] if ok else []  # type: ignore[union-attr]
+        if not ok or not all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                             for v in lists):  # fmt: skip
+            raise ValueError("call must be an object of args (an int), kwargs and names (strings)")
+        return cls(d["args"], tuple(lists[0]), tuple(lists[1]))  # type: ignore[index]
+
+    def bind(self, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` in the exported form: a positional argument the export passed by
+        keyword becomes that keyword, and a keyword the export passed by position moves there.
+        ``TypeError`` as Python's for a value given twice or a keyword the program lacks."""
+        n, exported = self.args, self.kwargs
+        if len(args) == n and (not kwargs if not exported else kwargs.keys() == set(exported)):
+            return args, kwargs
+        args, kwargs = list(args), dict(kwargs)
+        for i in range(n, len(args)):
+            name = self._name(i)
+            if name not in exported:
+                raise TypeError(
+                    f"this program was exported with {n} positional arguments "
+                    f"({self._listed(range(n))}) and keywords ({', '.join(exported)}); "
+                    f"{len(args)} were given"
+                )
+            if name in kwargs:
+                raise TypeError(f"got multiple values for argument {name!r}")
+            kwargs[name] = args[i]
+        del args[n:]
+        while len(args) < n and self._name(len(args)) in kwargs:
+            args.append(kwargs.pop(self._name(len(args))))
+        for name in kwargs:
+            if name in exported:
+                continue
+            if name in self.names[: len(args)]:
+                raise TypeError(f"got multiple values for argument {name!r}")
+            if name not in self.names[:n]:
+                raise TypeError(
+                    f"got an unexpected keyword argument {name!r} (this program was exported "
+                    f"with positional arguments ({self._listed(range(n))}) and keywords "
+                    f"({', '.join(exported)}))"
+                )
+        return tuple(args), kwargs
+
+    def check_complete(self, args: tuple, kwargs: dict[str, Any]) -> None:
+        """A bound call that still lacks an argument: ``ValueError`` (`InputCheck` names those
+        it knows first; this catches the rest)."""
+        missing = [f"{self._name(i) or i} (args[{i}])" for i in range(len(args), self.args)]
+        missing += [f"{k} (kwargs[{k!r}])" for k in self.kwargs if k not in kwargs]
+        if missing:
+            raise ValueError(
+                f"argument {missing[0]} is missing, but this program was exported with it (a "
+                "non-tensor input is a constant of the program: pass it)"
+            )
+
+    def _name(self, i: int) -> str:
+        return self.names[i] if i < len(self.names) else ""
+
+    def _listed(self, positions: range) -> str:
+        return ", ".join(self._name(i) or f"args[{i}]" for i in positions)
+
+
+def call_form(model: Any, args: tuple, kwargs: dict[str, Any] | None) -> CallForm:
+    """The `CallForm` of ``model(*args, **kwargs)`` (no names where the forward's signature
+    cannot be read)."""
+    names: list[str] = []
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind == p.POSITIONAL_ONLY:
+            names.append("")
+        elif p.kind == p.POSITIONAL_OR_KEYWORD:
+            names.append(p.name)
+        else:
+            break
+    return CallForm(len(args), tuple(kwargs or ()), tuple(names))
 
 
 def _dim(d: torch.SymInt) -> int | str:

@@ -90,7 +90,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchoffload._modules import matches
 from torchoffload._transfer import compute_device
 from torchoffload._validate import check_int
-from torchoffload.compile._inputs import InputCheck, InputSpec, input_specs
+from torchoffload.compile._inputs import CallForm, InputCheck, InputSpec, call_form, input_specs
 from torchoffload.compile._ops import _lib
 from torchoffload.compile._probe import ProbeServer, own_version, readers, serving
 from torchoffload.weights import WeightStreamHandle, _layout
@@ -237,6 +237,7 @@ class Catalog:
     written_inputs: tuple[str, ...] = ()
     inputs: tuple[InputSpec, ...] = ()
     dims: dict[str, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> range
+    call: CallForm | None = None  # None: a catalog written before it was recorded
 
     @property
     def nbytes(self) -> int:
@@ -253,7 +254,8 @@ class Catalog:
              "weights": weights, "positions": list(self.positions),
              "last_use": list(self.last_use), "written_inputs": list(self.written_inputs),
              "inputs": [i.to_obj() for i in self.inputs],
-             "dims": {s: list(r) for s, r in self.dims.items()}},
+             "dims": {s: list(r) for s, r in self.dims.items()},
+             **({"call": self.call.to_obj()} if self.call is not None else {})},
             indent=1,
         )  # fmt: skip
 
@@ -277,8 +279,9 @@ class Catalog:
             written = _list_of(d.get("written_inputs"), str, "written_inputs")
             inputs = tuple(InputSpec.from_obj(i) for i in _list_of(d.get("inputs"), dict, "inputs"))
             dims = _dims(d.get("dims"))
+            call = CallForm.from_obj(d["call"]) if "call" in d else None
             cat = cls(d["device_type"], tuple(probes), weights, tuple(positions),
-                      tuple(last_use), tuple(written), inputs, dims)  # fmt: skip
+                      tuple(last_use), tuple(written), inputs, dims, call)  # fmt: skip
             if not len(cat.probes) == len(cat.positions) == len(cat.last_use):
                 raise ValueError("probes, positions and last_use differ in length")
             unknown = [n for n in cat.probes if n not in weights]
@@ -429,7 +432,7 @@ def export_streamed(
     ep = torch.export.export(gm, fake_args, fake_kwargs, dynamic_shapes=dynamic_shapes,
                              strict=False)  # fmt: skip
     inputs, dims = input_specs(ep)
-    return ep, replace(catalog, inputs=inputs, dims=dims)
+    return ep, replace(catalog, inputs=inputs, dims=dims, call=call_form(model, args, kwargs))
 
 
 def _written_inputs(ep: torch.export.ExportedProgram, args: Any, kwargs: Any) -> tuple[str, ...]:
@@ -774,7 +777,12 @@ class StreamedPackage:
         self._check = InputCheck(catalog.inputs, catalog.dims, strides=not dynamo_compiled)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._check(args, kwargs)  # Note: [Checking a package's inputs]
+        form = self.catalog.call  # Note: [Checking a package's inputs]
+        if form is not None:
+            args, kwargs = form.bind(args, kwargs)
+        self._check(args, kwargs)
+        if form is not None:
+            form.check_complete(args, kwargs)
         out, _weights = self._server.run(self._program, args, kwargs)
         if self._written:  # Note: [Arguments written in place] (weights/_graph.py)
             for path, x in pytree.tree_flatten_with_path((args, kwargs))[0]:
