@@ -853,7 +853,9 @@ def test_a_transposed_input_or_a_constant_left_out_is_refused_not_miscomputed(tm
         for other in (torch.randn(8, 4).t(), torch.randn(4, 16)[:, ::2]):
             with pytest.raises(ValueError, match=r"'x' \(args\[0\]\) has strides .* \[8, 1\]"):
                 program(other, 3.0)
-            assert torch.equal(program(other.contiguous(), 3.0), model(other, 3.0))
+            # the model's own: eager Linear on a transposed input differs from its contiguous
+            # copy by an ulp (CPU, two threads), so both get the copy
+            assert torch.equal(program(other.contiguous(), 3.0), model(other.contiguous(), 3.0))
         with pytest.raises(ValueError, match=r"'scale' \(args\[1\]\) is missing, but .* 3.0"):
             program(x)
         assert torch.equal(program(x, 3.0), model(x, 3.0))
