@@ -25,6 +25,7 @@ streamed from a safetensors file (``load_streamed_package``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 import torch
@@ -86,11 +87,14 @@ def decode_static(model, prompt, new_tokens: int, device, graph=None, step_model
 
     n = prompt.shape[1]
     cache = StaticCache(config=model.config, max_cache_len=n + new_tokens)
+    # transformers 5.24 names it ``cache`` (``past_key_values`` still works, with a warning)
+    params = inspect.signature(model.forward).parameters
+    with_cache = {"cache" if "cache" in params else "past_key_values": cache}
     step_model = model if step_model is None else step_model
 
     def step(ids, pos):
         out = step_model(input_ids=ids, position_ids=pos.expand(ids.shape[0], 1),
-                         cache_position=pos, past_key_values=cache, use_cache=True)  # fmt: skip
+                         cache_position=pos, use_cache=True, **with_cache)  # fmt: skip
         return out.logits[:, -1]
 
     run_step = graph(step) if graph is not None else step
@@ -100,7 +104,7 @@ def decode_static(model, prompt, new_tokens: int, device, graph=None, step_model
         with torch.inference_mode():
             cache.reset()
             out = model(input_ids=prompt, cache_position=positions.new_tensor(range(n)),
-                        past_key_values=cache, use_cache=True)  # fmt: skip
+                        use_cache=True, **with_cache)  # fmt: skip
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             toks = [tok]
             for i in range(new_tokens - 1):
