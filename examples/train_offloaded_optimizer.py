@@ -1,6 +1,8 @@
 """Full fine-tuning of a Llama-style model with AdamW on the host, against AdamW on the device.
 
     python examples/train_offloaded_optimizer.py                   # a small model, GPU or CPU
+    python examples/train_offloaded_optimizer.py --dtype fp32 --layers 2 --hidden 256 \
+        --heads 4 --kv-heads 2 --intermediate 512 --vocab 2048 --seq 64   # CPU: seconds, bitwise
     python examples/train_offloaded_optimizer.py --hidden 3072 --layers 28 --heads 24 \\
         --kv-heads 8 --intermediate 8192 --vocab 128256 --seq 4096 --batch 2   # Llama-3.2-3B
 
@@ -89,9 +91,11 @@ def run(args, device, mode):
         losses.append(loss.item())  # waits for the step's device work
         times.append(time.perf_counter() - start)
     step = sorted(times[1:] or times)[len(times[1:] or times) // 2]
-    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    peak = "   n/a"  # on the CPU there is no separate device memory
+    if device.type == "cuda":
+        peak = f"{torch.cuda.max_memory_allocated() / 2**30:6.2f}"
     line = (f"{mode:7s} step {step * 1e3:8.1f} ms  {args.batch * args.seq / step:9.0f} tokens/s  "
-            f"peak device {peak:6.2f} GiB  host {host_gib():6.2f} GiB")  # fmt: skip
+            f"peak device {peak} GiB  host {host_gib():6.2f} GiB")  # fmt: skip
     if handle is not None:
         ps = handle.stats()
         line += (f"  parameters: at most {ps.peak_loaded_bytes / 2**20:.1f} MiB on the device, "
