@@ -23,6 +23,8 @@ def test_python_dash_m_entry_point():
         [sys.executable, "-m", "torchoffload", "--help"], capture_output=True, text=True
     )
     assert proc.returncode == 0 and "demo" in proc.stdout
+    # plan places optimizer state and parameters too, not only activations
+    assert "activations, optimizer state, parameters" in " ".join(proc.stdout.split())
 
 
 def test_import_is_light():

@@ -666,8 +666,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser(
         "demo", help="train and run a small GPT with and without offloading", add_help=False
     )
-    sub.add_parser("plan", help="plan activation memory for a model (no GPU needed)",
-                   add_help=False)  # fmt: skip
+    sub.add_parser("plan", help="plan a training step's memory for a budget: activations, "
+                   "optimizer state, parameters (no GPU needed)", add_help=False)  # fmt: skip
     args, rest = p.parse_known_args(argv)
     if args.command == "demo":
         return demo(rest)
