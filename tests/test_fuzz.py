@@ -997,9 +997,13 @@ class Optimizer(TrainingMachine):
         no longer steps it; refused from the next backward, step() or zero_grad() on: Note:
         [The param groups the host steps])."""
         how = data.draw(st.sampled_from(["new lr", "drop"]), label="param_groups edit")
-        g = data.draw(st.integers(0, len(self.ref.opt.param_groups) - 1), label="group")
-        k = data.draw(st.integers(0, len(self.ref.opt.param_groups[g]["params"]) - 1),
-                      label="parameter")  # fmt: skip
+        if how == "drop":  # from a group that has a parameter left (an earlier drop emptied some)
+            full = [i for i, group in enumerate(self.ref.opt.param_groups) if group["params"]]
+            if not full:
+                return
+            g = data.draw(st.sampled_from(full), label="group")
+            k = data.draw(st.integers(0, len(self.ref.opt.param_groups[g]["params"]) - 1),
+                          label="parameter")  # fmt: skip
 
         def fn(side):
             opt = side.opt.opt if isinstance(side.opt, (PlainRef, MasterRef)) else side.opt
