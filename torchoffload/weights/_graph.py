@@ -181,8 +181,11 @@ class GraphRuntime(Protocol):
 # tensors' data pointers are compared; the slots are walked only when a parameter, buffer or
 # submodule was registered on some module since (torch's global registration hooks count
 # them, and ``module.x = ...`` and ``load_state_dict(assign=True)`` register): walking every
-# slot took 0.6 us a slot on a 2-core CPU host (about 100 us for the demo's 163 slots,
-# 0.7 ms for a Qwen3-30B-A3B shape), the pointers alone a fraction. A write into a module's
+# slot took 0.6 us a slot on a loaded 2-core CPU host. The pointers alone, on an H200
+# machine's host: 21 us for the demo GPT's 163 slots, 25 us for a Llama-3.1-8B shape's 940,
+# 47 us for a Qwen3-30B-A3B shape's 1404, every tensor resident (a streamed one is not
+# read); the demo's streamed decode replayed at 1.16 ms a token with the check, 1.15 without
+# (benchmarks/log/2026-11-27-session23-gpu-fuzzer.md). A write into a module's
 # ``_parameters`` dict itself registers nothing and is not seen.
 
 
