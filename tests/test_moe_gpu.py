@@ -276,23 +276,15 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
     """A dense tensor assigned between replays (``o_proj.weight = nn.Parameter(...)``): the
     logits are those of the resident model with the new tensor (a replay of the old graph read
     the old one: the fuzzer saw 0.52 off; Note: [The model a graph was captured with])."""
-    from test_moe_graph import decode
-
-    def edit(m):
-        def run(i):
-            if i == 4:
-                attn = m.model.layers[1].self_attn
-                attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight * -2.0)
-
-        return run
+    from test_moe_graph import assign_o_proj, decode
 
     prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
     ref = qwen3(torch.float32)
-    want, _ = decode(ref, prompt, 12, edit=edit(ref))
+    want, _ = decode(ref, prompt, 12, edit=assign_o_proj(ref))
     del ref
     model = qwen3(torch.float32)
     h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"))
-    got, (g, _) = decode(model, prompt, 12, wrap=h.cuda_graph, edit=edit(model))
+    got, (g, _) = decode(model, prompt, 12, wrap=h.cuda_graph, edit=assign_o_proj(model))
     assert torch.equal(got, want)
     assert g.stats().captures == 2
     h.remove()

@@ -306,6 +306,17 @@ def test_prefetch_turns_the_next_blocks_misses_into_hits_when_the_prediction_hol
     assert layer1[True].misses + 10 <= layer1[False].misses, layer1
 
 
+def assign_o_proj(m):
+    """A decode's ``edit``: before step 4, layer 1's ``o_proj.weight`` assigned a new tensor."""
+
+    def run(i):
+        if i == 4:
+            attn = m.model.layers[1].self_attn
+            attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight * -2.0)
+
+    return run
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_graph_is_captured_again_when_a_dense_tensor_is_assigned():
     """Note: [The model a graph was captured with]: a dense tensor assigned between replays
@@ -314,17 +325,8 @@ def test_a_graph_is_captured_again_when_a_dense_tensor_is_assigned():
     ref, model = qwen3(), qwen3()
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False)
-
-    def edit(m):
-        def run(i):
-            if i == 4:
-                attn = m.model.layers[1].self_attn
-                attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight * -2.0)
-
-        return run
-
-    want, _ = decode(ref, prompt(), 9, edit=edit(ref))
-    got, again = decode(model, prompt(), 9, wrap=h.cuda_graph, edit=edit(model))
+    want, _ = decode(ref, prompt(), 9, edit=assign_o_proj(ref))
+    got, again = decode(model, prompt(), 9, wrap=h.cuda_graph, edit=assign_o_proj(model))
     assert torch.equal(got, want)
     assert again[0].stats().captures == 2
     h.remove()
