@@ -69,6 +69,12 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 # (every expert computes from the bytes of the expert its own router picked). Counted in
 # ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch: an eager call's
 # Python runs long enough that its copies are already overlapped.
+# Measured (H200, Qwen3-30B-A3B shape, benchmarks/log/2026-11-27-moe-prefetch.md): with a
+# prediction right for about 0.8 of the routed experts, 19-25% bytes more and 2-14% faster per
+# token than without, at 8, 16 and 32 GiB; the prefetch copies read over the link with few
+# programs, or the compute beside them slows more than the overlap gains (Note: [How many
+# programs copy over the link] in _kernels.py). Off by default: the gain hangs on the model's
+# next-block prediction.
 
 __all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
 
@@ -345,12 +351,15 @@ class Stage:
         if self.warm or not self.cuda:
             self.warm = True
             return
-        from torchoffload.moe._kernels import copy_routed
+        from torchoffload.moe._kernels import DEVICE_PROGRAMS, LINK_PROGRAMS, copy_routed
 
         none = torch.zeros(self.k, dtype=torch.bool, device=self.rt.device)
         for li in range(len(self.rt.layout.layers)):
-            stage = self.stage[li][:1]
-            copy_routed(stage, stage, none[:1], stage, none[:1], self.sizes[li])
+            for places in (1, self.k):  # a stage place, a prefetch
+                stage = self.stage[li][:places]
+                for programs in (LINK_PROGRAMS, DEVICE_PROGRAMS):
+                    copy_routed(stage, stage, none[:places], stage, none[:places],
+                                self.sizes[li], programs)  # fmt: skip
         self.warm = True
 
     def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
@@ -360,20 +369,28 @@ class Stage:
         expert)."""
         stage = self.stage[li]
         if self.cuda:
-            from torchoffload.moe._kernels import copy_routed
+            from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
 
             # the copy stream waits for the plan and for the last reads of the stage and of
-            # the victims' slots (all queued before on the compute stream); one launch per
-            # place, each followed by its event: place r computes while r + 1... are copied
-            # (the plan's tensors live until the caller's compute stream waited on every
-            # event: no block of theirs is reused before these copies read it)
+            # the victims' slots (all queued before on the compute stream); per place a
+            # launch for a miss (over the link) and one for a hit (from its cache slot), with
+            # their own program counts (Note: [How many programs copy over the link] in
+            # _kernels.py; one of the two copies nothing), then its event: place r computes
+            # while r + 1... are copied (the plan's tensors live until the caller's compute
+            # stream waited on every event: no block of theirs is reused before these copies
+            # read it; the two masks made here are recorded on the copy stream)
             compute = torch.cuda.current_stream(self.rt.device)
+            linked, held = valid & miss, valid & ~miss
             self.side.wait_stream(compute)
             with torch.cuda.stream(self.side):
                 for r, event in enumerate(self.events):
                     p = slice(r, r + 1)
-                    copy_routed(src[p], stage[p], valid[p], dst[p], write[p], self.sizes[li])
+                    copy_routed(src[p], stage[p], linked[p], dst[p], write[p], self.sizes[li])
+                    copy_routed(src[p], stage[p], held[p], dst[p], self.no_write[p],
+                                self.sizes[li], DEVICE_PROGRAMS)  # fmt: skip
                     event.record(self.side)
+            for t in (linked, held):
+                t.record_stream(self.side)
             return self.events
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
