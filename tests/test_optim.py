@@ -1108,7 +1108,13 @@ def test_bad_input_is_refused_with_the_argument_named():
         to.OffloadedOptimizer(ps, torch.optim.SGD, config=OptimizerOffloadConfig(), overlap=False)
     with pytest.raises(ValueError, match="Invalid learning rate"):  # the class's own check
         to.OffloadedOptimizer(ps, torch.optim.SGD, lr=-1.0)
-    opt = to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1)
+    # capturable=True: torch refuses it for CPU tensors at the first step, after the backward
+    with pytest.raises(ValueError, match=r"capturable=True \(param group 0\)"):
+        to.OffloadedOptimizer(ps, torch.optim.AdamW, lr=0.1, capturable=True)
+    with pytest.raises(ValueError, match=r"capturable=True \(param group 1\)"):
+        to.OffloadedOptimizer([{"params": ps[:1]}, {"params": ps[1:], "capturable": True}],
+                              torch.optim.Adam, lr=0.1)  # fmt: skip
+    opt = to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1)  # nothing was left hooked
     with pytest.raises(ValueError, match="already managed"):
         to.OffloadedOptimizer(ps[1:], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="closure"):

@@ -92,6 +92,20 @@ def check_supported(
             raise ValueError(f"offload_fraction < 1: not supported yet with {why}")
 
 
+def check_host_groups(groups: list[dict[str, Any]], host_groups: list[int]) -> None:
+    """Refuse, before anything is hooked, options the host step cannot honour in a group
+    holding a parameter stepped on the host: ``capturable=True`` keeps the step count on the
+    device for CUDA graphs, and torch's optimizers refuse it for CPU tensors (at the first
+    step, after the backward)."""
+    for g in sorted(set(host_groups)):
+        if groups[g].get("capturable"):
+            raise ValueError(
+                f"capturable=True (param group {g}): the host steps this group's parameters on "
+                "the CPU, where torch's optimizers refuse capturable; drop it (the host step is "
+                "never captured in a CUDA graph)"
+            )
+
+
 def check_master_dtype(
     config: OptimizerOffloadConfig, params: list[torch.Tensor], optimizer_class: type | None
 ) -> None:

@@ -13,6 +13,7 @@ import torch
 from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._ahead import hook_model
 from torchoffload.optim._build import (
+    check_host_groups,
     check_optimizer_class,
     check_params,
     check_supported,
@@ -111,6 +112,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         families = storage_families(flat)
         on_host = host_part(flat, config.offload_fraction, families)
+        check_host_groups(self.param_groups, [group_of[i] for i, h in enumerate(on_host) if h])
         # Indices, in the optimizer's parameter order, of the host part's parameters and of
         # the device part's (Note: [Which parameters stay on the device]).
         self._host_index = [i for i, h in enumerate(on_host) if h]
