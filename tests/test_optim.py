@@ -1090,6 +1090,8 @@ def test_bad_input_is_refused_with_the_argument_named():
         to.OffloadedOptimizer(ps, to.OffloadedOptimizer)
     with pytest.raises(ValueError, match="LBFGS.step needs a closure"):  # issue 39 item 5
         to.OffloadedOptimizer(ps, torch.optim.LBFGS)
+    with pytest.raises(ValueError, match="SparseAdam steps sparse gradients only"):
+        to.OffloadedOptimizer(ps, torch.optim.SparseAdam)  # it failed at the first step
     with pytest.raises(ValueError, match="appears twice"):
         to.OffloadedOptimizer(ps + ps[:1], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="empty"):

@@ -36,6 +36,11 @@ def check_optimizer_class(optimizer_class: Any, offloaded: type) -> None:
             "which the host step cannot run: the model and its gradients are on the device. "
             "Use an optimizer whose step takes no closure (AdamW, SGD, Adam, ...)"
         )
+    if issubclass(optimizer_class, torch.optim.SparseAdam):
+        raise ValueError(
+            "SparseAdam steps sparse gradients only, and the host receives dense ones (a sparse "
+            "gradient is refused at backward): use Adam or AdamW"
+        )
 
 
 def config_of(config: Any, kwargs: dict[str, Any]) -> OptimizerOffloadConfig:
