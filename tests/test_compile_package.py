@@ -676,9 +676,24 @@ def test_a_unit_holding_a_tied_alias_and_a_child_is_kept(tmp_path):
 def test_a_weights_file_that_cannot_be_written_leaves_no_package(tmp_path):
     model, tokens = model_and_tokens()
     out = tmp_path / "m.pt2"
-    with pytest.raises(FileNotFoundError):
-        toc.save_streamed_package(model, (tokens,), out, weights=tmp_path / "no" / "w.safetensors")
+    (tmp_path / "w.safetensors").mkdir()  # the write fails after the compile
+    with pytest.raises(IsADirectoryError):
+        toc.save_streamed_package(model, (tokens,), out, weights=tmp_path / "w.safetensors")
     assert not out.exists()
+
+
+def test_a_folder_that_does_not_exist_is_refused_before_the_compile(tmp_path, monkeypatch):
+    def compile_(*args, **kwargs):
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_)
+    model, tokens = model_and_tokens()
+    with pytest.raises(FileNotFoundError, match="weights: the folder .*nothing was compiled"):
+        toc.save_streamed_package(model, (tokens,), tmp_path / "m.pt2",
+                                  weights=tmp_path / "no" / "w.safetensors")  # fmt: skip
+    with pytest.raises(FileNotFoundError, match="package_path: the folder"):
+        toc.save_streamed_package(model, (tokens,), tmp_path / "no" / "m.pt2")
+    assert not list(tmp_path.iterdir())
 
 
 def test_every_weight_is_declared_written_by_the_probe_that_finishes_it():

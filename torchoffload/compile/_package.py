@@ -590,6 +590,12 @@ def save_streamed_package(
     package_path = Path(os.fspath(package_path))
     if package_path.suffix != ".pt2":
         raise ValueError(f"package_path must end in .pt2, got {str(package_path)!r}")
+    for name, path in (("package_path", package_path), ("weights", weights)):
+        folder = None if path is None else Path(os.fspath(path)).parent
+        if folder is not None and not folder.is_dir():  # before a compile of minutes
+            raise FileNotFoundError(
+                f"{name}: the folder {str(folder)!r} does not exist; nothing was compiled"
+            )
     ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                   device=device)  # fmt: skip
     torch._inductor.aoti_compile_and_package(
