@@ -203,14 +203,19 @@ class Routing:
             attr = "_old_forward" if hasattr(r, "_hf_hook") else "forward"
             self.saved.append((r, attr, r.__dict__.get(attr)))
             setattr(r, attr, _noisy(r, self, li))
-        self.hooks = [layer.register_forward_pre_hook(self._enter(li))
-                      for li, layer in enumerate(self.layers)]  # fmt: skip
+        self.hooks = [h for li, layer in enumerate(self.layers) for h in (
+            layer.register_forward_pre_hook(self._enter(li)),
+            layer.register_forward_hook(self._exit),
+        )]  # fmt: skip
 
     def _enter(self, li: int):
         def hook(module, args):
             self.current = li
 
         return hook
+
+    def _exit(self, module, args, output) -> None:
+        self.current = None
 
     def at(self, positions: torch.Tensor) -> None:
         """The positions of the next call's tokens (a decode step's go to a tensor of its own,

@@ -694,6 +694,9 @@ def test_a_folder_that_does_not_exist_is_refused_before_the_compile(tmp_path, mo
     with pytest.raises(FileNotFoundError, match="package_path: the folder"):
         toc.save_streamed_package(model, (tokens,), tmp_path / "no" / "m.pt2")
     assert not list(tmp_path.iterdir())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NotADirectoryError, match="package_path: the folder .* is not a folder"):
+        toc.save_streamed_package(model, (tokens,), str(tmp_path / "file" / "m.pt2"))
 
 
 def test_every_weight_is_declared_written_by_the_probe_that_finishes_it():

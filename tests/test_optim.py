@@ -1117,6 +1117,21 @@ def test_bad_input_is_refused_with_the_argument_named():
         to.OffloadedOptimizer([{"params": ps[:1]}, {"params": ps[1:], "capturable": True}],
                               torch.optim.Adam, lr=0.1)  # fmt: skip
     opt = to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1)  # nothing was left hooked
+    opt.remove()
+    # ... nor through a plain optimizer's state dict, or a group edited in place
+    plain = torch.optim.Adam(ps, lr=0.1, capturable=True)
+    opt = to.OffloadedOptimizer(ps, torch.optim.Adam, lr=0.1)
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=r"capturable=True \(param group 0\)"):
+        opt.load_state_dict(plain.state_dict())
+    assert opt.state_dict()["param_groups"] == before["param_groups"]  # nothing changed
+    opt.param_groups[0]["capturable"] = True
+    with pytest.raises(RuntimeError, match=r"capturable=True \(param group 0\)"):
+        loss_of(a, batch(0)).backward()
+    opt.param_groups[0]["capturable"] = False
+    opt.zero_grad()
+    opt.remove()
+    opt = to.OffloadedOptimizer(ps, torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="already managed"):
         to.OffloadedOptimizer(ps[1:], torch.optim.SGD, lr=0.1)
     with pytest.raises(ValueError, match="closure"):

@@ -593,9 +593,9 @@ def save_streamed_package(
     for name, path in (("package_path", package_path), ("weights", weights)):
         folder = None if path is None else Path(os.fspath(path)).parent
         if folder is not None and not folder.is_dir():  # before a compile of minutes
-            raise FileNotFoundError(
-                f"{name}: the folder {str(folder)!r} does not exist; nothing was compiled"
-            )
+            error, what = ((NotADirectoryError, "is not a folder") if folder.exists() else
+                           (FileNotFoundError, "does not exist"))  # fmt: skip
+            raise error(f"{name}: the folder {str(folder)!r} {what}; nothing was compiled")
     ep, catalog = export_streamed(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                   device=device)  # fmt: skip
     torch._inductor.aoti_compile_and_package(

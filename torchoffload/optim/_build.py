@@ -97,18 +97,27 @@ def check_supported(
             raise ValueError(f"offload_fraction < 1: not supported yet with {why}")
 
 
-def check_host_groups(groups: list[dict[str, Any]], host_groups: list[int]) -> None:
-    """Refuse, before anything is hooked, options the host step cannot honour in a group
-    holding a parameter stepped on the host: ``capturable=True`` keeps the step count on the
-    device for CUDA graphs, and torch's optimizers refuse it for CPU tensors (at the first
+def capturable_refusal(groups: list[Any], host_groups: set[int]) -> str | None:
+    """Why ``groups`` (param groups, or a state dict's) cannot be stepped on the host, or None:
+    ``capturable=True`` in a group holding a parameter the host steps keeps the step count on
+    the device for CUDA graphs, and torch's optimizers refuse it for CPU tensors (at the first
     step, after the backward)."""
-    for g in sorted(set(host_groups)):
-        if groups[g].get("capturable"):
-            raise ValueError(
+    for g in sorted(host_groups):
+        if g < len(groups) and isinstance(groups[g], dict) and groups[g].get("capturable"):
+            return (
                 f"capturable=True (param group {g}): the host steps this group's parameters on "
                 "the CPU, where torch's optimizers refuse capturable; drop it (the host step is "
                 "never captured in a CUDA graph)"
             )
+    return None
+
+
+def check_host_groups(groups: list[dict[str, Any]], host_groups: set[int]) -> None:
+    """Refuse, before anything is hooked, options the host step cannot honour
+    (`capturable_refusal`)."""
+    message = capturable_refusal(groups, host_groups)
+    if message is not None:
+        raise ValueError(message)
 
 
 def check_master_dtype(

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from torchoffload._hosted import HOSTED
+from torchoffload.optim._build import capturable_refusal, check_host_groups
 from torchoffload.optim._grads import ConsumedGrad
 from torchoffload.optim._host import Bucket, HostMasters, Record
 from torchoffload.optim._params import local
@@ -115,6 +116,7 @@ class GroupsCheck:
     def __init__(self, groups: list[dict[str, Any]]):
         self.groups = groups
         self.built = [list(group["params"]) for group in groups]
+        self.host: set[int] = set()  # the groups holding a parameter the host steps
 
     def __call__(self) -> str | None:
         groups, built = self.groups, self.built
@@ -129,13 +131,20 @@ class GroupsCheck:
             )):  # fmt: skip
                 why = f"param_groups[{g}]['params'] is not the parameters it was built with"
         if why is None:
-            return None
+            message = capturable_refusal(groups, self.host)  # a group edited in place
+            return None if message is None else f"OffloadedOptimizer: {message}"
         return (
             f"OffloadedOptimizer: {why}. The host steps the parameters of each group it was "
             "built with, and torch.optim would step these: put them back, or build an "
             "OffloadedOptimizer over the groups you want (add_param_group() is refused too). "
             "See Note: [The param groups the host steps]"
         )
+
+    def check_host(self, host: set[int]) -> None:
+        """Record the groups holding a parameter the host steps, and refuse (ValueError) an
+        option it cannot honour in them (`check_host_groups`)."""
+        self.host = host
+        check_host_groups(self.groups, host)
 
     def refuse(self) -> None:
         """Raise the message, if any, before anything changes."""

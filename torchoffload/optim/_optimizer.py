@@ -13,7 +13,7 @@ import torch
 from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._ahead import hook_model
 from torchoffload.optim._build import (
-    check_host_groups,
+    capturable_refusal,
     check_optimizer_class,
     check_params,
     check_supported,
@@ -112,7 +112,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         group_of = [g for g, group in enumerate(self.param_groups) for _ in group["params"]]
         families = storage_families(flat)
         on_host = host_part(flat, config.offload_fraction, families)
-        check_host_groups(self.param_groups, [group_of[i] for i, h in enumerate(on_host) if h])
+        self._groups.check_host({group_of[i] for i, h in enumerate(on_host) if h})
         # Indices, in the optimizer's parameter order, of the host part's parameters and of
         # the device part's (Note: [Which parameters stay on the device]).
         self._host_index = [i for i, h in enumerate(on_host) if h]
@@ -418,6 +418,9 @@ def _hooked_load(opt: OffloadedOptimizer, state_dict: dict[str, Any]) -> None:
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         result = pre_hook(opt, state_dict)
         state_dict = state_dict if result is None else result
+    message = capturable_refusal(list(state_dict.get("param_groups", ())), opt._groups.host)
+    if message is not None:  # before anything changes
+        raise ValueError(message)
     load_state(opt._runtime, opt._device, opt._host_index, opt.param_groups, state_dict,
                opt.defaults)  # fmt: skip
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
