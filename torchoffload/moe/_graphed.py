@@ -353,15 +353,13 @@ class Stage:
             return
         from torchoffload.moe._kernels import DEVICE_PROGRAMS, LINK_PROGRAMS, copy_routed
 
-        # Triton specializes a pointer on its 16-byte alignment: each place's slices (a
-        # stage copy's), at their offsets, and whole tables (a prefetch's)
         none = torch.zeros(self.k, dtype=torch.bool, device=self.rt.device)
         for li in range(len(self.rt.layout.layers)):
-            for places, first in [(1, r) for r in range(self.k)] + [(self.k, 0)]:
-                stage = self.stage[li][first : first + places]
-                flags = none[first : first + places]
+            for places in (1, self.k):  # a stage place, a prefetch
+                stage = self.stage[li][:places]
                 for programs in (LINK_PROGRAMS, DEVICE_PROGRAMS):
-                    copy_routed(stage, stage, flags, stage, flags, self.sizes[li], programs)
+                    copy_routed(stage, stage, none[:places], stage, none[:places],
+                                self.sizes[li], programs)  # fmt: skip
         self.warm = True
 
     def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
