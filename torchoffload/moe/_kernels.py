@@ -14,10 +14,10 @@ slow that compute 1.07x, 32 at 47.6 GB/s and 1.16x, 64 at 47.2 and 1.35x, 128 at
 545 (slowing the compute 1.42x and 1.52x: they share its memory bandwidth). In a replayed
 8-layer decode with ``prefetch=True``, where a prefetch ran 256 programs, GEMMs beside it took
 47 us instead of 7.5; at the Qwen3-30B-A3B shape the same change took the prefetch rows from
-1-17% slower than without prefetch to 2-14% faster. So a launch copies
-over the link with ``LINK_PROGRAMS`` programs whatever its size (each program loops over every
-row's chunks), the fewest that keep the link's rate, and between device addresses (a hit's
-stage copy, bound by device memory) with ``DEVICE_PROGRAMS``."""
+1-17% slower than without prefetch to 2-14% faster. So a launch copies over the link with
+``LINK_PROGRAMS`` programs whatever its size (each program loops over every row's chunks), the
+fewest that keep the link's rate, and between device addresses (a hit's stage copy, bound by
+device memory) with ``DEVICE_PROGRAMS``."""
 
 from __future__ import annotations
 

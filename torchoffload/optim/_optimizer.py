@@ -13,7 +13,7 @@ import torch
 from torchoffload._hosted import HOSTED, MANAGED
 from torchoffload.optim._ahead import hook_model
 from torchoffload.optim._build import (
-    capturable_refusal,
+    check_host_groups,
     check_optimizer_class,
     check_params,
     check_supported,
@@ -418,9 +418,7 @@ def _hooked_load(opt: OffloadedOptimizer, state_dict: dict[str, Any]) -> None:
     for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
         result = pre_hook(opt, state_dict)
         state_dict = state_dict if result is None else result
-    message = capturable_refusal(list(state_dict.get("param_groups", ())), opt._groups.host)
-    if message is not None:  # before anything changes
-        raise ValueError(message)
+    check_host_groups(list(state_dict.get("param_groups", ())), opt._groups.host)  # first
     load_state(opt._runtime, opt._device, opt._host_index, opt.param_groups, state_dict,
                opt.defaults)  # fmt: skip
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
