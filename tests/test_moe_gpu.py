@@ -288,3 +288,79 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
     assert torch.equal(got, want)
     assert g.stats().captures == 2
     h.remove()
+
+
+def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[bool, int]:
+    """A graphed decode with prefetch at ``slots`` cache slots beside the stage, the copy
+    stream ``slow`` ("link": misses and prefetches; "near": the hits' stage copies) spinning
+    before each of its copies (Note: [Two copy streams]); without ``pin``, a prefetch may take
+    the slots the call before it used. Whether every step's logits are the resident model's,
+    and the experts prefetched."""
+    from test_moe_graph import decode
+
+    from torchoffload.moe import _graphed, _kernels
+
+    def logged(into, wrap=None):  # every step's logits, kept
+        def make(step):
+            f = step if wrap is None else wrap(step)
+
+            def run(ids, pos):
+                out = f(ids, pos)
+                into.append(out.clone())
+                return out
+
+            return run
+
+        return make
+
+    prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    want, got = [], []
+    decode(qwen3(torch.float32), prompt, 16, wrap=logged(want))
+    model = qwen3(torch.float32)
+    least = to.minimum_cache_bytes(model)
+    h = stream_experts(model, "cuda", cache_bytes=least + slots * least // 4, policy=policy,
+                       prefetch=True)  # fmt: skip
+    copy, route = _kernels.copy_routed, _graphed.DeviceTables.route
+    spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
+
+    def slowed(src, stage, what, dst, write, sizes, programs=_kernels.LINK_PROGRAMS):
+        if programs == spin:
+            torch.cuda._sleep(20_000_000)  # on the stream the copy is queued on
+        copy(src, stage, what, dst, write, sizes, programs)
+
+    def unpinned(self, li, experts):
+        out = route(self, li, experts)
+        self.used = torch.full_like(self.used, self.cache_slots)
+        return out
+
+    _kernels.copy_routed = slowed
+    if not pin:
+        _graphed.DeviceTables.route = unpinned
+    try:
+        decode(model, prompt, 16, wrap=logged(got, h.cuda_graph))
+        torch.cuda.synchronize()
+        same = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        return same, h.stats().prefetched
+    finally:
+        _kernels.copy_routed = copy
+        _graphed.DeviceTables.route = route
+        h.remove()
+
+
+@pytest.mark.parametrize("slow", ["link", "near"])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", [6, 8])
+def test_graphed_prefetch_bitwise_with_either_copy_stream_slowed(slow, policy, slots):
+    """A hit's stage copy waits for the prefetch that brought it (the link's stream slowed),
+    and a prefetch never overwrites a slot a hit's copy still reads (the hits' stream
+    slowed): every step's logits are the resident model's. (At 4 cache slots, a call of 4
+    experts pins them all and nothing is prefetched.)"""
+    same, prefetched = _graph_race(slow, policy, slots)
+    assert same and prefetched > 0
+
+
+def test_graphed_prefetch_race_is_caught_without_the_pin():
+    """The check above can fail: with the call's slots not pinned for the prefetch after it,
+    the prefetch overwrites slots whose stage copies (slowed) have not read them yet (on the
+    CPU, the same decode's prefetches took a slot its call had just hit 57 times)."""
+    assert not _graph_race("near", "lfu", 4, pin=False)[0]

@@ -268,6 +268,34 @@ def test_graph_mode_refuses_what_it_cannot_serve():
     h.remove()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
+    """On a GPU a call's hits are copied to the stage on a stream of their own, beside the
+    link's copies, and the prefetch queued after the call runs on the link's stream: it must
+    not evict a slot that call hits (its stage copy may still read it) nor one its misses
+    took. Here the call's two slots would be among the prefetch's two victims by either
+    policy (2 is the least recently used, 5 one of the least used): they stay, and the
+    prefetch takes the one other slot."""
+    model = qwen3(layers=1)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=5 * slot_bytes, policy=policy,
+                          pin_memory=False)  # fmt: skip
+    tables = DeviceTables(h._runtime)  # 3 cache slots beside the stage of 2
+    tables.push()
+    with torch.no_grad():
+        for routed in ([0, 1], [2, 3]):  # the cache holds 1, 2, 3
+            tables.copies.copy(0, *tables.route(0, torch.tensor(routed)))
+        two = int(tables.slot_of[2])
+        tables.copies.copy(0, *tables.route(0, torch.tensor([2, 5])))  # 2 hits, 5 misses
+        five = int(tables.slot_of[5])
+        assert two >= 0 and five >= 0 and int(tables.slot_of[2]) == two
+        tables.prefetch(0, torch.tensor([6, 7]))
+    assert int(tables.slot_of[2]) == two and int(tables.slot_of[5]) == five
+    assert int(tables.counts[0, 4]) == 1  # one free slot: 6 prefetched, 7 not
+    assert int(tables.slot_of[6]) >= 0 and int(tables.slot_of[7]) == -1
+    h.remove()
+
+
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_prefetch_turns_the_next_blocks_misses_into_hits_when_the_prediction_holds():
     """Layer 1's router is layer 0's and the blocks barely change the hidden states, so the

@@ -23,11 +23,11 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
 - One copy kernel then fills the stage: a hit from its cache slot (device to device), a miss
   from the host store, read by the kernel through its mapped address (pinned host memory is
   addressable from the device under unified addressing), and written to its new cache slot as
-  well. A miss left without a slot is copied to the stage only. The kernel and the compute run
-  on the compute stream, in its order: the stage is written after the previous block's
-  compute read it and read after it was written, in every replay. Copies over the link that
-  the kernel drives run at the link's rate (50 GB/s measured on an H100, with 51 GB/s for the
-  copy engine).
+  well. A miss left without a slot is copied to the stage only. The copies run on two side
+  streams, ordered against the compute stream by events (Note: [Two copy streams]): the stage
+  is written after the previous block's compute read it and read after it was written, in
+  every replay. Copies over the link that the kernel drives run at 47-50 GB/s (H200), against
+  54 GB/s for the copy engine (Note: [How many programs copy over the link] in _kernels.py).
 - The experts then compute with the resident loop's operations, in its order, on the stage's
   bytes, whose addresses keep the resident slices' alignment modulo 512 (every member's size is
   a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
@@ -61,11 +61,10 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 # hidden states (the experts' input) predicts most of its choice (pre-gating). With
 # ``prefetch=True``, right after a block's own copies are queued, the next block's router runs on
 # its hidden states, and the predicted experts the cache lacks take slots (the same victim rule;
-# stamped as used now) and are copied into the cache on the copy stream, after this block's
-# copies (so a slot this block reads is never overwritten before its stage copy, by the copy
-# stream's order). The next block's own routing then finds them as hits; its stage copies queue
-# behind the prefetch copies on the same stream, so a hit never reads a slot before its copy
-# landed. A wrong prediction costs link time and may evict a useful expert; outputs never change
+# stamped as used now; never a slot this block's call uses) and are copied into the cache on
+# the link's stream, after this block's misses (Note: [Two copy streams]). The next block's own
+# routing then finds them as hits, whose stage copies wait for the prefetch to land. A wrong
+# prediction costs link time and may evict a useful expert; outputs never change
 # (every expert computes from the bytes of the expert its own router picked). Counted in
 # ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch: an eager call's
 # Python runs long enough that its copies are already overlapped.
@@ -75,6 +74,27 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 # programs, or the compute beside them slows more than the overlap gains (Note: [How many
 # programs copy over the link] in _kernels.py). Off by default: the gain hangs on the model's
 # next-block prediction.
+
+# Note: [Two copy streams]
+# A graph call's copies run on two streams beside the compute stream: ``side`` copies over the
+# link (a miss to the stage and its cache slot, then the prefetch of the next block), ``near``
+# copies a hit from its cache slot to the stage (device to device). Per place, the compute
+# stream waits on an event of each before the expert. Invariants:
+# - Both wait on the compute stream first: the stage's place r (written by exactly one of them:
+#   a place is a miss or a hit) and every victim slot were last read by work the compute stream
+#   queued before (the previous block's experts, which waited on the previous copies).
+# - ``near`` also waits on ``side`` as it was before this call's misses were queued: a hit's
+#   slot was filled by an earlier miss or prefetch on ``side``; the hits do not wait for this
+#   call's misses.
+# - No copy over the link overwrites a slot that a hit's copy may still read: a miss never takes
+#   a slot hit by its call (pinned), and the prefetch queued after the call (the only copy on
+#   ``side`` before the compute stream waits on the hits' events) pins every slot the call used
+#   (`DeviceTables.used`); a later call's copies wait on the compute stream.
+# - In a capture every copy is joined back: a place's events are waited on by the compute
+#   stream, and a prefetch by the next call's ``near`` (whose events the compute stream waits
+#   on); the last block does not prefetch.
+# With one stream, a hit's stage copy (about 9.4 MB at 545 GB/s, Qwen3-30B-A3B) queued between
+# the link's copies, so the link idled for every hit.
 
 __all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
 
@@ -155,6 +175,7 @@ class DeviceTables:
             self.token = torch.zeros(1, **i64)
             self.big = torch.full((1,), 1 << 62, **i64)
             self.none = torch.full((1,), -1, **i64)
+            self.used = torch.full((self.k,), self.cache_slots, **i64)  # the last call's slots
         self.copies = Stage(rt, self.cache_slots, self.k)
         c = self.copies
         self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
@@ -231,11 +252,13 @@ class DeviceTables:
 
     # -- one block call -------------------------------------------------------------------------
 
-    def _admit(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _admit(self, li: int, experts: torch.Tensor,
+               pinned: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """Find ``experts`` (sorted; the layer's expert count marks none) in the cache and
         give each miss, in order, a slot while unpinned slots last (a slot hit by these
-        experts is pinned); the map updated. Returns key, valid, slot, hit, miss, write (got
-        a slot), vslot (that slot) and its cache addresses."""
+        experts is pinned, and the slots in ``pinned``, the cache's slot count marking none);
+        the map updated. Returns key, valid, slot, hit, miss, write (got a slot), vslot (that
+        slot) and its cache addresses."""
         n = self.rt.layout.layers[li].experts
         trash_key = self.keys
         valid = experts < n
@@ -255,9 +278,11 @@ class DeviceTables:
             score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
         score = torch.cat([score, self.big])
         score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: the hits
+        if pinned is not None:
+            score.index_put_((pinned,), self.big)
         nv = min(self.k, sc)
         victims = torch.topk(score[:sc], nv, largest=False).indices
-        free = torch.clamp(sc - hit.sum(), max=nv)
+        free = torch.clamp(sc - (score[:sc] >= self.big).sum(), max=nv)  # unpinned slots
         write = miss & (rank < free)
         vslot = victims[rank.clamp(0, nv - 1)]
         old = self.key_of[vslot]
@@ -279,6 +304,7 @@ class DeviceTables:
             used = torch.where(hit, slot, torch.where(write, vslot, sc))
             self.stamp.index_put_((used,), self.clock + self.order)
             self.clock.add_(self.k)
+            self.used = used  # pinned by the next prefetch (Note: [Prefetch by the next router])
         self.uses.index_put_((key,), torch.ones_like(key), accumulate=True)
         self.uses[self.keys :].fill_(0)
         host = self.host[li][torch.where(valid, experts, n)]
@@ -298,7 +324,7 @@ class DeviceTables:
         if not self.cache_slots:
             return
         n = self.rt.layout.layers[li].experts
-        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts)
+        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used)
         self.stamp.index_put_((torch.where(write, vslot, self.cache_slots),),
                               self.clock + self.order)  # fmt: skip
         self.clock.add_(self.k)
@@ -341,9 +367,10 @@ class Stage:
                 self.host.append(torch.tensor(rows, **i64))
         self.start = cache_slots * slot_bytes  # the stage's first byte
         self.warm = False
-        if self.cuda:  # the stage's copies, one event per place
+        if self.cuda:  # the copies over the link, a hit's stage copies; an event per place each
             self.side = torch.cuda.Stream(dev)
-            self.events = [torch.cuda.Event() for _ in range(k)]
+            self.near = torch.cuda.Stream(dev)
+            self.events = [(torch.cuda.Event(), torch.cuda.Event()) for _ in range(k)]
 
     def warm_up(self) -> None:
         """Compile the copy kernel for every layer's shapes (outside a capture), copying
@@ -371,26 +398,29 @@ class Stage:
         if self.cuda:
             from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
 
-            # the copy stream waits for the plan and for the last reads of the stage and of
-            # the victims' slots (all queued before on the compute stream); per place a
-            # launch for a miss (over the link) and one for a hit (from its cache slot), with
-            # their own program counts (Note: [How many programs copy over the link] in
-            # _kernels.py; one of the two copies nothing), then its event: place r computes
-            # while r + 1... are copied (the plan's tensors live until the caller's compute
-            # stream waited on every event: no block of theirs is reused before these copies
-            # read it; the two masks made here are recorded on the copy stream)
+            # Note: [Two copy streams]. Per place a launch for a miss on the link's stream and
+            # one for a hit on the other, with their own program counts (Note: [How many
+            # programs copy over the link] in _kernels.py; one of the two copies nothing), then
+            # an event on each: place r computes while r + 1... are copied (the plan's tensors
+            # live until the caller's compute stream waited on every event: no block of theirs
+            # is reused before these copies read it; the two masks made here are recorded on
+            # their streams)
             compute = torch.cuda.current_stream(self.rt.device)
             linked, held = valid & miss, valid & ~miss
+            self.near.wait_stream(self.side)
+            self.near.wait_stream(compute)
             self.side.wait_stream(compute)
-            with torch.cuda.stream(self.side):
-                for r, event in enumerate(self.events):
-                    p = slice(r, r + 1)
+            for r, (over, near) in enumerate(self.events):
+                p = slice(r, r + 1)
+                with torch.cuda.stream(self.side):
                     copy_routed(src[p], stage[p], linked[p], dst[p], write[p], self.sizes[li])
+                    over.record(self.side)
+                with torch.cuda.stream(self.near):
                     copy_routed(src[p], stage[p], held[p], dst[p], self.no_write[p],
                                 self.sizes[li], DEVICE_PROGRAMS)  # fmt: skip
-                    event.record(self.side)
-            for t in (linked, held):
-                t.record_stream(self.side)
+                    near.record(self.near)
+            linked.record_stream(self.side)
+            held.record_stream(self.near)
             return self.events
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
@@ -479,7 +509,9 @@ def graphed_forward(
     trash = tables.token + 1
     for r in range(tables.k):
         if copied is not None:
-            torch.cuda.current_stream(hidden_states.device).wait_event(copied[r])
+            compute = torch.cuda.current_stream(hidden_states.device)
+            for event in copied[r]:
+                compute.wait_event(event)
         gate_up_proj, down_proj = tables.copies.views(li, r)
         token_idx = tables.token
         top_k_pos = place[r : r + 1]
