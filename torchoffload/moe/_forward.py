@@ -40,6 +40,18 @@ class _Entry:
         raise TypeError(NO_COPY)
 
 
+# Note: [One host read per block call]
+# The resident loop (transformers' fused experts) reads the routing on the host once per block
+# and twice per routed expert (``torch.where(expert_mask[e])`` and the comparison with the
+# expert count): each read waits for the device to finish all queued work, so the copies and
+# kernels of the next expert are queued only once the previous one has run. The streamed
+# forward reads it once per block call: ``expert_mask[:n].nonzero()`` gives every routed
+# (expert, top-k position, token) in the order of the expert, then of ``torch.where`` on that
+# expert's mask (row-major), so each expert's ``top_k_pos`` and ``token_idx`` are the values the
+# resident loop computes, and every kernel after them gets the same inputs: bitwise. With no
+# read between experts, the host queues a block's experts while the device copies and computes.
+
+
 class FusedForward(_Entry):
     """The forward of a fused experts module while it streams: the operations of its eager
     forward, in its order, on each routed expert's bytes in the cache (Note: [Experts as
@@ -66,15 +78,20 @@ class FusedForward(_Entry):
             rt.begin(li, hidden_states.shape[0])
             try:
                 final_hidden_states = torch.zeros_like(hidden_states)
-                with torch.no_grad():
+                with torch.no_grad():  # Note: [One host read per block call]
                     expert_mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
-                    expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
-                routed = [e for e in expert_hit[:, 0].tolist() if e != n]  # one host sync
+                    found = expert_mask[:n].nonzero()  # rows (expert, top-k position, token)
+                    places = found[:, 1:].t().contiguous()
+                    routed, counts = torch.unique_consecutive(found[:, 0].cpu(),
+                                                              return_counts=True)  # fmt: skip
+                routed = routed.tolist()
                 rt.route(li, routed)
-                for e in routed:
+                start = 0
+                for e, count in zip(routed, counts.tolist(), strict=True):
                     slot = rt.enter(li, e)
                     gate_up_proj, down_proj = rt.views(li, e, slot)
-                    top_k_pos, token_idx = torch.where(expert_mask[e])
+                    top_k_pos, token_idx = places[:, start : start + count]
+                    start += count
                     current_state = hidden_states[token_idx]
                     gate, up = F.linear(current_state, gate_up_proj).chunk(2, dim=-1)
                     current = module.act_fn(gate) * up
