@@ -318,9 +318,10 @@ class DeviceTables:
         return src, valid, miss, dst, write
 
     def prefetch(self, li: int, experts: torch.Tensor) -> None:
-        """Copy into the cache, on the copy stream after the stage's copies, the predicted
-        ``experts`` of layer ``li`` that it lacks (Note: [Prefetch by the next router]); they
-        count as used now (LRU) and not as uses (LFU)."""
+        """Copy into the cache, on the link's stream after this call's misses, the predicted
+        ``experts`` of layer ``li`` that it lacks, never into a slot the call before it used
+        (Note: [Two copy streams]; Note: [Prefetch by the next router]); they count as used
+        now (LRU) and not as uses (LFU)."""
         if not self.cache_slots:
             return
         n = self.rt.layout.layers[li].experts
@@ -437,7 +438,7 @@ class Stage:
     def copy_ahead(self, li: int, src: torch.Tensor, dst: torch.Tensor,
                    write: torch.Tensor) -> None:  # fmt: skip
         """Copy, where ``write``, each place's expert from host addresses ``src`` into cache
-        addresses ``dst`` (the prefetch's copy: queued on the copy stream)."""
+        addresses ``dst`` (the prefetch's copy: queued on the link's stream, ``side``)."""
         if self.cuda:
             from torchoffload.moe._kernels import copy_routed
 
