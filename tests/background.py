@@ -6,9 +6,9 @@ conftest.py calls `schedule`, which queues the jobs whose key is the name of a s
 that module or of a fixture one uses. A thread runs them one at a time, at the lowest CPU priority
 (SCHED_IDLE: only on a core the tests leave idle), the modules in session order and each module's
 jobs from its last to its first, each with one intra-op thread (OMP_NUM_THREADS=1): with the
-default two, each job's OpenMP team and the tests' own spun against each other, and the
-suite's CPU time on CI's two cores dropped from about 1200 s to 950 s and its wall time from
-640-680 s to 577 s without them (one run each, 2026-11-28). A test (or fixture) calls `output`
+default two, each job's OpenMP team and the tests' own spun against each other: back to back
+on this two-core machine, nothing else running (2026-11-28), the suite took 797 s and 1335
+CPU-seconds with two threads a job, 715 s and 1127 with one. A test (or fixture) calls `output`
 for its job's result: it waits for the job if the thread runs it or ran it, and runs it itself,
 at once, if it is still queued or was never queued (a module run on its own). A job's command
 and what the test asserts on its result are the same either way; only when it runs, and on how
