@@ -48,8 +48,10 @@ class _Entry:
 # forward reads it once per block call: ``expert_mask[:n].nonzero()`` gives every routed
 # (expert, top-k position, token) in the order of the expert, then of ``torch.where`` on that
 # expert's mask (row-major), so each expert's ``top_k_pos`` and ``token_idx`` are the values the
-# resident loop computes, and every kernel after them gets the same inputs: bitwise. With no
-# read between experts, the host queues a block's experts while the device copies and computes.
+# resident loop computes, and every kernel after them gets the same inputs: bitwise. Only the
+# ``nonzero`` waits for queued work; the copy of its expert column after it finds the device
+# idle. With no read between experts, the host queues a block's experts while the device copies
+# and computes.
 
 
 class FusedForward(_Entry):
