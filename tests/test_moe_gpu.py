@@ -330,7 +330,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[b
 
     def unpinned(self, li, experts):
         out = route(self, li, experts)
-        self.used = torch.full_like(self.used, self.cache_slots)
+        self.used.fill_(self.cache_slots)
         return out
 
     _kernels.copy_routed = slowed
@@ -354,13 +354,36 @@ def test_graphed_prefetch_bitwise_with_either_copy_stream_slowed(slow, policy, s
     """A hit's stage copy waits for the prefetch that brought it (the link's stream slowed),
     and a prefetch never overwrites a slot a hit's copy still reads (the hits' stream
     slowed): every step's logits are the resident model's. (At 4 cache slots, a call of 4
-    experts pins them all and nothing is prefetched.)"""
+    experts would pin them all: nothing is prefetched.)"""
     same, prefetched = _graph_race(slow, policy, slots)
     assert same and prefetched > 0
 
 
-def test_graphed_prefetch_race_is_caught_without_the_pin():
-    """The check above can fail: with the call's slots not pinned for the prefetch after it,
-    the prefetch overwrites slots whose stage copies (slowed) have not read them yet (on the
-    CPU, the same decode's prefetches took a slot its call had just hit 57 times)."""
-    assert not _graph_race("near", "lfu", 4, pin=False)[0]
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_graphed_prefetch_race_is_caught_without_the_pin(policy):
+    """The check above can fail, at its own setting of 6 slots: with the call's slots not
+    pinned for the prefetch after it, the prefetch overwrites slots whose stage copies
+    (slowed) have not read them yet (on the CPU, the same decode's prefetches took a slot
+    its call had just used 22 times in 43)."""
+    same, prefetched = _graph_race("near", policy, 6, pin=False)
+    assert prefetched > 0 and not same
+
+
+def test_a_captured_block_that_ends_after_its_prefetch():
+    """A captured function that is one expert block: its call queues the next block's
+    prefetch on the link's stream and ends there; the capture joins that stream (a capture
+    ends with every stream it forked joined) and each replay gives the resident block's
+    output, with the prefetch's experts then found in the cache."""
+    ref, model = qwen3(torch.float32), qwen3(torch.float32)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"), prefetch=True)
+    block, want_block = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    f = h.cuda_graph(lambda x: block(x))
+    g = torch.Generator(device="cuda").manual_seed(4)
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(1, 1, 256, device="cuda", generator=g)
+            assert torch.equal(f(x), want_block(x))
+    torch.cuda.synchronize()
+    assert h.stats().prefetched > 0
+    assert any(".layers.1." in name for name, _ in h.cached())
+    h.remove()

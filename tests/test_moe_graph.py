@@ -334,6 +334,26 @@ def test_prefetch_turns_the_next_blocks_misses_into_hits_when_the_prediction_hol
     assert layer1[True].misses + 10 <= layer1[False].misses, layer1
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_no_prefetch_where_a_call_pins_every_cache_slot():
+    """A cache of no more slots beside the stage than a call routes (``top_k``) has none left
+    for a prefetch: the next block's router is not run for it (it runs once per call, by its
+    own block); with one slot more it runs again for the prefetch."""
+    runs = {}
+    for slots in (4, 5):  # 2 or 3 cache slots beside the stage of 2
+        model = qwen3()
+        calls = []
+        model.model.layers[1].mlp.gate.register_forward_hook(lambda *a, c=calls: c.append(1))
+        slot_bytes = to.minimum_cache_bytes(model) // 2
+        h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, pin_memory=False,
+                              prefetch=True)  # fmt: skip
+        decode(model, prompt(), 10, wrap=h.cuda_graph)
+        runs[slots] = (len(calls), h.stats().prefetched)
+        h.remove()
+    assert runs[4] == (10, 0)  # its own block's: the prefill and 9 steps
+    assert runs[5][0] == 10 + 8 and runs[5][1] > 0  # and block 0's, in the 8 graph calls
+
+
 def assign_o_proj(m):
     """A decode's ``edit``: before step 4, layer 1's ``o_proj.weight`` assigned a new tensor."""
 

@@ -67,7 +67,8 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 # prediction costs link time and may evict a useful expert; outputs never change
 # (every expert computes from the bytes of the expert its own router picked). Counted in
 # ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch: an eager call's
-# Python runs long enough that its copies are already overlapped.
+# Python runs long enough that its copies are already overlapped; and only where the cache
+# has more slots than a call uses (``top_k``: a call of ``top_k`` experts pins them all).
 # Measured (H200, Qwen3-30B-A3B shape, benchmarks/log/2026-11-27-moe-prefetch.md): with a
 # prediction right for about 0.8 of the routed experts, 19-25% bytes more and 2-14% faster per
 # token than without, at 8, 16 and 32 GiB; the prefetch copies read over the link with few
@@ -154,6 +155,9 @@ class DeviceTables:
         self.rt = rt
         self.k = layout.top_k
         self.cache_slots = len(rt.cache.slots) - self.k  # the rest is the stage
+        # a cache of no more slots than a call uses has none left for a prefetch (they are
+        # all pinned after a call of ``k`` experts): the next router is not run
+        self.prefetches = rt.config.prefetch and self.cache_slots > self.k
         self.keys = layout.total_experts
         self.first = []  # each layer's first key
         n = 0
@@ -304,7 +308,9 @@ class DeviceTables:
             used = torch.where(hit, slot, torch.where(write, vslot, sc))
             self.stamp.index_put_((used,), self.clock + self.order)
             self.clock.add_(self.k)
-            self.used = used  # pinned by the next prefetch (Note: [Prefetch by the next router])
+            # pinned by the next prefetch (Note: [Prefetch by the next router]); written in
+            # place: a captured call's own tensor would keep its graph's pool alive
+            self.used.copy_(used)
         self.uses.index_put_((key,), torch.ones_like(key), accumulate=True)
         self.uses[self.keys :].fill_(0)
         host = self.host[li][torch.where(valid, experts, n)]
@@ -368,6 +374,7 @@ class Stage:
                 self.host.append(torch.tensor(rows, **i64))
         self.start = cache_slots * slot_bytes  # the stage's first byte
         self.warm = False
+        self.forked = False  # whether this capture queued work on ``side`` or ``near``
         if self.cuda:  # the copies over the link, a hit's stage copies; an event per place each
             self.side = torch.cuda.Stream(dev)
             self.near = torch.cuda.Stream(dev)
@@ -408,6 +415,7 @@ class Stage:
             # their streams)
             compute = torch.cuda.current_stream(self.rt.device)
             linked, held = valid & miss, valid & ~miss
+            self.forked = True
             self.near.wait_stream(self.side)
             self.near.wait_stream(compute)
             self.side.wait_stream(compute)
@@ -443,6 +451,7 @@ class Stage:
             from torchoffload.moe._kernels import copy_routed
 
             self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
+            self.forked = True
             with torch.cuda.stream(self.side):
                 copy_routed(src, dst, write, dst, self.no_write, self.sizes[li])
             # made on the compute stream and read by this copy after the caller drops them:
@@ -500,7 +509,7 @@ def graphed_forward(
         experts, place = top_k_index[0].sort()
         plan = tables.route(li, experts)
         copied = tables.copies.copy(li, *plan)
-        if rt.config.prefetch and li + 1 < len(rt.layout.layers):
+        if tables.prefetches and li + 1 < len(rt.layout.layers):
             predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
             if predicted is not None:
                 tables.prefetch(li + 1, predicted)
@@ -594,10 +603,21 @@ class ExpertGraphs:
             tables.copies.warm_up()
 
     def start_capture(self, engine: Any, primes: tuple = ()) -> None:
+        tables_of(self.rt).copies.forked = False
         self.rt.graphing = True
 
     def finish_capture(self) -> tuple:
+        """The copy streams joined to the capture's stream: a captured function that ends
+        after a block's prefetch (before the next block, whose stage copies would wait on it)
+        leaves the prefetch's copies on ``side`` only, and a capture ends with every stream it
+        forked joined."""
         self.rt.graphing = False
+        copies = tables_of(self.rt).copies
+        if copies.forked:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(copies.side)
+            compute.wait_stream(copies.near)
+            copies.forked = False
         return ()
 
     def end_capture(self, keep: tuple = ()) -> Any:
