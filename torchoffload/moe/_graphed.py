@@ -93,7 +93,9 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
 #   (`DeviceTables.used`); a later call's copies wait on the compute stream.
 # - In a capture every copy is joined back: a place's events are waited on by the compute
 #   stream, and a prefetch by the next call's ``near`` (whose events the compute stream waits
-#   on); the last block does not prefetch.
+#   on); the last block does not prefetch, and a captured function that ends after a block's
+#   prefetch (one block captured alone) has both streams joined at the capture's end
+#   (`ExpertGraphs.finish_capture`).
 # With one stream, a hit's stage copy (about 9.4 MB at 545 GB/s, Qwen3-30B-A3B) queued between
 # the link's copies, so the link idled for every hit.
 
