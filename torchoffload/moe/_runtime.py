@@ -36,6 +36,7 @@ ends the block in a ``finally``.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -273,12 +274,10 @@ class ExpertRuntime:
         slot = self.cache.lookup(key)
         copied = slot is None
         if slot is None:
-            start = b.index.get(e, b.q - 1) + 1
-            later = [(li, x) for x in b.order[start:]]
-            spare = set(later)
-            slot = self.cache.take(spare.__contains__)
+            start = b.index.get(e, b.q - 1) + 1  # experts routed from ``start`` on are spared
+            slot = self.cache.take(_routed_from(b.index, li, start))
             if slot is None and now:
-                slot = self.cache.take_routed(later)
+                slot = self.cache.take_routed([(li, x) for x in b.order[start:]])
             if slot is None and now:
                 slot = self._unroute(li)
             if slot is None:
@@ -357,6 +356,12 @@ class ExpertRuntime:
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
+
+
+def _routed_from(index: dict[int, int], li: int, start: int) -> Callable[[Key], bool]:
+    """Whether a key is an expert of layer ``li`` routed at place ``start`` or later (``index``:
+    expert -> its place in the block's routing order)."""
+    return lambda k: k[0] == li and index.get(k[1], -1) >= start
 
 
 def load(rt: ExpertRuntime, slot: Slot, key: Key) -> None:
