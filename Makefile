@@ -46,8 +46,10 @@ docs: $(DOCS_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchoffload demo
 
+# Two pytest processes at once, the compile-heavy files in the second (tests/run_suite.py says
+# why, with its measurement); `$(PY) -m pytest -q` runs the same tests in one.
 test: $(DEV_STAMP)
-	$(PY) -m pytest -q
+	$(PY) tests/run_suite.py
 
 # The differential fuzzer, long: FUZZ_EXAMPLES examples per engine, random seeds, failures kept
 # in .hypothesis/ and replayed first next time (`make test` runs it small and derandomized).
