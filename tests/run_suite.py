@@ -1,4 +1,5 @@
-"""`make test`: the suite as two pytest processes at once, the compile-heavy files in one.
+"""`make test`: the suite as two pytest processes at once, the compile-heavy files and the
+documentation's examples in the second.
 
 CI has two cores. The in-process tests keep about one busy (tests/background.py runs the
 subprocess jobs on the other, at idle priority), and the files that compile with Inductor and
@@ -7,21 +8,29 @@ Run in a second pytest process beside the rest, they use the core the first leav
 Measured on this two-core machine, one run each, nothing else running, from a cold Inductor
 cache (a fresh TORCHINDUCTOR_CACHE_DIR, as on CI), 2026-11-28 (wall s / CPU s):
 - one process (``pytest -q``): 763 / 1187;
-- SECOND's three files in a second process on one intra-op thread, the first as it is: 724 /
-  1296 (the first's OpenMP team of two spun while the second process held a core);
-- the same with the first's idle OpenMP thread sleeping (``OMP_WAIT_POLICY=PASSIVE``), what
-  this runs: 652 / 1127;
+- test_compile_package, test_compile_streamed and test_compile_pass in a second process on one
+  intra-op thread, the first as it is: 724 / 1296 (the first's OpenMP team of two spun while
+  the second process held a core);
+- the same with the first's idle OpenMP thread sleeping (``OMP_WAIT_POLICY=PASSIVE``): 652 /
+  1127 (the first 644 s, the second 485);
 - both processes on one thread: 637 / 1120, but then the host optimizer's threaded step
-  (``torch.get_num_threads()`` threads) would run on one thread in every test.
+  (``torch.get_num_threads()`` threads) would run on one thread in every test;
+- with SECOND as below (the three, test_compile_probe, test_compile and test_docs), from a fresh
+  clone (``CI=true bash .ci/run``, set-up, docs and lint included: 727 s): the first 600 s, the
+  second 536.
+The threaded host step stays tested in the first process (test_optim); the documentation's
+examples run it on one thread.
 
-Options go to both processes (``python tests/run_suite.py -x``); to run some tests, call pytest
-itself. The second process's output is printed after the first's; the exit status is the first
-nonzero of the two.
+It takes no arguments: for a subset of the tests or other options, call pytest itself. The
+second process's output is printed after the first's, then both exit statuses; the exit status
+is the first nonzero of the two. Interrupted (Ctrl-C, SIGTERM), both processes get SIGINT (so
+pytest stops its background jobs) and are killed if they have not ended 30 s later.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,36 +38,57 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SECOND = ("tests/test_compile_package.py", "tests/test_compile_streamed.py",
-          "tests/test_compile_pass.py")  # fmt: skip
+          "tests/test_compile_pass.py", "tests/test_compile_probe.py", "tests/test_compile.py",
+          "tests/test_docs.py")  # fmt: skip
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def main(argv: list[str]) -> int:
+    if argv:
+        print("tests/run_suite.py takes no arguments: run pytest itself for a subset or options")
+        return 2
+    signal.signal(signal.SIGTERM, _interrupted)
     py = sys.executable
     # the second: one intra-op thread (its work is compiling). The first keeps its team of
     # two (the host optimizer's threaded step is tested there), whose idle thread sleeps
     # instead of spinning against the second process
     env = dict(os.environ, OMP_NUM_THREADS="1")
     first_env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    ignore = [f"--ignore={f}" for f in SECOND]
+    procs: list[subprocess.Popen] = []
     with tempfile.TemporaryFile("w+") as log:
-        second = subprocess.Popen(
-            [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SECOND, *argv],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
         try:
-            ignore = [f"--ignore={f}" for f in SECOND]
-            first = subprocess.call([py, "-m", "pytest", "-q", *ignore, *argv], cwd=ROOT,
-                                    env=first_env)  # fmt: skip
-        except BaseException:  # interrupted: the second process goes too
-            second.kill()
+            procs.append(subprocess.Popen(
+                [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SECOND],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            ))  # fmt: skip
+            procs.append(subprocess.Popen([py, "-m", "pytest", "-q", *ignore], cwd=ROOT,
+                                          env=first_env))  # fmt: skip
+            second, first = (p.wait() for p in procs)
+        except BaseException:
+            _stop(procs)
             raise
-        code = second.wait()
-        log.seek(0)
-        print(f"\n--- {' '.join(SECOND)} (a second pytest process) ---", flush=True)
-        sys.stdout.write(log.read())
-    for rc in (first, code):
-        if rc != 0:
-            return rc
-    return 0
+        finally:
+            log.seek(0)
+            print(f"\n--- {' '.join(SECOND)} (a second pytest process) ---", flush=True)
+            sys.stdout.write(log.read())
+    print(f"\nrun_suite: first process exit {first}, second process exit {second}", flush=True)
+    return first or second
 
 
 if __name__ == "__main__":

@@ -157,8 +157,9 @@ class DeviceTables:
         self.rt = rt
         self.k = layout.top_k
         self.cache_slots = len(rt.cache.slots) - self.k  # the rest is the stage
-        # a cache of no more slots than a call uses has none left for a prefetch (they are
-        # all pinned after a call of ``k`` experts): the next router is not run
+        # a cache of no more slots than a call uses has none left for a prefetch (a call of
+        # ``k`` experts pins them all; one routed partly to the layer's "none" expert may leave
+        # some, and its prefetch is skipped too): the next router is not run
         self.prefetches = rt.config.prefetch and self.cache_slots > self.k
         self.keys = layout.total_experts
         self.first = []  # each layer's first key
