@@ -46,8 +46,8 @@ docs: $(DOCS_STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/torchoffload demo
 
-# Two pytest processes at once, the compile-heavy files in the second (tests/run_suite.py says
-# why, with its measurement); `$(PY) -m pytest -q` runs the same tests in one.
+# Two pytest processes at once, the compile-heavy files and the docs examples in the second
+# (tests/run_suite.py says why, with its measurement); `$(PY) -m pytest -q` runs them in one.
 test: $(DEV_STAMP)
 	$(PY) tests/run_suite.py
 
