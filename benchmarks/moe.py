@@ -138,7 +138,7 @@ SHAPES = {
 }
 
 
-def build(shape: dict, device: torch.device):
+def build(shape: dict, device: torch.device, impl: str = "eager"):
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
@@ -147,7 +147,7 @@ def build(shape: dict, device: torch.device):
         num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
         head_dim=shape["head_dim"], num_experts=shape["experts"],
         num_experts_per_tok=shape["top_k"], max_position_embeddings=8192,
-        experts_implementation="eager", tie_word_embeddings=False,
+        experts_implementation=impl, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
@@ -550,6 +550,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-eager", action="store_true", help="skip the eager stream_experts rows")
     p.add_argument("--no-accelerate", action="store_true", help="skip accelerate's row")
     p.add_argument("--host-compute", action="store_true", help="add the host_compute rows")
+    p.add_argument("--impl", choices=["eager", "grouped_mm"], default="eager",
+                   help="transformers' experts implementation: the per-expert loop, or its "
+                   "default grouped GEMMs (host_compute rows need eager)")  # fmt: skip
     p.add_argument("--accelerate-tokens", type=int, default=2, metavar="N",
                    help="timed decode steps of accelerate's cpu_offload")  # fmt: skip
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
@@ -566,7 +569,9 @@ def main(argv=None) -> int:
     budgets = [float(b) for b in sw.split(",") if b]
     policies = args.policies.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = build(shape, device)
+    if args.host_compute and args.impl != "eager":
+        p.error("--host-compute needs --impl eager (host compute refuses grouped_mm)")
+    model = build(shape, device, args.impl)
     expert_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                        if ".experts." in n)  # fmt: skip
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -575,8 +580,8 @@ def main(argv=None) -> int:
     print(
         f"# {datetime.date.today()} {gpu} torch {torch.__version__}; Qwen3-MoE {shape['layers']} "
         f"layers x {shape['experts']} experts (top {shape['top_k']}), hidden {shape['hidden']}, "
-        f"width {shape['width']}, bf16: weights {weight_bytes / GIB:.2f} GiB, experts "
-        f"{expert_bytes / GIB:.2f} GiB; pinned H2D {bw:.1f} GB/s",
+        f"width {shape['width']}, bf16, experts {args.impl}: weights {weight_bytes / GIB:.2f} "
+        f"GiB, experts {expert_bytes / GIB:.2f} GiB; pinned H2D {bw:.1f} GB/s",
         flush=True,
     )
     g = torch.Generator().manual_seed(0)

@@ -1396,14 +1396,15 @@ class FusedMoE(torch.nn.Module):
     """Embedding, ``layers`` x (norm, transformers' Qwen3-MoE sparse block: a router and fused
     experts, residual), a head: the fused layout that `stream_experts`' graph mode serves."""
 
-    def __init__(self, dim, width, experts, top_k, norm_topk, layers, dtype, seed):
+    def __init__(self, dim, width, experts, top_k, norm_topk, layers, dtype, seed,
+                 impl="eager"):  # fmt: skip
         super().__init__()
         import transformers
         from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
         cfg = transformers.Qwen3MoeConfig(
             vocab_size=32, hidden_size=dim, moe_intermediate_size=width, num_experts=experts,
-            num_experts_per_tok=top_k, norm_topk_prob=norm_topk, experts_implementation="eager",
+            num_experts_per_tok=top_k, norm_topk_prob=norm_topk, experts_implementation=impl,
         )  # fmt: skip
         torch.manual_seed(seed)
         self.emb = torch.nn.Embedding(32, dim)
@@ -1429,6 +1430,7 @@ class ExpertGraph(Experts):
     refused at their capture. Every inference operation between calls, compared bitwise."""
 
     ENGINE = "expert_graph"
+    IMPLS = ("eager", "grouped_mm", "batched_mm")
 
     @initialize(data=st.data())
     def setup(self, data):
@@ -1444,6 +1446,9 @@ class ExpertGraph(Experts):
             layers=data.draw(st.integers(1, 2), label="layers"),
             dtype=data.draw(st.sampled_from([torch.float32, torch.bfloat16]), label="dtype"),
             seed=data.draw(st.integers(0, 99), label="seed"),
+            # the per-expert loop, or transformers' grouped or batched GEMMs (Note: [Grouped
+            # experts, one group at a time])
+            impl=data.draw(st.sampled_from(self.IMPLS), label="impl"),
         )
         dims["top_k"] = data.draw(st.integers(1, min(3, dims["experts"])), label="top_k")
         self.spec = MoESpec(vocab=32, dim=dims["dim"], hidden=dims["width"], layers=1,
@@ -1499,6 +1504,7 @@ class ExpertHost(ExpertGraph):
     runs the device's kernels."""
 
     ENGINE = "expert_host"
+    IMPLS = ("eager",)  # host compute refuses grouped_mm (tests/test_moe.py)
 
     @initialize(data=st.data())
     def setup(self, data):

@@ -157,10 +157,16 @@ def prompt(batch=2, seq=5, seed=1):
     return torch.randint(1, 64, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("slots", ["least", 5, "all"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qwen3_moe_generate_bitwise(slots, dtype):
-    ref, model = qwen3(dtype=dtype), qwen3(dtype=dtype)
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("slots", ["least", 5, "all"])
+def test_qwen3_moe_generate_bitwise(slots, dtype, impl):
+    """Generated tokens bitwise the resident model's, with the per-expert loop and with
+    transformers' grouped_mm (its default) and batched_mm (what its generate() decodes with on
+    a GPU): Note: [Grouped experts, one group at a time]."""
+    ref, model = qwen3(impl=impl, dtype=dtype), qwen3(impl=impl, dtype=dtype)
+    with torch.no_grad():  # tokens of a tiny model can hide a wrong expert: logits too
+        logits = [ref(prompt()).logits, ref(prompt(1, 1, 3)).logits]
     uses, hooks = count_uses(ref)
     expected = [ref.generate(prompt(), **GEN), ref.generate(prompt(1, 3, 2), **GEN)]
     least = to.minimum_cache_bytes(model)
@@ -172,6 +178,9 @@ def test_qwen3_moe_generate_bitwise(slots, dtype):
     assert torch.equal(model.generate(prompt(1, 3, 2), **GEN), expected[1])
     st = check_stats(h, sum(uses))
     assert st.calls == 2 * GEN["max_new_tokens"]
+    with torch.no_grad():
+        assert torch.equal(model(prompt()).logits, logits[0])
+        assert torch.equal(model(prompt(1, 1, 3)).logits, logits[1])
     if slots == "least":
         assert st.slots == 2 and st.hits < st.misses
     if slots == "all":
@@ -338,17 +347,80 @@ def test_qwen3_moe_expert_parameter_replaced_on_its_module():
     h.remove()
 
 
-def test_qwen3_grouped_mm_is_refused_with_the_fix():
+def test_qwen3_other_experts_implementations_are_refused_with_the_fix():
+    pytest.importorskip("transformers")
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if "sonicmoe" not in ALL_EXPERTS_FUNCTIONS:
+        pytest.skip("this transformers has no other experts implementation to refuse")
     model = qwen3(impl="grouped_mm")
+    model.config._experts_implementation = "sonicmoe"  # its kernels are not installed here
     before = snapshot(model)
     with pytest.raises(
         ValueError,
-        match=r"experts_implementation='grouped_mm'.*set_experts_implementation\('eager'\)",
+        match=r"experts_implementation='sonicmoe'.*set_experts_implementation\('grouped_mm'\)",
     ):
         stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
     assert same(snapshot(model), before)
+    model.set_experts_implementation("grouped_mm")
+    h = stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    # switched after setup: the next call is refused, nothing computed with another kernel
+    model.config._experts_implementation = "sonicmoe"
+    refused = r"'model.layers.0.mlp.experts' run with .*'sonicmoe'"
+    with pytest.raises(ValueError, match=refused), torch.no_grad():
+        model(prompt())
     model.set_experts_implementation("eager")
-    stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False).remove()
+    with torch.no_grad():
+        model(prompt())
+    h.remove()
+
+
+def test_qwen3_grouped_mm_options_it_does_not_compute_are_refused():
+    """A grouped_mm experts module with a decorator option other than Qwen3-MoE's (here expert
+    parallelism, whose sentinel rows transformers masks) is refused at setup and at a call;
+    so is host_compute, whose host results the grouped sum cannot join."""
+    model = qwen3(impl="grouped_mm")
+    experts = model.model.layers[1].mlp.experts
+    experts._is_expert_parallel = True
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=r"layers\.1\.mlp\.experts' have _is_expert_parallel=True"):
+        stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    assert same(snapshot(model), before)
+    experts._is_expert_parallel = False
+    with pytest.raises(ValueError, match=r"host_compute serves the experts' eager .*grouped_mm"):
+        stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False, host_compute=True)
+    assert same(snapshot(model), before)
+    h = stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    experts._is_expert_parallel = True
+    with pytest.raises(RuntimeError, match=r"have _is_expert_parallel=True"), torch.no_grad():
+        model(prompt())
+    experts._is_expert_parallel = False
+    h.remove()
+    assert same(snapshot(model), before)
+    # an eager model streamed with host compute, then switched to grouped_mm: refused
+    model.set_experts_implementation("eager")
+    h = stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False, host_compute=True)
+    model.set_experts_implementation("grouped_mm")
+    with pytest.raises(RuntimeError, match=r"host_compute serves"), torch.no_grad():
+        model(prompt())
+    h.remove()
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_qwen3_kernels_routing_outside_the_layer_is_refused(impl):
+    """transformers' grouped kernel leaves the rows of an expert index outside [0, E) unwritten
+    (batched_mm clamps or masks it, by version): the streamed call raises instead of adding
+    stale rows."""
+    model = qwen3(impl=impl)
+    stream_experts(model, "cpu", cache_bytes=1 << 20, pin_memory=False)
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(3, 32)
+    index = torch.tensor([[0, 1], [2, 8], [3, 4]])
+    outside = r"routed to an expert index outside \[0, 8\)"
+    with pytest.raises(ValueError, match=outside), torch.no_grad():
+        experts(x, index, torch.full((3, 2), 0.5))
+    with torch.no_grad():  # the block was ended: the next call runs
+        experts(x, index.clamp(max=7), torch.full((3, 2), 0.5))
 
 
 # -- unknown layouts and bad input -----------------------------------------------------------------

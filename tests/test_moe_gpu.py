@@ -66,14 +66,14 @@ def test_module_list_bitwise_with_slow_copies(dtype, source, slots, use_streams)
         assert p.device.type == source and torch.equal(p, values[n])
 
 
-def qwen3(dtype=torch.bfloat16, device="cuda"):
+def qwen3(dtype=torch.bfloat16, device="cuda", impl="eager"):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         num_experts=16, num_experts_per_tok=4, max_position_embeddings=256,
-        experts_implementation="eager",
+        experts_implementation=impl,
     )  # fmt: skip
     return transformers.Qwen3MoeForCausalLM(cfg).to(dtype).to(device).eval()
 
@@ -81,20 +81,29 @@ def qwen3(dtype=torch.bfloat16, device="cuda"):
 GEN = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slots", ["least", "middle", "all"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_qwen3_moe_generate_bitwise_with_slow_copies(dtype, slots, policy):
+def test_qwen3_moe_generate_bitwise_with_slow_copies(dtype, slots, policy, impl):
+    """Generated tokens and the prompts' logits bitwise the resident model's, for the
+    per-expert loop and transformers' default grouped_mm, which its generate() runs for the
+    prefill and switches to batched_mm for decoding on a GPU (Note: [Grouped experts, one
+    group at a time])."""
     x = torch.randint(1, 512, (2, 33), generator=torch.Generator().manual_seed(1)).cuda()
     one = x[:1, :5]
-    ref = qwen3(dtype)
+    ref = qwen3(dtype, impl=impl)
     expected = [ref.generate(x, **GEN), ref.generate(one, **GEN)]
+    with torch.no_grad():
+        logits = ref(x).logits
     del ref
-    model = qwen3(dtype)
+    model = qwen3(dtype, impl=impl)
     h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), policy=policy)
     with testing.slow_copies(cycles=5_000_000):
         assert torch.equal(model.generate(x, **GEN), expected[0])
         assert torch.equal(model.generate(one, **GEN), expected[1])
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, logits)
     st = h.stats()
     assert st.h2d_bytes == st.misses * st.layers[0].expert_bytes
     print(
@@ -218,11 +227,51 @@ def test_races_are_caught_without_the_waits(kind):
         assert not _race(kind, "done")
 
 
+GROUPED_GRAPHS = [
+    pytest.param(slots, "lru", dtype, prefetch, impl, id=f"{impl}-{slots}-{d}-{prefetch}")
+    for impl in ("grouped_mm", "batched_mm")
+    for slots in ("least", "all")
+    for d, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    for prefetch in (False, True)
+    if impl == "batched_mm" or d == "bf16"  # fp32 grouped_mm: refused in a graph (below)
+]  # fmt: skip
+
+
+def test_graphed_grouped_mm_in_fp32_is_refused_at_capture():
+    """torch's fp32 grouped GEMM reads its offsets on the host (no capture for the resident
+    model either): graph mode refuses it with the fix, and the model still runs eagerly."""
+    from test_moe_graph import decode
+
+    prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    ref = qwen3(torch.float32, impl="grouped_mm")
+    want, _ = decode(ref, prompt, 4)
+    del ref
+    model = qwen3(torch.float32, impl="grouped_mm")
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "all"))
+    with pytest.raises(RuntimeError, match=r"grouped_mm experts in torch.float32.*bfloat16"):
+        decode(model, prompt, 4, wrap=h.cuda_graph)
+    assert torch.equal(decode(model, prompt, 4)[0], want)
+    h.remove()
+
+
 @pytest.mark.parametrize("slots", ["least", "middle", "all"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype, prefetch):
+    _graphed_decode(slots, policy, dtype, prefetch, "eager")
+
+
+@pytest.mark.parametrize("slots, policy, dtype, prefetch, impl", GROUPED_GRAPHS)
+def test_qwen3_moe_graphed_grouped_mm_decode_bitwise_with_slow_copies(
+    slots, policy, dtype, prefetch, impl
+):
+    """The same with transformers' default grouped_mm experts (Note: [Grouped experts, one
+    group at a time])."""
+    _graphed_decode(slots, policy, dtype, prefetch, impl)
+
+
+def _graphed_decode(slots, policy, dtype, prefetch, impl):
     """Decode steps replayed as CUDA graphs that route, load missed experts from pinned host
     memory (the copy kernel) and compute, with the prefill's eager copies slowed (a replay
     waits for them): the tokens are the resident model's (Note: [Routed experts in a CUDA
@@ -230,17 +279,17 @@ def test_qwen3_moe_graphed_decode_bitwise_with_slow_copies(slots, policy, dtype,
     from test_moe_graph import decode
 
     prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
-    ref = qwen3(dtype)
+    ref = qwen3(dtype, impl=impl)
     want, _ = decode(ref, prompt, 16)
     del ref
-    model = qwen3(dtype)
+    model = qwen3(dtype, impl=impl)
     h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), policy=policy,
                        prefetch=prefetch)  # fmt: skip
     with testing.slow_copies(cycles=5_000_000):
         got, (g, _) = decode(model, prompt, 16, wrap=h.cuda_graph)
         got2, _ = decode(model, prompt[:, :5], 16, wrap=h.cuda_graph)
     assert torch.equal(got, want)
-    ref = qwen3(dtype)
+    ref = qwen3(dtype, impl=impl)
     assert torch.equal(got2, decode(ref, prompt[:, :5], 16)[0])
     gs = g.stats()
     assert (gs.captures, gs.replays) == (1, 14)

@@ -86,6 +86,42 @@ def test_graphed_decode_is_bitwise(slots, policy, dtype, prefetch):
     assert torch.equal(again, want)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("slots", [2, 16])
+def test_graphed_kernels_decode_is_bitwise(slots, dtype, prefetch, impl):
+    """transformers' grouped_mm and batched_mm experts through the graphed path: every step's
+    logits bitwise the resident model's (Note: [Grouped experts, one group at a time])."""
+
+    def recording(into, wrap=None):
+        def outer(step):
+            f = step if wrap is None else wrap(step)
+
+            def g(*a):
+                into.append(f(*a).clone())
+                return into[-1]
+
+            return g
+
+        return outer
+
+    ref, model = qwen3(impl=impl, dtype=dtype), qwen3(impl=impl, dtype=dtype)
+    want_logits, got_logits = [], []
+    want, _ = decode(ref, prompt(), 10, wrap=recording(want_logits))
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, pin_memory=False,
+                          prefetch=prefetch)  # fmt: skip
+    got, _ = decode(model, prompt(), 10, wrap=recording(got_logits, h.cuda_graph))
+    assert torch.equal(got, want)
+    assert len(got_logits) == 9 and all(map(torch.equal, got_logits, want_logits))
+    st = h.stats()
+    assert st.calls == 10 and st.hits + st.misses == sum(layer.uses for layer in st.layers)
+    assert (st.prefetched > 0) == (prefetch and slots > 2)
+    h.remove()
+
+
 def reference_policy(calls, capacity, lfu):
     """The host policy's choices for one-token calls (hits pinned, misses take victims in
     order, every routed expert used in order): hits per call and the experts cached after."""

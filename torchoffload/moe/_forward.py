@@ -16,8 +16,9 @@ from torchoffload import _hosted
 from torchoffload._calls import eager_call, hook_caller
 from torchoffload._modules import held
 from torchoffload.moe._graphed import graphed_forward
-from torchoffload.moe._host import host_forward
-from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_held
+from torchoffload.moe._grouped import kernel_forward
+from torchoffload.moe._host import check_host_implementation, host_forward
+from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_grouped, check_held
 from torchoffload.moe._runtime import ExpertRuntime
 
 __all__ = ["NO_COPY", "install"]
@@ -71,8 +72,14 @@ class FusedForward(_Entry):
         module = self.module()
         n = rt.layout.layers[li].experts
         check_held(rt.layout, li)
+        impl = check_grouped(module, rt.layout.layers[li].name)
         if rt.graphing:  # a captured call: Note: [Routed experts in a CUDA graph]
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
+        if impl != "eager":  # Note: [Grouped experts, one group at a time]
+            if rt.host is not None:  # switched from eager since setup
+                check_host_implementation(rt.layout.layers[li], setup=False)
+            return kernel_forward(impl, rt, li, module, hidden_states, top_k_index,
+                                  top_k_weights)  # fmt: skip
         if rt.host is not None and rt.host.serves(hidden_states, top_k_index):
             # a small call, misses on the host: Note: [Cold experts on the host]
             return host_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)

@@ -52,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
-from torchoffload.moe._layout import ALIGN, LayoutKind, check_held
+from torchoffload.moe._grouped import grouped_linear
+from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held
 
 # Note: [Prefetch by the next router]
 # A block's experts can be copied only after its router ran, so in a graph call the link idles
@@ -517,6 +518,10 @@ def graphed_forward(
             if predicted is not None:
                 tables.prefetch(li + 1, predicted)
     valid = plan[1]
+    impl = check_grouped(module, layer.name)
+    if impl != "eager":  # Note: [Grouped experts, one group at a time]
+        return _graphed_kernels(impl, tables, li, module, hidden_states, top_k_weights, place,
+                                valid, copied)  # fmt: skip
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
                         device=hidden_states.device)  # fmt: skip
     trash = tables.token + 1
@@ -536,6 +541,59 @@ def graphed_forward(
         into = torch.where(valid[r : r + 1], token_idx, trash)  # an expert index of none: trash
         final.index_add_(0, into, current.to(final.dtype))
     return final[:1]
+
+
+def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
+                     hidden_states: torch.Tensor, top_k_weights: torch.Tensor, place: torch.Tensor,
+                     valid: torch.Tensor, copied: Any) -> torch.Tensor:  # fmt: skip
+    """`graphed_forward`'s computation for experts running transformers' ``grouped_mm`` or
+    ``batched_mm`` (Note: [Grouped experts, one group at a time]). grouped_mm: the token's row
+    through each staged expert as a group of one, in the order of the experts (``place`` is
+    the resident's sort permutation), then the resident's weighting, reordering and sum over
+    the top-k. batched_mm: the staged experts' weights stacked in the token's top-k order (the
+    resident's gather), its batched products and sum. An expert index outside the layer
+    (``valid`` false; transformers leaves, masks or clamps it) adds zeros."""
+    from transformers.integrations.moe import _batched_linear
+
+    dtype = tables.rt.layout.layers[li].members[0].dtype
+    if impl == "grouped_mm" and hidden_states.is_cuda and dtype != torch.bfloat16:
+        raise RuntimeError(
+            f"cuda_graph of stream_experts with grouped_mm experts in {dtype}: torch's grouped "
+            "GEMM for other dtypes than bfloat16 reads its offsets on the host (seen with fp32, "
+            "torch 2.11), which a CUDA graph cannot capture, for the resident model too. Use "
+            "bfloat16 experts, or experts_implementation='batched_mm' or 'eager' for the graph"
+        )
+    k = tables.k
+    views = []
+    for r in range(k):
+        if copied is not None:
+            compute = torch.cuda.current_stream(hidden_states.device)
+            for event in copied[r]:
+                compute.wait_event(event)
+        views.append(tables.copies.views(li, r))
+    inv_perm = torch.empty_like(place)
+    inv_perm[place] = torch.arange(k, device=place.device)
+    if impl == "batched_mm":
+        rows = hidden_states.repeat_interleave(k, dim=0)
+        weights = torch.stack([gu for gu, _ in views])[inv_perm]
+        proj = module._apply_gate(
+            _batched_linear(rows, weights, is_transposed=module.is_transposed)
+        )
+        weights = torch.stack([down for _, down in views])[inv_perm]
+        proj_out = _batched_linear(proj, weights, is_transposed=module.is_transposed)
+        proj_out = proj_out.masked_fill_(~valid[:k, None][inv_perm], 0)
+        weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
+    else:
+        one = torch.ones(1, dtype=torch.int32, device=hidden_states.device)
+        outs = []
+        for gate_up_proj, down_proj in views:
+            proj = module._apply_gate(grouped_linear(hidden_states, gate_up_proj, one, module))
+            outs.append(grouped_linear(proj, down_proj, one, module))
+        proj_out = torch.cat(outs).masked_fill_(~valid[:k, None], 0)
+        weighted_out = proj_out * top_k_weights.reshape(-1)[place].unsqueeze(-1)
+        weighted_out = weighted_out[inv_perm]
+    final = weighted_out.view(1, k, hidden_states.shape[1]).sum(dim=1)
+    return final.to(hidden_states.dtype)
 
 
 def _idle(rt: Any, what: str) -> None:

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from torchoffload._pool import pinned_buffer
 from torchoffload._validate import check_int, check_number
-from torchoffload.moe._layout import ExpertLayout, LayoutKind, round_up
+from torchoffload.moe._layout import ExpertLayout, LayoutKind, implementation, round_up
 
 __all__ = [
     "HostCompute",
@@ -171,6 +171,23 @@ def check_host_layout(layout: ExpertLayout) -> None:
                 "modules, which its block calls and adds up itself. Stream it without "
                 "host_compute"
             )
+        check_host_implementation(layer)
+
+
+HOST_GROUPED = (
+    "host_compute serves the experts' eager implementation (the per-expert loop); {name!r} "
+    "runs transformers' {impl}, whose sum of the routed experts' outputs host results "
+    "cannot join. Set model.set_experts_implementation('eager') (and compare with that), or "
+    "stream without host_compute"
+)
+
+
+def check_host_implementation(layer: Any, setup: bool = True) -> None:
+    """Refuse host compute for a fused experts module that runs ``grouped_mm``."""
+    impl = implementation(layer.container, layer.name)
+    if impl != "eager":
+        raise (ValueError if setup else RuntimeError)(HOST_GROUPED.format(name=layer.name,
+                                                                          impl=impl))  # fmt: skip
 
 
 def split(misses: int, link_s: float, host_s: float, fixed_s: float = 0.0) -> int:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from torchoffload._modules import held
+from torchoffload.moe._references import known
 
 __all__ = [
     "ExpertLayer",
@@ -29,7 +30,9 @@ __all__ = [
     "LayoutKind",
     "Member",
     "Piece",
+    "check_grouped",
     "find_experts",
+    "implementation",
     "region_bytes",
     "shape_layout",
 ]
@@ -247,16 +250,67 @@ def _kind(name: str, module: nn.Module) -> LayoutKind | None:
             f"{type(module).__name__} whose eager forward is not the per-expert loop of "
             "Qwen3MoeExperts (biases, another activation or another order of operations)"
         )
-    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
-    if original is not fn and impl not in (None, "eager"):
-        raise ValueError(
-            f"the experts {name!r} run with experts_implementation={impl!r}, whose kernels "
-            "are not the per-expert loop stream_experts computes: its outputs would not be "
-            "bitwise the resident model's. Set model.set_experts_implementation('eager') (or "
-            "load with experts_implementation='eager') before stream_experts, and compare "
-            "with that"
-        )
+    if original is not fn:
+        check_grouped(module, name, setup=True)
     return LayoutKind.FUSED
+
+
+KERNELS = ("grouped_mm", "batched_mm")  # transformers' implementations computed (moe/_grouped.py)
+_known: set[Any] = set()  # code objects of transformers' forwards found to be known ones
+
+
+def implementation(module: nn.Module, name: str | None = None) -> str:
+    """The experts implementation a fused experts module (named ``name``) runs now: "eager"
+    (the per-expert loop), "grouped_mm" (transformers' default) or "batched_mm" (what its
+    generate() switches grouped_mm to for decoding on a GPU). Others raise."""
+    fn = type(module).forward
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if getattr(fn, "__wrapped__", None) is None or impl in (None, "eager"):
+        return "eager"
+    if impl in KERNELS:
+        return impl
+    raise ValueError(
+        f"the experts {name or type(module).__name__!r} run with experts_implementation="
+        f"{impl!r}, whose kernels stream_experts does not compute: its outputs would not be "
+        "bitwise the resident model's. stream_experts computes 'grouped_mm' (transformers' "
+        "default), 'batched_mm' and 'eager': set model.set_experts_implementation("
+        "'grouped_mm') (or load with it) before stream_experts, and compare with that"
+    )
+
+
+def check_grouped(module: nn.Module, name: str, setup: bool = False) -> str:
+    """The module's implementation (`implementation`); refuse one whose ``grouped_mm`` or
+    ``batched_mm`` forward is not what moe/_grouped.py computes (Note: [Grouped experts, one
+    group at a time]): transformers' function another than the known ones (moe/_references.py),
+    or options of its decorator other than Qwen3-MoE's (a bias, no gate, transposed weights, a
+    norm after each expert, expert parallelism)."""
+    impl = implementation(module, name)
+    if impl == "eager":
+        return impl
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    fn = ALL_EXPERTS_FUNCTIONS.get(impl, None)
+    code = getattr(fn, "__code__", None)
+    if code not in _known and any(_same_code(code, c) for c in known(impl)):
+        _known.add(code)
+    if code not in _known:
+        raise ValueError(
+            f"the experts {name!r} run with experts_implementation={impl!r}, and this "
+            f"transformers' {impl}_experts_forward is not one stream_experts computes "
+            "(transformers 5.17's or 5.24's). Set model.set_experts_implementation('eager') "
+            "before stream_experts, and compare with that"
+        )
+    flags = {"has_gate": True, "has_bias": False, "is_transposed": False,
+             "has_post_expert_norm": False, "_is_expert_parallel": False}  # fmt: skip
+    # transformers 5.17 sets neither has_post_expert_norm nor _is_expert_parallel
+    other = {k: getattr(module, k, v) for k, v in flags.items() if getattr(module, k, v) != v}
+    if other:
+        what = ", ".join(f"{k}={v!r}" for k, v in other.items())
+        raise (ValueError if setup else RuntimeError)(
+            f"the {impl} experts {name!r} have {what}: stream_experts computes Qwen3-MoE's "
+            f"experts only ({', '.join(f'{k}={v}' for k, v in flags.items())})"
+        )
+    return impl
 
 
 def _layer(model: nn.Module, names: dict[int, str], name: str, module: nn.Module,
