@@ -35,7 +35,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["batched_forward", "grouped_forward", "grouped_linear", "kernel_forward"]
+from torchoffload.moe._layout import ALIGN, round_up
+from torchoffload.moe._routing import NO_RECORDER
+
+__all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear", "kernel_forward"]
+
+# Note: [Whole layers for large calls]
+# A call of many tokens routes to most of a layer's experts (a prefill of 2048 tokens at top 8
+# of 128 routes to all of them), and one grouped GEMM per routed expert costs the host more
+# than the expert's copy takes (H200: 1.19-1.55x the link time for a 2048-token prefill of the
+# 30B shape). Where the cache's storage holds a layer's experts in the resident layout (each
+# fused parameter contiguous, 512-aligned), a grouped_mm call of at least ``STAGE_ROWS`` rows
+# (token, expert pairs) per expert copies its whole layer into a region of that storage and
+# runs transformers' own grouped_mm forward on it: the resident call on the same bytes,
+# bitwise, no host read. Ordering (Note: [Routed experts and the copy stream]): the copy waits
+# on the "done" events of every cache slot the region overlaps (the last readers of those
+# bytes: a cached expert's compute, or the region's previous staged call), their experts are
+# forgotten first, and the compute records "done" on each of them: a later copy into any of
+# them waits for it. Two regions where the storage holds two layers: layer l+1's copy runs
+# while layer l computes. A call's routed-expert count (for the stats) is read on the host at
+# the next staged call, after that call's copy is queued, or by stats().
+STAGE_ROWS = 2
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
@@ -60,6 +80,13 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
     with rt._lock:
         rt.begin(li, hidden_states.shape[0])
         try:
+            if rt.whole is None:
+                rt.whole = WholeLayers(rt)
+            if rt.whole.serves(rt, li, top_k_index.numel()):  # Note: [Whole layers for ...]
+                out = rt.whole.forward(rt, li, module, (hidden_states, top_k_index,
+                                                        top_k_weights))  # fmt: skip
+                if out is not None:
+                    return out
             num_top_k = top_k_index.size(-1)
             num_tokens = hidden_states.size(0)
             hidden_dim = hidden_states.size(-1)
@@ -166,3 +193,86 @@ def batched_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
 def kernel_forward(impl: str, *args: Any) -> torch.Tensor:
     """`grouped_forward` or `batched_forward`, by transformers' implementation name."""
     return (grouped_forward if impl == "grouped_mm" else batched_forward)(*args)
+
+
+class _Staged:
+    """A fused experts module seen with its expert tensors in a staged region."""
+
+    def __init__(self, module: Any, tensors: list[torch.Tensor]):
+        self._module = module
+        self.gate_up_proj, self.down_proj = tensors
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+class WholeLayers:
+    """The cache's storage as one or two regions of a whole layer's experts (Note: [Whole
+    layers for large calls])."""
+
+    def __init__(self, rt: Any):
+        layers = rt.layout.layers
+        self.sizes = [[round_up(layer.experts * m.nbytes, ALIGN) for m in layer.members]
+                      for layer in layers]  # fmt: skip
+        self.region = max(sum(s) for s in self.sizes)
+        total = 0 if rt.cache.data is None else rt.cache.data.numel()
+        self.regions = min(2, total // self.region)
+        self.next = 0
+        self.pending: list[tuple[int, torch.Tensor]] = []
+
+    def serves(self, rt: Any, li: int, rows: int) -> bool:
+        return (self.regions > 0 and rows >= STAGE_ROWS * rt.layout.layers[li].experts
+                and rt.recorder is NO_RECORDER and rt.store is not None)  # fmt: skip
+
+    def forward(self, rt: Any, li: int, module: Any, args: tuple) -> torch.Tensor | None:
+        """transformers' grouped_mm forward on layer ``li`` copied whole into the next region;
+        None (nothing queued) where a slot of the region is pinned."""
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        cache, layer = rt.cache, rt.layout.layers[li]
+        start = self.next * self.region
+        slots = [
+            s
+            for s in cache.slots
+            if s.offset < start + self.region and s.offset + cache.slot_bytes > start
+        ]
+        if any(s.pins for s in slots):
+            return None
+        after = [event for s in slots for event in s.done.values()]
+        for s in slots:
+            if s.key is not None:
+                cache.forget(s.key)
+        pairs, tensors, off = [], [], start
+        for m, member in enumerate(layer.members):
+            n = layer.experts * member.nbytes
+            pairs.append((cache.data[off : off + n], rt.store.source(li, m, 0, n)))
+            t = torch.empty(0, dtype=member.dtype, device=rt.device)
+            size, item = (layer.experts, *member.size), t.element_size()
+            stride = (member.nbytes // item, *member.stride)
+            tensors.append(t.set_(cache.storage, off // item, size, stride))
+            off += self.sizes[li][m]
+        rt.engine.wait(rt.engine.load(pairs, after))
+        self.next = (self.next + 1) % self.regions
+        c = rt.counters[li]
+        c.loads += layer.experts
+        c.h2d_bytes += layer.experts * layer.expert_bytes
+        self.fold(rt)  # the previous staged call's count, this call's copy queued
+        out = ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
+        event, stream = rt.engine.record(), rt.engine.current_stream()
+        for s in slots:
+            if event is not None:
+                s.done[stream] = event
+        ids = args[1].reshape(-1)
+        ids = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
+        hist = torch.histc(ids, bins=layer.experts, min=0, max=layer.experts - 1)
+        self.pending.append((li, (hist > 0).sum()))
+        return out
+
+    def fold(self, rt: Any) -> None:
+        """Count the staged calls' routed experts as misses, the rest of the layer as staged."""
+        for li, routed in self.pending:
+            r = int(routed)
+            c = rt.counters[li]
+            c.misses += r
+            c.staged += rt.layout.layers[li].experts - r
+        self.pending.clear()

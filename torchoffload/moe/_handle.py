@@ -49,6 +49,8 @@ class ExpertLayerStats:
     misses: int  # routed experts copied for their use
     h2d_bytes: int
     host_computed: int = 0  # routed experts missing from the cache computed on the host
+    # experts copied with their whole layer (a large grouped_mm call) no token routed to
+    staged: int = 0
 
     @property
     def uses(self) -> int:
@@ -82,6 +84,7 @@ class ExpertStats:
     prefetched: int  # experts copied ahead on the next router's prediction (prefetch=True)
     setup_s: float
     host_computed: int = 0  # misses computed on the host (host_compute), not copied
+    staged: int = 0  # copied with their whole layer, not routed to (Note: [Whole layers ...])
 
     @property
     def hit_rate(self) -> float:
@@ -141,6 +144,8 @@ class ExpertStreamHandle:
         with rt._lock:
             if rt.tables is not None:
                 rt.tables.pull_counts()  # graph calls count on the device
+            if rt.whole is not None:
+                rt.whole.fold(rt)  # so do large grouped_mm calls
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(
@@ -153,6 +158,7 @@ class ExpertStreamHandle:
                     c.misses,
                     c.h2d_bytes,
                     c.host_computed,
+                    c.staged,
                 )  # fmt: skip
                 for layer, c in zip(layout.layers, rt.counters, strict=True)
             )
@@ -180,6 +186,7 @@ class ExpertStreamHandle:
                 prefetched=sum(c.prefetched for c in cs),
                 setup_s=self._setup_s,
                 host_computed=sum(c.host_computed for c in cs),
+                staged=sum(c.staged for c in cs),
             )
 
     def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:

@@ -86,6 +86,7 @@ class Counters:
     unused: int = 0  # experts copied for a use that did not come
     prefetched: int = 0  # experts copied ahead on the next router's prediction (graph calls)
     host_computed: int = 0  # routed experts computed on the host (Note: [Cold experts on the host])
+    staged: int = 0  # experts copied with their whole layer that no token of the call routed to
 
 
 class _Block:
@@ -133,6 +134,7 @@ class ExpertRuntime:
         self.graphing = False  # experts in a CUDA graph]); whether a captured call runs
         self.recorder: Recorder = NO_RECORDER  # a RoutingRecorder while one is open
         self.host: Any = None  # HostExperts, with host_compute (Note: [Cold experts on the host])
+        self.whole: Any = None  # WholeLayers, at the first large grouped_mm call (_grouped.py)
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
@@ -353,6 +355,8 @@ class ExpertRuntime:
     def reset(self) -> None:
         if self.tables is not None:
             self.tables.pull_counts()
+        if self.whole is not None:
+            self.whole.fold(self)
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
