@@ -297,7 +297,7 @@ def _graphed_decode(slots, policy, dtype, prefetch, impl):
     assert (gs.captures, gs.replays) == (1, 14)
     st = h.stats()
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
-    assert st.h2d_bytes == (st.misses + st.prefetched) * st.layers[0].expert_bytes
+    assert st.h2d_bytes == (st.misses + st.prefetched + st.staged) * st.layers[0].expert_bytes
     if slots == "least":  # the stage takes every slot: each routed expert comes from the host
         assert st.hits <= 4 * 4 * 2  # (only in the eager prefills and first steps)
     print(f"\ngraphed {slots} {policy} prefetch={prefetch}: hit rate {st.hit_rate:.2f}")
