@@ -61,7 +61,7 @@ def build(args: argparse.Namespace, device: torch.device):
         with torch.device(device):  # random init on the device is fast; then to the host
             model = transformers.Qwen3MoeForCausalLM(config).to(dtype)
         model.to("cpu")
-    model.set_experts_implementation("eager")  # transformers' default, grouped_mm, is refused
+    model.set_experts_implementation(args.impl)
     return model.eval()
 
 
@@ -123,6 +123,9 @@ def main() -> None:
     cache.add_argument("--cache-experts", type=int, default=None, metavar="N",
                        help="a cache of N experts (default: a quarter of them)")  # fmt: skip
     p.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="what the cache evicts")
+    p.add_argument("--impl", choices=("eager", "grouped_mm"), default="eager",
+                   help="transformers' experts implementation: the per-expert loop, or its "
+                   "default grouped GEMMs (both stream bitwise)")  # fmt: skip
     p.add_argument("--routing", choices=("model", "uniform", "zipf"), default="model")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of --routing zipf")
     p.add_argument("--drift", type=int, default=8, help="tokens between rank swaps (zipf)")
