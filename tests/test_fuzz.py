@@ -1495,6 +1495,21 @@ class ExpertGraph(Experts):
     def decode_step_again(self, data):
         self.decode_step(data)
 
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def long_call(self, data):
+        """A prompt of 8 to 16 tokens: at least 2 rows per expert, so a grouped_mm layer is
+        copied whole where the cache holds it (Note: [Whole layers for large calls])."""
+        batch = data.draw(st.integers(1, 2), label="batch")
+        seq = data.draw(st.integers(8, 16), label="seq")
+        x = inputs(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
+
+        def fn(model, call):
+            with torch.inference_mode():
+                return call(x).clone()
+
+        self.both(fn, f"long call {list(x.shape)}")
+
 
 class ExpertHost(ExpertGraph):
     """stream_experts(host_compute=...) on fused experts (Note: [Cold experts on the host]): a
