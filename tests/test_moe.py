@@ -777,7 +777,9 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
         return read(li, e, slot)
 
     rt.views = recorded
-    xs = [prompt(1, 1, i) for i in range(4)] + [prompt()] + [prompt(1, 1, i) for i in range(4, 9)]
+    # two one-token calls cache at most 4 of a layer's 8 experts: not more than half, so the
+    # prompts after them are staged
+    xs = [prompt(1, 1, i) for i in range(2)] + [prompt()] + [prompt(1, 1, i) for i in range(2, 4)]
     xs += [prompt(seed=7)]
     with torch.no_grad():
         for x in xs:
@@ -813,6 +815,54 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
     h.remove()
     for hk in hooks:
         hk.remove()
+
+
+def test_whole_layer_staging_rules_refusals_and_stats():
+    """Note: [Whole layers for large calls]: one region where the cache holds one layer (the
+    staged calls alternate nothing), no staging for a layer more than half cached, an expert
+    index outside the layer refused before any compute, reset_stats() with a staged count
+    pending, and recapture-free eager calls after: every output bitwise the resident's."""
+    ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
+    from torchoffload.moe._handle import expert_layout
+
+    layout = expert_layout(model)
+    layer = layout.layers[0]
+    region = sum(-(-layer.experts * m.nbytes // 512) * 512 for m in layer.members)
+    slots = -(-region // layout.slot_bytes)  # the fewest slots that hold one region
+    h = stream_experts(model, "cpu", cache_bytes=slots * layout.slot_bytes, pin_memory=False)
+    rt = h._runtime
+
+    def run(x):
+        with torch.no_grad():
+            assert torch.equal(model(x).logits, ref(x).logits)
+
+    run(prompt(1, 8, 3))  # 16 rows per layer: both layers staged, in the one region
+    assert rt.whole.regions == 1 and rt.whole.next == 0
+    st = h.stats()
+    assert st.misses + st.staged == 16 and st.h2d_bytes == 16 * st.layers[0].expert_bytes
+    run(prompt(1, 8, 4))
+    h.reset_stats()  # the second call's count was pending: dropped with the rest
+    assert h.stats().misses == h.stats().staged == 0
+    x = torch.randn(8, 32)
+    index = torch.tensor([[0, 1]] * 7 + [[2, 8]])
+    experts = model.model.layers[0].mlp.experts
+    with pytest.raises(ValueError, match=r"outside \[0, 8\)"), torch.no_grad():
+        experts(x, index, torch.full((8, 2), 0.5))
+    st = h.stats()
+    assert st.staged == 8 and st.h2d_bytes == 8 * st.layers[0].expert_bytes
+    run(prompt(1, 8, 5))  # the region after a refused call: staged and bitwise again
+    h.remove()
+    # a layer with more than half of its experts cached takes the per-expert path
+    model2 = qwen3(impl="grouped_mm")
+    h2 = stream_experts(model2, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    with torch.no_grad():
+        for i in range(12):
+            model2(prompt(1, 1, i))
+        assert len(h2._runtime.cache.where) > 8
+        staged = h2.stats().staged
+        assert torch.equal(model2(prompt(1, 8, 3)).logits, ref(prompt(1, 8, 3)).logits)
+    assert h2.stats().staged == staged  # nothing staged
+    h2.remove()
 
 
 def test_list_block_copies_its_routed_experts_at_the_router():

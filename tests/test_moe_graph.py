@@ -122,6 +122,26 @@ def test_graphed_kernels_decode_is_bitwise(slots, dtype, prefetch, impl):
     h.remove()
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_graph_is_captured_again_when_the_experts_implementation_changes():
+    """transformers' generate() switches grouped_mm to batched_mm for decoding on a GPU: a graph
+    captured under one implementation is captured again under the other (the handle's graph
+    state), and replays stay bitwise the resident model's under each."""
+    ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
+    want, _ = decode(ref, prompt(), 6)
+    h = to.stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    got, again = decode(model, prompt(), 6, wrap=h.cuda_graph)
+    assert torch.equal(got, want)
+    for m in (ref, model):
+        m.set_experts_implementation("batched_mm")
+    want, _ = decode(ref, prompt(), 6)
+    got, _ = decode(model, prompt(), 6, again=again)
+    assert torch.equal(got, want)
+    gs = again[0].stats()
+    assert gs.captures == 2, gs
+    h.remove()
+
+
 def reference_policy(calls, capacity, lfu):
     """The host policy's choices for one-token calls (hits pinned, misses take victims in
     order, every routed expert used in order): hits per call and the experts cached after."""

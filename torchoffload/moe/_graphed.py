@@ -648,7 +648,10 @@ class ExpertGraphs:
         return True
 
     def graph_state(self) -> Any:
-        return None
+        """The fused layers' experts implementations: a graph captured under others is
+        captured again (transformers' generate() switches them between prefill and decode)."""
+        return tuple(check_grouped(layer.container, layer.name) for layer in
+                     self.rt.layout.layers if layer.kind is LayoutKind.FUSED)  # fmt: skip
 
     def primes(self) -> tuple:
         return ()

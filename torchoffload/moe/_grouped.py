@@ -64,8 +64,8 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
     view in a slot), as a group of one; ``offs``: that group's row count, int32 on the device."""
     from transformers.integrations.moe import _grouped_linear
 
-    if rows.data_ptr() % 16:  # the CPU kernel of torch <= 2.10 reads aligned rows only
-        rows = rows.clone()
+    if rows.device.type == "cpu" and rows.data_ptr() % 16:  # torch <= 2.10's CPU kernel
+        rows = rows.clone()  # reads aligned rows only (transformers falls back otherwise)
     return _grouped_linear(rows, weight.unsqueeze(0), offs, is_transposed=module.is_transposed)
 
 
@@ -82,7 +82,7 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
         try:
             if rt.whole is None:
                 rt.whole = WholeLayers(rt)
-            if rt.whole.serves(rt, li, top_k_index.numel()):  # Note: [Whole layers for ...]
+            if rt.whole.serves(rt, li, top_k_index.numel()):  # Note: [Whole layers for large calls]
                 out = rt.whole.forward(rt, li, module, (hidden_states, top_k_index,
                                                         top_k_weights))  # fmt: skip
                 if out is not None:
@@ -221,15 +221,21 @@ class WholeLayers:
         self.pending: list[tuple[int, torch.Tensor]] = []
 
     def serves(self, rt: Any, li: int, rows: int) -> bool:
-        return (self.regions > 0 and rows >= STAGE_ROWS * rt.layout.layers[li].experts
-                and rt.recorder is NO_RECORDER and rt.store is not None)  # fmt: skip
+        """Whether a call of ``rows`` (token, expert) rows stages layer ``li``: enough rows, a
+        region, and at most half of the layer cached (else its misses cost less)."""
+        layer = rt.layout.layers[li]
+        if not (self.regions > 0 and rows >= STAGE_ROWS * layer.experts
+                and rt.recorder is NO_RECORDER and rt.store is not None):  # fmt: skip
+            return False
+        cached = sum((li, e) in rt.cache.where for e in range(layer.experts))
+        return 2 * cached <= layer.experts
 
     def forward(self, rt: Any, li: int, module: Any, args: tuple) -> torch.Tensor | None:
         """transformers' grouped_mm forward on layer ``li`` copied whole into the next region;
         None (nothing queued) where a slot of the region is pinned."""
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-        cache, layer = rt.cache, rt.layout.layers[li]
+        cache, layer, n = rt.cache, rt.layout.layers[li], rt.layout.layers[li].experts
         start = self.next * self.region
         slots = [
             s
@@ -244,29 +250,42 @@ class WholeLayers:
                 cache.forget(s.key)
         pairs, tensors, off = [], [], start
         for m, member in enumerate(layer.members):
-            n = layer.experts * member.nbytes
-            pairs.append((cache.data[off : off + n], rt.store.source(li, m, 0, n)))
+            pairs.append((cache.data[off : off + n * member.nbytes],
+                          rt.store.source(li, m, 0, n * member.nbytes)))  # fmt: skip
             t = torch.empty(0, dtype=member.dtype, device=rt.device)
-            size, item = (layer.experts, *member.size), t.element_size()
+            size, item = (n, *member.size), t.element_size()
             stride = (member.nbytes // item, *member.stride)
             tensors.append(t.set_(cache.storage, off // item, size, stride))
             off += self.sizes[li][m]
-        rt.engine.wait(rt.engine.load(pairs, after))
+        ready = rt.engine.load(pairs, after)
         self.next = (self.next + 1) % self.regions
         c = rt.counters[li]
-        c.loads += layer.experts
-        c.h2d_bytes += layer.experts * layer.expert_bytes
-        self.fold(rt)  # the previous staged call's count, this call's copy queued
-        out = ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
-        event, stream = rt.engine.record(), rt.engine.current_stream()
-        for s in slots:
-            if event is not None:
-                s.done[stream] = event
+        c.loads += n
+        c.h2d_bytes += n * layer.expert_bytes
         ids = args[1].reshape(-1)
-        ids = ids.float() if ids.device.type in ("cpu", "mps") else ids.int()
-        hist = torch.histc(ids, bins=layer.experts, min=0, max=layer.experts - 1)
+        hist = torch.histc(ids.float() if ids.device.type in ("cpu", "mps") else ids.int(),
+                           bins=n, min=0, max=n - 1)  # fmt: skip
+        # one host read, before the compute stream waits for this copy: the router's choice
+        # (it waits for the previous layer's compute, while this copy runs), then the count
+        # of the previous staged call
+        bounds = torch.stack(list(torch.aminmax(ids))).tolist() if ids.numel() else [0, 0]
+        self.fold(rt)
+        if bounds[0] < 0 or bounds[1] >= n:
+            c.staged += n  # copied, used by no call
+            raise ValueError(
+                f"{layer.name!r} was routed to an expert index outside [0, {n}): "
+                "transformers' grouped_mm leaves those rows unwritten, so there is no "
+                "resident result to match. Route to experts of the layer only"
+            )
         self.pending.append((li, (hist > 0).sum()))
-        return out
+        rt.engine.wait(ready)
+        try:
+            return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
+        finally:  # a failed call's kernels read the region too
+            event, stream = rt.engine.record(), rt.engine.current_stream()
+            if event is not None:
+                for s in slots:
+                    s.done[stream] = event
 
     def fold(self, rt: Any) -> None:
         """Count the staged calls' routed experts as misses, the rest of the layer as staged."""

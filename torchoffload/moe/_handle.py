@@ -84,7 +84,7 @@ class ExpertStats:
     prefetched: int  # experts copied ahead on the next router's prediction (prefetch=True)
     setup_s: float
     host_computed: int = 0  # misses computed on the host (host_compute), not copied
-    staged: int = 0  # copied with their whole layer, not routed to (Note: [Whole layers ...])
+    staged: int = 0  # copied with their whole layer, not routed to
 
     @property
     def hit_rate(self) -> float:
@@ -212,6 +212,8 @@ class ExpertStreamHandle:
 
     def reset_stats(self) -> None:
         with self._runtime._lock:
+            if self._runtime.whole is not None:  # staged calls' counts, before they are reset
+                self._runtime.whole.fold(self._runtime)
             self._runtime.reset()
 
     def record_routing(self) -> RoutingRecorder:

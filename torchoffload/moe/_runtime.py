@@ -355,8 +355,7 @@ class ExpertRuntime:
     def reset(self) -> None:
         if self.tables is not None:
             self.tables.pull_counts()
-        if self.whole is not None:
-            self.whole.fold(self)
+
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
