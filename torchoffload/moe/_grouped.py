@@ -58,6 +58,17 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 STAGE_ROWS = 2
 
 
+def outside(name: str, n: int, impl: str) -> ValueError:
+    """The refusal of a call routed to an expert index outside [0, ``n``)."""
+    what = ("leaves those rows unwritten, so there is no resident result to match"
+            if impl == "grouped_mm" else "clamps or masks those, so stream_experts does not "
+            "serve them")  # fmt: skip
+    return ValueError(
+        f"{name!r} was routed to an expert index outside [0, {n}): transformers' {impl} "
+        f"{what}. Route to experts of the layer only"
+    )
+
+
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                    module: Any) -> torch.Tensor:  # fmt: skip
     """transformers' ``_grouped_linear`` of one expert's ``rows`` with its ``weight`` (a member
@@ -101,11 +112,7 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             sizes = tokens_per_expert.to(torch.int32)
             counts = [int(c) for c in sizes.tolist()]  # the block's one host read
             if sum(counts) != expert_ids.numel():
-                raise ValueError(
-                    f"{layer.name!r} was routed to an expert index outside [0, {n}): "
-                    "transformers' grouped_mm leaves those rows unwritten, so there is no "
-                    "resident result to match. Route to experts of the layer only"
-                )
+                raise outside(layer.name, n, "grouped_mm")
             routed = [e for e, c in enumerate(counts) if c]
             rt.route(li, routed)
             outs, start = [], 0
@@ -155,11 +162,7 @@ def batched_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             sample_weights = top_k_weights.reshape(-1)
             ids = top_k_index.reshape(-1).tolist()  # the block's one host read
             if any(not 0 <= e < n for e in ids):
-                raise ValueError(
-                    f"{layer.name!r} was routed to an expert index outside [0, {n}): "
-                    "transformers' batched_mm clamps or masks those, so stream_experts does "
-                    "not serve them. Route to experts of the layer only"
-                )
+                raise outside(layer.name, n, "batched_mm")
             places: dict[int, list[int]] = {}
             for j, e in enumerate(ids):
                 places.setdefault(e, []).append(j)
@@ -272,11 +275,7 @@ class WholeLayers:
         self.fold(rt)
         if bounds[0] < 0 or bounds[1] >= n:
             c.staged += n  # copied, used by no call
-            raise ValueError(
-                f"{layer.name!r} was routed to an expert index outside [0, {n}): "
-                "transformers' grouped_mm leaves those rows unwritten, so there is no "
-                "resident result to match. Route to experts of the layer only"
-            )
+            raise outside(layer.name, n, "grouped_mm")
         self.pending.append((li, (hist > 0).sum()))
         rt.engine.wait(ready)
         try:
