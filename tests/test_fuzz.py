@@ -1460,7 +1460,11 @@ class ExpertGraph(Experts):
         least = to.minimum_cache_bytes(self.off)
         slot = least // dims["top_k"]
         total = dims["experts"] * dims["layers"]
-        slots = data.draw(st.integers(dims["top_k"], total + 1), label="slots")
+        # up to every expert and one, or beyond the model (room for two whole layers and
+        # experts cached outside them: Note: [Whole layers for large calls])
+        beyond = data.draw(st.sampled_from([False, False, True]), label="beyond the model")
+        slots = data.draw(st.integers(total + 1, 3 * total + 2) if beyond
+                          else st.integers(dims["top_k"], total + 1), label="slots")  # fmt: skip
         self.kw = dict(
             cache_bytes=slots * slot,
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),

@@ -59,8 +59,8 @@ def check_stats(handle, uses: int):
     assert st.hits + st.misses == uses, st
     assert sum(layer.uses for layer in st.layers) == uses
     for layer in st.layers:
-        # a large grouped_mm call copies its whole layer: routed experts are misses, the
-        # others staged (Note: [Whole layers for large calls])
+        # a large grouped_mm call copies its layer's missing experts: routed ones are
+        # misses, the others staged (Note: [Whole layers for large calls])
         assert layer.h2d_bytes == (layer.misses + layer.staged) * layer.expert_bytes, layer
     assert st.h2d_bytes == sum(layer.h2d_bytes for layer in st.layers)
     assert st.h2d_copies == st.misses + st.staged and st.unused == 0
@@ -819,9 +819,8 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
 
 def test_whole_layer_staging_rules_refusals_and_stats():
     """Note: [Whole layers for large calls]: one region where the cache holds one layer (the
-    staged calls alternate nothing), no staging for a layer more than half cached, an expert
-    index outside the layer refused before any compute, reset_stats() with a staged count
-    pending, and recapture-free eager calls after: every output bitwise the resident's."""
+    staged calls alternate nothing), an expert index outside the layer refused before any
+    compute, reset_stats(), and eager calls after: every output bitwise the resident's."""
     ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
     from torchoffload.moe._handle import expert_layout
 
@@ -841,7 +840,7 @@ def test_whole_layer_staging_rules_refusals_and_stats():
     st = h.stats()
     assert st.misses + st.staged == 16 and st.h2d_bytes == 16 * st.layers[0].expert_bytes
     run(prompt(1, 8, 4))
-    h.reset_stats()  # the second call's count was pending: dropped with the rest
+    h.reset_stats()
     assert h.stats().misses == h.stats().staged == 0
     x = torch.randn(8, 32)
     index = torch.tensor([[0, 1]] * 7 + [[2, 8]])
@@ -852,17 +851,78 @@ def test_whole_layer_staging_rules_refusals_and_stats():
     assert st.staged == 8 and st.h2d_bytes == 8 * st.layers[0].expert_bytes
     run(prompt(1, 8, 5))  # the region after a refused call: staged and bitwise again
     h.remove()
-    # a layer with more than half of its experts cached takes the per-expert path
-    model2 = qwen3(impl="grouped_mm")
-    h2 = stream_experts(model2, "cpu", cache_bytes=1 << 30, pin_memory=False)
+
+
+class PairsEngine(RecordingEngine):
+    """`RecordingEngine`, its loads recording every pair (destination, source, bytes) too."""
+
+    def load(self, pairs, after):
+        ready = super().load(pairs, after)
+        self.log[-1] = (*self.log[-1], [(d.data_ptr(), s.data_ptr(), d.numel()) for d, s in pairs])
+        return ready
+
+
+def test_a_cached_layer_is_assembled_from_its_slots_and_the_host():
+    """Note: [Whole layers for large calls]: a staged call copies the layer's experts that are
+    not cached outside its region from the host store, one copy per run of them (the link
+    carries the missing experts only), and the others from their slots on the compute stream,
+    after their copies' "ready" events; a later copy into a source slot waits for the staged
+    compute. Routed cached experts count as hits. Logits bitwise the resident's."""
+    from torchoffload.moe._runtime import load
+
+    # three layers: the cache (one slot per expert) holds two regions and a layer's slots
+    # beside them
+    ref, model = qwen3(impl="grouped_mm", layers=3), qwen3(impl="grouped_mm", layers=3)
+    uses, hooks = count_uses(ref)
+    h = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    rt = h._runtime
+    rt.engine = eng = PairsEngine()
     with torch.no_grad():
-        for i in range(12):
-            model2(prompt(1, 1, i))
-        assert len(h2._runtime.cache.where) > 8
-        staged = h2.stats().staged
-        assert torch.equal(model2(prompt(1, 8, 3)).logits, ref(prompt(1, 8, 3)).logits)
-    assert h2.stats().staged == staged  # nothing staged
-    h2.remove()
+        for i in range(12):  # one-token calls: most experts cached
+            x = prompt(1, 1, i)
+            assert torch.equal(model(x).logits, ref(x).logits)
+        layer, whole, data = rt.layout.layers[0], rt.whole, rt.cache.data
+        start, base = whole.next * whole.region, data.data_ptr()
+        held = {e: s for e in range(8) if (s := rt.cache.lookup((0, e))) is not None
+                and not start <= s.offset < start + whole.region}  # fmt: skip
+        assert 0 < len(held) < 8, held  # some outside the region (it is forgotten)
+        for s in held.values():
+            s.waited.clear()  # as if their copies were not waited on yet
+        readies = [s.ready for s in held.values()]
+        before = h.stats().layers[0]
+        eng.log.clear()
+        x = prompt(1, 8, 3)  # 16 rows per layer: staged
+        assert torch.equal(model(x).logits, ref(x).logits)
+    i = next(i for i, entry in enumerate(eng.log) if entry[0] == "load")
+    pairs = eng.log[i][4]
+    missing = [e for e in range(8) if e not in held]
+    want, off = [], start
+    for member, size in zip(layer.members, whole.sizes[0], strict=True):
+        runs = [[e] for j, e in enumerate(missing) if j == 0 or missing[j - 1] != e - 1]
+        for run in runs:
+            while run[-1] + 1 in missing:
+                run.append(run[-1] + 1)
+            want.append((off + run[0] * member.nbytes, len(run) * member.nbytes))
+        off += size
+    assert sorted((d - base, n) for d, _, n in pairs) == sorted(want)  # the missing, by runs
+    waits = [entry[1] for entry in eng.log[i:] if entry[0] == "wait"]
+    assert all(r in waits for r in readies)  # the source slots' copies before their reads
+    j = eng.log.index(("wait", eng.log[i][3]))  # the compute waits for the copy, then reads
+    done = next(entry[1] for entry in eng.log[j:] if entry[0] == "record")
+    st = check_stats(h, sum(uses)).layers[0]
+    assert st.h2d_bytes - before.h2d_bytes == len(missing) * layer.expert_bytes
+    assert st.hits > before.hits
+    assert st.misses + st.staged - before.misses - before.staged == len(missing)
+    # a later copy into a source slot (one outside both regions) waits for its read
+    slot = next(s for s in held.values() if s.offset >= 2 * whole.region)
+    assert slot.done["compute"] == done
+    rt.cache.forget(slot.key)
+    eng.log.clear()
+    load(rt, slot, (0, 0))
+    assert done in eng.log[0][2]
+    h.remove()
+    for hk in hooks:
+        hk.remove()
 
 
 def test_list_block_copies_its_routed_experts_at_the_router():

@@ -44,17 +44,28 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 # A call of many tokens routes to most of a layer's experts (a prefill of 2048 tokens at top 8
 # of 128 routes to all of them), and one grouped GEMM per routed expert costs the host more
 # than the expert's copy takes (H200: 1.19-1.55x the link time for a 2048-token prefill of the
-# 30B shape). Where the cache's storage holds a layer's experts in the resident layout (each
-# fused parameter contiguous, 512-aligned), a grouped_mm call of at least ``STAGE_ROWS`` rows
-# (token, expert pairs) per expert copies its whole layer into a region of that storage and
-# runs transformers' own grouped_mm forward on it: the resident call on the same bytes,
-# bitwise, no host read. Ordering (Note: [Routed experts and the copy stream]): the copy waits
-# on the "done" events of every cache slot the region overlaps (the last readers of those
-# bytes: a cached expert's compute, or the region's previous staged call), their experts are
-# forgotten first, and the compute records "done" on each of them: a later copy into any of
-# them waits for it. Two regions where the storage holds two layers: layer l+1's copy runs
-# while layer l computes. A call's routed-expert count (for the stats) is read on the host at
-# the next staged call, after that call's copy is queued, or by stats().
+# 30B shape; 1.8x at a 32 GiB cache holding a third of each layer). Where the cache's storage
+# holds a layer's experts in the resident layout (each fused parameter contiguous,
+# 512-aligned), a grouped_mm call of at least ``STAGE_ROWS`` rows (token, expert pairs) per
+# expert assembles its whole layer in a region of that storage and runs transformers' own
+# grouped_mm forward on it: the resident call on the same bytes, bitwise. Each run of experts
+# not cached outside the region is copied from the host store in one copy on the link's
+# stream: it carries the layer's missing experts only. Ordering (Note: [Routed experts and the
+# copy stream]): that copy waits on the "done" events of every cache slot the region overlaps
+# (the last readers of those bytes: a cached expert's compute, or the region's previous staged
+# call), whose experts are forgotten first. An expert cached outside the region is copied from
+# its slot on the compute stream (on the link's stream these device copies ran at about
+# 480 GB/s in series with the host's: a prefill at a 32 GiB cache holding half of each layer
+# took 1.22x its link time, 1.03x with them here; H200), after that slot's "ready" event and
+# the region's readers on other streams; the compute records
+# "done" on each region slot and source slot: a later copy into any of them waits for it.
+# Two regions where the storage holds two layers: layer l+1's copy runs while layer l
+# computes. One host read per call, after its copy is queued: the expert indices' bounds and
+# which experts were routed (counted as hits where they came from a slot, else as misses; the
+# rest of the layer copied over the link counts as ``staged``; routed cached experts are used
+# for the cache's policy). Measured on an H200 at the 30B shape, prefill of 2048 tokens, a
+# 16 GiB cache: the link busy 1062.5 of the GPU's 1071.7 ms (copies back to back), 1.02x the
+# link time in all; 1.03-1.10x at 8, 16 and 32 GiB (benchmarks/README.md).
 STAGE_ROWS = 2
 
 
@@ -221,20 +232,16 @@ class WholeLayers:
         total = 0 if rt.cache.data is None else rt.cache.data.numel()
         self.regions = min(2, total // self.region)
         self.next = 0
-        self.pending: list[tuple[int, torch.Tensor]] = []
 
     def serves(self, rt: Any, li: int, rows: int) -> bool:
-        """Whether a call of ``rows`` (token, expert) rows stages layer ``li``: enough rows, a
-        region, and at most half of the layer cached (else its misses cost less)."""
+        """Whether a call of ``rows`` (token, expert) rows stages layer ``li``: enough rows
+        and a region."""
         layer = rt.layout.layers[li]
-        if not (self.regions > 0 and rows >= STAGE_ROWS * layer.experts
-                and rt.recorder is NO_RECORDER and rt.store is not None):  # fmt: skip
-            return False
-        cached = sum((li, e) in rt.cache.where for e in range(layer.experts))
-        return 2 * cached <= layer.experts
+        return (self.regions > 0 and rows >= STAGE_ROWS * layer.experts
+                and rt.recorder is NO_RECORDER and rt.store is not None)  # fmt: skip
 
     def forward(self, rt: Any, li: int, module: Any, args: tuple) -> torch.Tensor | None:
-        """transformers' grouped_mm forward on layer ``li`` copied whole into the next region;
+        """transformers' grouped_mm forward on layer ``li`` assembled in the next region;
         None (nothing queued) where a slot of the region is pinned."""
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
@@ -251,10 +258,14 @@ class WholeLayers:
         for s in slots:
             if s.key is not None:
                 cache.forget(s.key)
-        pairs, tensors, off = [], [], start
+        # the layer's experts cached outside the region are copied from their slots on the
+        # compute stream, after the host read (the link's stream carries the others only)
+        held = {e: s for e in range(n) if (s := cache.lookup((li, e))) is not None}
+        pairs, near, tensors, off = [], [], [], start
         for m, member in enumerate(layer.members):
-            pairs.append((cache.data[off : off + n * member.nbytes],
-                          rt.store.source(li, m, 0, n * member.nbytes)))  # fmt: skip
+            far, close = _member_pairs(rt, li, m, off, held)
+            pairs += far
+            near += close
             t = torch.empty(0, dtype=member.dtype, device=rt.device)
             size, item = (n, *member.size), t.element_size()
             stride = (member.nbytes // item, *member.stride)
@@ -262,35 +273,64 @@ class WholeLayers:
             off += self.sizes[li][m]
         ready = rt.engine.load(pairs, after)
         self.next = (self.next + 1) % self.regions
-        c = rt.counters[li]
-        c.loads += n
-        c.h2d_bytes += n * layer.expert_bytes
+        c, copied = rt.counters[li], n - len(held)
+        c.loads += copied
+        c.h2d_bytes += copied * layer.expert_bytes
         ids = args[1].reshape(-1)
         hist = torch.histc(ids.float() if ids.device.type in ("cpu", "mps") else ids.int(),
                            bins=n, min=0, max=n - 1)  # fmt: skip
-        # one host read, before the compute stream waits for this copy: the router's choice
-        # (it waits for the previous layer's compute, while this copy runs), then the count
-        # of the previous staged call
-        bounds = torch.stack(list(torch.aminmax(ids))).tolist() if ids.numel() else [0, 0]
-        self.fold(rt)
-        if bounds[0] < 0 or bounds[1] >= n:
-            c.staged += n  # copied, used by no call
+        # one host read, before the compute stream waits for this copy (the router's choice:
+        # it waits for the previous layer's compute, while this copy runs): the index bounds,
+        # then the routed experts, for the counts and the policy
+        low, high, *counts = torch.cat([torch.stack(torch.aminmax(ids)), hist.long()]).tolist()
+        if low < 0 or high >= n:
+            c.staged += copied  # copied, used by no call
             raise outside(layer.name, n, "grouped_mm")
-        self.pending.append((li, (hist > 0).sum()))
+        routed = [e for e, k in enumerate(counts) if k]
+        hits = [e for e in routed if e in held]
+        c.hits += len(hits)
+        c.misses += len(routed) - len(hits)
+        c.staged += copied - (len(routed) - len(hits))
+        for e in hits:
+            cache.use((li, e))
+        stream = rt.engine.current_stream()
+        for event in [ev for s in slots for k, ev in s.done.items() if k != stream] + [
+            s.ready for s in held.values() if s.ready is not None and stream not in s.waited
+        ]:
+            rt.engine.wait(event)  # the region's last readers, the source slots' copies
+        for dst, src in near:
+            dst.copy_(src)
         rt.engine.wait(ready)
         try:
             return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
-        finally:  # a failed call's kernels read the region too
-            event, stream = rt.engine.record(), rt.engine.current_stream()
+        finally:  # a failed call's kernels read the region too; the source slots were read
+            event = rt.engine.record()
             if event is not None:
-                for s in slots:
+                for s in [*slots, *held.values()]:
                     s.done[stream] = event
 
-    def fold(self, rt: Any) -> None:
-        """Count the staged calls' routed experts as misses, the rest of the layer as staged."""
-        for li, routed in self.pending:
-            r = int(routed)
-            c = rt.counters[li]
-            c.misses += r
-            c.staged += rt.layout.layers[li].experts - r
-        self.pending.clear()
+
+def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict) -> tuple[list, list]:
+    """The (destination, source) pairs that fill member ``m`` of layer ``li``'s experts from
+    byte ``off`` of the cache's storage: from the host store, one per run of experts not in
+    ``held`` (expert -> its slot), and from their slots, one per expert in ``held``."""
+    layer, data = rt.layout.layers[li], rt.cache.data
+    member, n = layer.members[m], layer.experts
+    nbytes, far, near, e = member.nbytes, [], [], 0
+    while e < n:
+        dst = off + e * nbytes
+        slot = held.get(e)
+        if slot is not None:
+            src = slot.offset + member.region + layer.shift(e, m)
+            near.append((data[dst : dst + nbytes], data[src : src + nbytes]))
+            e += 1
+            continue
+        piece, first = layer.source(e, m)
+        run = 1
+        while e + run < n and e + run not in held and layer.source(e + run, m) == (
+            piece, first + run * nbytes):  # fmt: skip
+            run += 1
+        far.append((data[dst : dst + run * nbytes],
+                    rt.store.source(li, piece, first, run * nbytes)))  # fmt: skip
+        e += run
+    return far, near

@@ -144,8 +144,6 @@ class ExpertStreamHandle:
         with rt._lock:
             if rt.tables is not None:
                 rt.tables.pull_counts()  # graph calls count on the device
-            if rt.whole is not None:
-                rt.whole.fold(rt)  # so do large grouped_mm calls
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(
@@ -212,8 +210,6 @@ class ExpertStreamHandle:
 
     def reset_stats(self) -> None:
         with self._runtime._lock:
-            if self._runtime.whole is not None:  # staged calls' counts, before they are reset
-                self._runtime.whole.fold(self._runtime)
             self._runtime.reset()
 
     def record_routing(self) -> RoutingRecorder:
