@@ -5,6 +5,7 @@ file through a device arena (`load_streamed_package`).
     python benchmarks/aoti_decode.py --shape demo   # hidden 1024, 8 layers
     python benchmarks/aoti_decode.py --shape 8b     # hidden 4096, 32 layers, GQA 8, vocab 128256
     python benchmarks/aoti_decode.py --shape tiny   # a smoke run (CPU or GPU)
+    python benchmarks/aoti_decode.py --shape tiny --layers 2  # the test's: a quicker compile
 
 The model is this file's `Decoder` (random weights, Hugging Face Llama's names and shapes): one
 program for the prefill and the one-token steps (the sequence length is dynamic), its KV cache
@@ -183,6 +184,7 @@ def decode(program, prompt, tokens, caches, host_times=None, after_prefill=None,
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="demo")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--budgets", type=float, nargs="*", help="GiB (default: the shape's)")
@@ -231,6 +233,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be at least 1")
     if args.no_aoti and not args.compiled:
         p.error("--no-aoti leaves no rows without --compiled")
     if args.no_aoti and args.plain:
@@ -238,6 +242,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     gpu = device.type == "cuda"
     hidden, inter, layers, heads, kv, vocab, default_budgets = SHAPES[args.shape]
+    layers = args.layers or layers
+    shape = args.shape if args.layers is None else f"{args.shape} at {layers} layers"
     dtype = torch.bfloat16 if gpu else torch.float32
     torch.manual_seed(0)
     with torch.device(device):
@@ -289,7 +295,7 @@ def main(argv=None) -> int:
                  f"({pt2 / weights:.4%} of the weights), saved in {save_s:.0f} s")  # fmt: skip
     print(
         f"# {datetime.date.today()} {torch.cuda.get_device_name(device) if gpu else 'cpu'} "
-        f"torch {torch.__version__}; {args.shape}: {weights / GIB:.2f} GiB of weights, "
+        f"torch {torch.__version__}; {shape}: {weights / GIB:.2f} GiB of weights, "
         f"{saved}; prompt {args.prompt}, {args.tokens} tokens; pinned H2D {bw:.1f} GB/s",
         flush=True,
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import weakref
 import zipfile
 
@@ -673,13 +674,24 @@ def test_a_unit_holding_a_tied_alias_and_a_child_is_kept(tmp_path):
     program.remove()
 
 
-def test_a_weights_file_that_cannot_be_written_leaves_no_package(tmp_path):
+def test_a_weights_file_that_cannot_be_written_leaves_no_package(built, tmp_path, monkeypatch):
+    """The weights are written after the compile and the check of its C++ runtime: a write that
+    fails removes the package. The compile puts the module's package of the same model in
+    place (what the check reads), as a compile would: a real one cost 10 CPU-s here."""
+    compiled = []
+
+    def compile_(ep, package_path, inductor_configs=None):
+        shutil.copyfile(built["dir"] / "gpt.pt2", package_path)
+        compiled.append(package_path)
+        return package_path
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", compile_)
     model, tokens = model_and_tokens()
     out = tmp_path / "m.pt2"
     (tmp_path / "w.safetensors").mkdir()  # the write fails after the compile
     with pytest.raises(IsADirectoryError):
         toc.save_streamed_package(model, (tokens,), out, weights=tmp_path / "w.safetensors")
-    assert not out.exists()
+    assert compiled == [str(out)] and not out.exists()
 
 
 def test_a_folder_that_does_not_exist_is_refused_before_the_compile(tmp_path, monkeypatch):
