@@ -1,30 +1,34 @@
 # `make demo` and `make test` set everything up on a fresh machine: a virtual environment in
 # .venv with the CPU build of torch (pinned, so pip does not pull a multi-GB CUDA build), then
-# this package in editable mode. Override TORCH_SPEC to pick another build.
+# this package in editable mode. Override TORCH_SPEC to pick another build. PIP_INSTALL skips
+# byte-compiling what it installs (torch's and transformers' thousands of modules: 102 s of
+# set-up against 60 on a two-core machine as CI's, 2026-11-28); Python compiles a module when
+# it is first imported instead, and only the modules imported.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
+PIP_INSTALL = $(PY) -m pip install --quiet --no-compile
 
 .PHONY: demo test docs fuzz fuzz-gpu gpu-test lint format bench clean
 
 # The demo needs torch and the package only.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet --no-deps -e .
+	$(PIP_INSTALL) "$(TORCH_SPEC)"
+	$(PIP_INSTALL) --no-deps -e .
 	touch $(STAMP)
 
 # Tests and lint add pytest and ruff, and the optional integrations they cover.
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet numpy "pytest>=7" "ruff==0.16.9" "hypothesis==6.170.17"
+	$(PIP_INSTALL) numpy "pytest>=7" "ruff==0.16.9" "hypothesis==6.170.17"
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed.
-	$(PY) -m pip install --quiet transformers || echo "transformers not installed: its tests skip"
+	$(PIP_INSTALL) transformers || echo "transformers not installed: its tests skip"
 	# Trainer and accelerate loops (tests/test_loops.py, examples/train_loops.py)
-	$(PY) -m pip install --quiet accelerate || echo "accelerate not installed: its tests skip"
-	$(PY) -m pip install --quiet matplotlib || echo "matplotlib not installed: plot tests skip"
+	$(PIP_INSTALL) accelerate || echo "accelerate not installed: its tests skip"
+	$(PIP_INSTALL) matplotlib || echo "matplotlib not installed: plot tests skip"
 	touch $(DEV_STAMP)
 
 # The documentation site (mkdocs.yml, docs/) needs MkDocs only: mkdocstrings reads the source
@@ -34,7 +38,7 @@ $(DEV_STAMP): $(STAMP)
 DOCS_STAMP := $(VENV)/.installed-docs
 $(DOCS_STAMP): Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11" \
+	$(PIP_INSTALL) "mkdocs==1.6.1" "mkdocs-material==9.8.2" "mkdocstrings-python==2.0.11" \
 		"mkdocstrings==1.0.8" "mkdocs-autorefs==1.4.5" "griffelib==2.4.1"
 	touch $(DOCS_STAMP)
 
