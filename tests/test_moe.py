@@ -681,7 +681,7 @@ class RecordingEngine:
         for dst, src in pairs:
             dst.copy_(src)
         ready = f"ready{next(self.n)}"
-        self.log.append(("load", pairs[0][0].data_ptr(), list(after), ready))
+        self.log.append(("load", pairs[0][0].data_ptr() if pairs else None, list(after), ready))
         return ready
 
     def wait(self, event):
@@ -777,8 +777,8 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
         return read(li, e, slot)
 
     rt.views = recorded
-    # two one-token calls cache at most 4 of a layer's 8 experts: not more than half, so the
-    # prompts after them are staged
+    # one-token calls, then prompts (staged: their experts cached outside the region come from
+    # their slots)
     xs = [prompt(1, 1, i) for i in range(2)] + [prompt()] + [prompt(1, 1, i) for i in range(2, 4)]
     xs += [prompt(seed=7)]
     with torch.no_grad():
@@ -788,13 +788,14 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
     assert whole.regions == 2
     base = rt.cache.data.data_ptr()
     last_done: dict[int, str] = {}  # slot offset -> done event of its last reader
-    reading, staged_slots, staged = None, None, 0
+    reading, staged_slots, staged, staged_ready, computing = None, None, 0, None, False
     for entry in eng.log:
         if entry[0] == "load":
-            _, ptr, after, _, nbytes = entry
+            _, ptr, after, ready, nbytes = entry
             start = ptr - base
-            if nbytes > sb:  # a whole layer: after the last reader of each slot it covers
-                staged += 1
+            if nbytes > sb:  # a layer's region: after the last reader of each slot it covers
+                staged, staged_ready, computing = staged + 1, ready, False
+                start = start // whole.region * whole.region  # its first copy may be later
                 staged_slots = [o for o in range(0, rt.cache.data.numel(), sb)
                                 if o < start + whole.region and o + sb > start]  # fmt: skip
                 missing = [o for o in staged_slots if o in last_done and last_done[o] not in after]
@@ -805,7 +806,11 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
                     assert last_done[off] in after, (entry, last_done[off])
         elif entry[0] == "read":
             reading = entry[1]
+        elif entry[0] == "wait" and entry[1] == staged_ready:
+            computing = True  # the staged compute: its record is the region's "done"
         elif entry[0] == "record":
+            if staged_slots and not computing:
+                continue  # after the copies from slots outside the region: theirs
             for off in staged_slots or [reading]:
                 last_done[off] = entry[1]
             reading, staged_slots = None, None
@@ -845,8 +850,12 @@ def test_whole_layer_staging_rules_refusals_and_stats():
     x = torch.randn(8, 32)
     index = torch.tensor([[0, 1]] * 7 + [[2, 8]])
     experts = model.model.layers[0].mlp.experts
+    rt.engine = eng = RecordingEngine()
     with pytest.raises(ValueError, match=r"outside \[0, 8\)"), torch.no_grad():
         experts(x, index, torch.full((8, 2), 0.5))
+    # the refused call's copy into the region: a later device copy there waits for it
+    [ready] = [entry[3] for entry in eng.log if entry[0] == "load"]
+    assert all(s.done["region copy"] == ready for s in rt.cache.slots[:slots])
     st = h.stats()
     assert st.staged == 8 and st.h2d_bytes == 8 * st.layers[0].expert_bytes
     run(prompt(1, 8, 5))  # the region after a refused call: staged and bitwise again
@@ -862,12 +871,14 @@ class PairsEngine(RecordingEngine):
         return ready
 
 
-def test_a_cached_layer_is_assembled_from_its_slots_and_the_host():
+def test_a_cached_layer_is_assembled_from_its_slots_and_the_host(monkeypatch):
     """Note: [Whole layers for large calls]: a staged call copies the layer's experts that are
     not cached outside its region from the host store, one copy per run of them (the link
     carries the missing experts only), and the others from their slots on the compute stream,
-    after their copies' "ready" events; a later copy into a source slot waits for the staged
-    compute. Routed cached experts count as hits. Logits bitwise the resident's."""
+    after their copies' "ready" events and any copy into the region no compute waited on; a
+    later copy into a source slot waits for those device copies. Routed cached experts count
+    as hits. Logits bitwise the resident's."""
+    import torchoffload.moe._grouped as grouped
     from torchoffload.moe._runtime import load
 
     # three layers: the cache (one slot per expert) holds two regions and a layer's slots
@@ -877,18 +888,28 @@ def test_a_cached_layer_is_assembled_from_its_slots_and_the_host():
     h = stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
     rt = h._runtime
     rt.engine = eng = PairsEngine()
+    near = grouped.copy_near
+
+    def logged(pairs):
+        eng.log.append(("near", len(pairs)))
+        near(pairs)
+
+    monkeypatch.setattr(grouped, "copy_near", logged)
     with torch.no_grad():
         for i in range(12):  # one-token calls: most experts cached
             x = prompt(1, 1, i)
             assert torch.equal(model(x).logits, ref(x).logits)
         layer, whole, data = rt.layout.layers[0], rt.whole, rt.cache.data
-        start, base = whole.next * whole.region, data.data_ptr()
+        start, base, sb = whole.next * whole.region, data.data_ptr(), rt.cache.slot_bytes
+        region = [s for s in rt.cache.slots if s.offset < start + whole.region
+                  and s.offset + sb > start]  # fmt: skip
         held = {e: s for e in range(8) if (s := rt.cache.lookup((0, e))) is not None
-                and not start <= s.offset < start + whole.region}  # fmt: skip
+                and s not in region}  # fmt: skip
         assert 0 < len(held) < 8, held  # some outside the region (it is forgotten)
-        for s in held.values():
+        for s in [*held.values(), *region]:
             s.waited.clear()  # as if their copies were not waited on yet
-        readies = [s.ready for s in held.values()]
+        readies = [s.ready for s in [*held.values(), *region] if s.ready is not None]
+        assert len(readies) > len(held)
         before = h.stats().layers[0]
         eng.log.clear()
         x = prompt(1, 8, 3)  # 16 rows per layer: staged
@@ -905,10 +926,12 @@ def test_a_cached_layer_is_assembled_from_its_slots_and_the_host():
             want.append((off + run[0] * member.nbytes, len(run) * member.nbytes))
         off += size
     assert sorted((d - base, n) for d, _, n in pairs) == sorted(want)  # the missing, by runs
-    waits = [entry[1] for entry in eng.log[i:] if entry[0] == "wait"]
-    assert all(r in waits for r in readies)  # the source slots' copies before their reads
-    j = eng.log.index(("wait", eng.log[i][3]))  # the compute waits for the copy, then reads
-    done = next(entry[1] for entry in eng.log[j:] if entry[0] == "record")
+    k = next(k for k in range(i, len(eng.log)) if eng.log[k][0] == "near")
+    assert eng.log[k][1] == len(held) * len(layer.members)  # from their slots
+    waits = [entry[1] for entry in eng.log[i:k] if entry[0] == "wait"]
+    assert all(r in waits for r in readies)  # the source's and the region's copies first
+    assert eng.log[k + 1][0] == "record"  # then an event, the source slots' "done"
+    done = eng.log[k + 1][1]
     st = check_stats(h, sum(uses)).layers[0]
     assert st.h2d_bytes - before.h2d_bytes == len(missing) * layer.expert_bytes
     assert st.hits > before.hits

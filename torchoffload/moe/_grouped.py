@@ -44,7 +44,7 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 # A call of many tokens routes to most of a layer's experts (a prefill of 2048 tokens at top 8
 # of 128 routes to all of them), and one grouped GEMM per routed expert costs the host more
 # than the expert's copy takes (H200: 1.19-1.55x the link time for a 2048-token prefill of the
-# 30B shape; 1.8x at a 32 GiB cache holding a third of each layer). Where the cache's storage
+# 30B shape; 1.8x at a 32 GiB cache holding about a third of the experts). Where the cache's storage
 # holds a layer's experts in the resident layout (each fused parameter contiguous,
 # 512-aligned), a grouped_mm call of at least ``STAGE_ROWS`` rows (token, expert pairs) per
 # expert assembles its whole layer in a region of that storage and runs transformers' own
@@ -56,9 +56,10 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 # call), whose experts are forgotten first. An expert cached outside the region is copied from
 # its slot on the compute stream (on the link's stream these device copies ran at about
 # 480 GB/s in series with the host's: a prefill at a 32 GiB cache holding half of each layer
-# took 1.22x its link time, 1.03x with them here; H200), after that slot's "ready" event and
-# the region's readers on other streams; the compute records
-# "done" on each region slot and source slot: a later copy into any of them waits for it.
+# took 1.22x its link time, 1.03x with them here; H200), after that slot's "ready" event, the
+# region's readers on other streams and any copy into the region that no compute waited on (an
+# unused copy, or a refused call's); an event recorded after these device copies is each
+# source slot's "done", the compute's each region slot's: a later copy into one waits for it.
 # Two regions where the storage holds two layers: layer l+1's copy runs while layer l
 # computes. One host read per call, after its copy is queued: the expert indices' bounds and
 # which experts were routed (counted as hits where they came from a slot, else as misses; the
@@ -255,6 +256,9 @@ class WholeLayers:
         if any(s.pins for s in slots):
             return None
         after = [event for s in slots for event in s.done.values()]
+        stream = rt.engine.current_stream()
+        # copies into the region's slots that no compute waited on (forget() drops them)
+        written = [s.ready for s in slots if s.ready is not None and stream not in s.waited]
         for s in slots:
             if s.key is not None:
                 cache.forget(s.key)
@@ -285,6 +289,9 @@ class WholeLayers:
         low, high, *counts = torch.cat([torch.stack(torch.aminmax(ids)), hist.long()]).tolist()
         if low < 0 or high >= n:
             c.staged += copied  # copied, used by no call
+            if ready is not None:  # a later device copy into the region waits for it
+                for s in slots:
+                    s.done[_REGION_COPY] = ready
             raise outside(layer.name, n, "grouped_mm")
         routed = [e for e, k in enumerate(counts) if k]
         hits = [e for e in routed if e in held]
@@ -293,21 +300,40 @@ class WholeLayers:
         c.staged += copied - (len(routed) - len(hits))
         for e in hits:
             cache.use((li, e))
-        stream = rt.engine.current_stream()
-        for event in [ev for s in slots for k, ev in s.done.items() if k != stream] + [
-            s.ready for s in held.values() if s.ready is not None and stream not in s.waited
-        ]:
-            rt.engine.wait(event)  # the region's last readers, the source slots' copies
-        for dst, src in near:
-            dst.copy_(src)
+        sources = [s for s in held.values() if s.ready is not None and stream not in s.waited]
+        # the region's readers on other streams and copies into it; the source slots' copies
+        for event in (
+            [ev for s in slots for k, ev in s.done.items() if k != stream]
+            + written
+            + [s.ready for s in sources]
+        ):
+            rt.engine.wait(event)
+        for s in sources:
+            s.waited.add(stream)
+        try:
+            copy_near(near)
+        finally:  # a later copy into a source slot waits for these reads only
+            read = rt.engine.record()
+            if read is not None:
+                for s in held.values():
+                    s.done[stream] = read
         rt.engine.wait(ready)
         try:
             return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
-        finally:  # a failed call's kernels read the region too; the source slots were read
+        finally:  # a failed call's kernels read the region too
             event = rt.engine.record()
             if event is not None:
-                for s in [*slots, *held.values()]:
+                for s in slots:
                     s.done[stream] = event
+
+
+_REGION_COPY = "region copy"  # a region slot's "done" key for a refused call's host copy
+
+
+def copy_near(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each (destination, source) pair of device bytes on the current stream."""
+    for dst, src in pairs:
+        dst.copy_(src)
 
 
 def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict) -> tuple[list, list]:

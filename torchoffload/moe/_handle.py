@@ -49,7 +49,7 @@ class ExpertLayerStats:
     misses: int  # routed experts copied for their use
     h2d_bytes: int
     host_computed: int = 0  # routed experts missing from the cache computed on the host
-    # experts copied with their whole layer (a large grouped_mm call) no token routed to
+    # experts copied over the link with their layer (a large grouped_mm call), not routed to
     staged: int = 0
 
     @property
@@ -84,7 +84,7 @@ class ExpertStats:
     prefetched: int  # experts copied ahead on the next router's prediction (prefetch=True)
     setup_s: float
     host_computed: int = 0  # misses computed on the host (host_compute), not copied
-    staged: int = 0  # copied with their whole layer, not routed to
+    staged: int = 0  # copied over the link with their layer, not routed to
 
     @property
     def hit_rate(self) -> float:

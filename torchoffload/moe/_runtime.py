@@ -86,7 +86,7 @@ class Counters:
     unused: int = 0  # experts copied for a use that did not come
     prefetched: int = 0  # experts copied ahead on the next router's prediction (graph calls)
     host_computed: int = 0  # routed experts computed on the host (Note: [Cold experts on the host])
-    staged: int = 0  # experts copied with their whole layer that no token of the call routed to
+    staged: int = 0  # copied over the link with their layer, no token of the call routed to
 
 
 class _Block:
