@@ -1,16 +1,17 @@
 # `make demo` and `make test` set everything up on a fresh machine: a virtual environment in
 # .venv with the CPU build of torch (pinned, so pip does not pull a multi-GB CUDA build), then
-# this package in editable mode. Override TORCH_SPEC to pick another build. PIP_INSTALL skips
-# byte-compiling what it installs (torch's and transformers' thousands of modules: 102 s of
-# set-up against 60 on a two-core machine as CI's, 2026-11-28); Python compiles a module when
-# it is first imported instead, and only the modules imported.
+# this package in editable mode. Override TORCH_SPEC to pick another build. PIP_INSTALL
+# byte-compiles what it installs (pip's default): with `--no-compile` set-up took 60 s instead
+# of 102 on a two-core machine, but where PYTHONDONTWRITEBYTECODE is set (this machine, and so
+# perhaps CI) every process then compiled every module it imported from source: the tests
+# took 119 s longer (fresh clones, 2026-11-28).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
-PIP_INSTALL = $(PY) -m pip install --quiet --no-compile
+PIP_INSTALL = $(PY) -m pip install --quiet
 
 .PHONY: demo test docs fuzz fuzz-gpu gpu-test lint format bench clean
 
