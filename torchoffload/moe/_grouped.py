@@ -37,6 +37,7 @@ import torch
 
 from torchoffload.moe._layout import ALIGN, round_up
 from torchoffload.moe._routing import NO_RECORDER
+from torchoffload.moe._runtime import bind_offsets
 
 __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear", "kernel_forward"]
 
@@ -44,8 +45,8 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 # A call of many tokens routes to most of a layer's experts (a prefill of 2048 tokens at top 8
 # of 128 routes to all of them), and one grouped GEMM per routed expert costs the host more
 # than the expert's copy takes (H200: 1.19-1.55x the link time for a 2048-token prefill of the
-# 30B shape; 1.8x at a 32 GiB cache holding about a third of the experts). Where the cache's storage
-# holds a layer's experts in the resident layout (each fused parameter contiguous,
+# 30B shape; 1.8x at a 32 GiB cache holding about a third of the experts). Where the cache's
+# storage holds a layer's experts in the resident layout (each fused parameter contiguous,
 # 512-aligned), a grouped_mm call of at least ``STAGE_ROWS`` rows (token, expert pairs) per
 # expert assembles its whole layer in a region of that storage and runs transformers' own
 # grouped_mm forward on it: the resident call on the same bytes, bitwise. Each run of experts
@@ -341,13 +342,12 @@ def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict) -> tuple[list,
     byte ``off`` of the cache's storage: from the host store, one per run of experts not in
     ``held`` (expert -> its slot), and from their slots, one per expert in ``held``."""
     layer, data = rt.layout.layers[li], rt.cache.data
-    member, n = layer.members[m], layer.experts
-    nbytes, far, near, e = member.nbytes, [], [], 0
+    nbytes, n, far, near, e = layer.members[m].nbytes, layer.experts, [], [], 0
     while e < n:
         dst = off + e * nbytes
         slot = held.get(e)
         if slot is not None:
-            src = slot.offset + member.region + layer.shift(e, m)
+            src = bind_offsets(rt, li, e, slot)[m]
             near.append((data[dst : dst + nbytes], data[src : src + nbytes]))
             e += 1
             continue

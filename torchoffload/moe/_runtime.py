@@ -355,7 +355,6 @@ class ExpertRuntime:
     def reset(self) -> None:
         if self.tables is not None:
             self.tables.pull_counts()
-
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
