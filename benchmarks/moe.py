@@ -15,8 +15,9 @@ then prefill:
   issue's 8, 16 and 32 GiB by default), per ``--policies``.
 - the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing, cache map
   and copies on the device; CUDA only, no prefill), after ``graph all cached`` (every expert in
-  the cache, filled by an untimed forward of ``--fill`` tokens first: the graph's compute term,
-  no copies), and ``graph prefetch`` (``prefetch=True``) at each cache size.
+  the cache, filled first by untimed forwards of ``--fill`` tokens, in chunks too small to stage
+  a whole layer: the graph's compute term, no copies), and ``graph prefetch``
+  (``prefetch=True``) at each cache size.
 - ``stream_weights B GiB``: today's engine, every weight streamed per token (``--stream-weights``
   budgets).
 - ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
@@ -102,6 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from weights import h2d_bandwidth, sync  # noqa: E402 (the link measured as weights.py does)
 
 import torchoffload as to  # noqa: E402
+from torchoffload.moe._grouped import STAGE_ROWS  # noqa: E402 (fill's chunks stay under it)
 from torchoffload.planner import plan_experts, synthetic_routing  # noqa: E402
 from torchoffload.planner._routing import ZipfRanks  # noqa: E402 (the planner's zipf model)
 
@@ -322,13 +324,20 @@ def prefill(model, x: torch.Tensor, routing: Routing, handle, runs: int = 2):
     return statistics.median(times), handle.stats() if handle is not None else None
 
 
-def fill(model, x: torch.Tensor, routing: Routing) -> None:
-    """One untimed forward of ``x``: the ``graph all cached`` row's cache is filled before its
-    warm-up, so that its timed steps copy nothing (they are the graph rows' compute term)."""
-    routing.at(torch.arange(x.shape[1], device=x.device))
+def fill(model, x: torch.Tensor, routing: Routing, chunk: int, handle) -> None:
+    """Untimed forwards of ``x``, ``chunk`` tokens each: the ``graph all cached`` row's cache is
+    filled before its warm-up, so that its timed steps copy nothing (they are the graph rows'
+    compute term). Each chunk is below the rows at which a grouped_mm call stages its whole
+    layer (Note: [Whole layers for large calls]): a staged call copies a layer into a region
+    of the cache's storage and leaves no expert cached there, so one long forward would fill
+    nothing."""
     with torch.inference_mode():
-        model(x)
+        for start in range(0, x.shape[1], chunk):
+            routing.at(torch.arange(start, min(start + chunk, x.shape[1]), device=x.device))
+            model(x[:, start : start + chunk])
     sync(x.device)
+    total = sum(layer.experts for layer in handle._runtime.layout.layers)
+    print(f"# fill ({routing.kind}): {len(handle.cached())} of {total} experts cached", flush=True)
 
 
 def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> dict:
@@ -589,6 +598,7 @@ def main(argv=None) -> int:
     ids = torch.randint(0, shape["vocab"], (1, args.prompt + steps), generator=g).to(device)
     long = torch.randint(0, shape["vocab"], (1, args.prefill), generator=g).to(device)
     fill_ids = torch.randint(0, shape["vocab"], (1, args.fill), generator=g).to(device)
+    fill_chunk = max(1, (STAGE_ROWS * shape["experts"] - 1) // shape["top_k"])
     positions = max(args.prefill, ids.shape[1], args.fill) + 1
     routings = {k: Routing(model, k, args.zipf, args.drift, args.noise, positions,
                            unseen=args.unseen)
@@ -602,8 +612,8 @@ def main(argv=None) -> int:
             routing.start()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            if row.fill:  # one long eager forward routes to every expert of every layer
-                fill(model, fill_ids, routing)
+            if row.fill:  # eager forwards of --fill tokens route to every expert of every layer
+                fill(model, fill_ids, routing, fill_chunk, row.handle)
             # the same prompt and the first warmup + n of the resident row's steps
             times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
                                        routing, row.handle, row.graph,
