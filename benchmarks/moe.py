@@ -36,7 +36,10 @@ resident model's (every decode step's). The bound is ``max(compute, bytes / bw)`
 row's copies (missed experts, for ``stream_experts``), bw the pinned host-to-device bandwidth
 measured in this run and compute the resident model's ms (eager rows) or the ``graph all
 cached`` row's (graph rows: the resident loop of transformers reads the routing on the host and
-cannot be captured).
+cannot be captured). ``x serial`` (graph decode rows): the row's ms over compute plus
+bytes / bw, the bound where nothing overlaps the copies: a block's experts are known only after
+its router ran and the next block's attention needs their output, so routed loading without
+a prediction (``prefetch``) copies and computes one after the other.
 
 Decoding is teacher-forced: each step's input token is drawn at random (a greedy decode of a
 random model repeats its tokens, and so its routing), over a static KV cache. Routing: each
@@ -637,12 +640,14 @@ def main(argv=None) -> int:
         link = per / (bw * 1e9) * 1e3 if bw == bw else 0.0
         floor = resident.get((kind, "graph"), (math.nan,))[0] if row.graph else resident[key][0]
         bound = max(floor, link) if floor == floor else link
+        serial = floor + link if row.graph and floor == floor else None
         want = resident[(kind, "decode")][1]  # of the same steps: the first len(logits)
         same = None if logits is None else bool(torch.equal(logits, want[: len(logits)]))
         peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else math.nan
         r = dict(routing=kind, phase=phase, row=row.name, ms=round(ms, 2),
                  mib=round(per / MIB, 1), hit=None if hit is None else round(hit, 3),
                  bound_ms=round(bound, 2), x_bound=round(ms / bound, 3) if bound else None,
+                 x_serial=round(ms / serial, 3) if serial else None,
                  peak_gib=round(peak, 2), same_logits=same,
                  setup_s=round(row.setup_s, 1))  # fmt: skip
         rows.append(r)
@@ -661,13 +666,15 @@ def main(argv=None) -> int:
         for row in builder(b):
             measure(row)
 
-    print("\n| routing | phase | row | ms | MiB/step | hit rate | bound ms | x bound | peak GiB | "
-          "same logits |\n|---|---|---|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
+    print("\n| routing | phase | row | ms | MiB/step | hit rate | bound ms | x bound | x serial "
+          "| peak GiB | same logits |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"
+          )  # fmt: skip
     for r in rows:
         print(
             f"| {r['routing']} | {r['phase']} | {r['row']} | {r['ms']} | {r['mib']} | "
             f"{r['hit'] if r['hit'] is not None else '-'} | {r['bound_ms']} | {r['x_bound']} | "
-            f"{r['peak_gib']} | {'-' if r['same_logits'] is None else r['same_logits']} |"
+            f"{r['x_serial'] or '-'} | {r['peak_gib']} | "
+            f"{'-' if r['same_logits'] is None else r['same_logits']} |"
         )
     print("\nThe planner's prediction (plan_experts, a synthetic routing of the same kind) per "
           "decode row:\n\n| routing | row | ms | predicted ms | hit rate | predicted hit rate |\n"

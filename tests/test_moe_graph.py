@@ -87,6 +87,27 @@ def test_graphed_decode_is_bitwise(slots, policy, dtype, prefetch):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_cache_of_every_expert_holds_them_all_in_a_graph():
+    """A budget beyond every expert buys every expert plus the stage a graph computes from
+    (``top_k`` slots): after one forward routed to every expert, the replays copy nothing.
+    Capped at every expert, the stage's slots were taken from the cache, and a graph of an
+    'all cached' budget kept missing (H200: 2-3% of its routed experts a step)."""
+    ref, model = qwen3(), qwen3()
+    want, _ = decode(ref, prompt(), 10)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=100 * slot_bytes, pin_memory=False)
+    assert h.stats().slots == 16 + 2  # two layers of 8 experts, top 2
+    with torch.inference_mode():
+        model(prompt(seq=48, seed=2))  # eager: every expert routed, each copied once
+    assert h.stats().cached == h.stats().misses == 16
+    got, (g, _) = decode(model, prompt(), 10, wrap=h.cuda_graph)
+    assert torch.equal(got, want) and g.stats().replays == 8
+    st = h.stats()
+    assert (st.misses, st.evictions, st.h2d_copies) == (16, 0, 16)
+    h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
@@ -200,7 +221,8 @@ def test_device_policy_chooses_as_the_host_policy(policy, slots):
         plan = tables.route(0, torch.tensor(sorted(routed)))
         tables.copies.copy(0, *plan)
         got.append(int(tables.counts[0, 2]) - before)
-    want, cached = reference_policy(calls, min(slots, 8) - 2, policy == "lfu")  # 8 experts
+    # 8 experts, top 2: the cache is capped at 8 + 2 slots, of which 2 are the graph's stage
+    want, cached = reference_policy(calls, min(slots, 8 + 2) - 2, policy == "lfu")
     assert got == want
     tables.pull()
     assert {e for _, e in h.cached()} == cached

@@ -293,7 +293,9 @@ def stream_experts(
         device: where the model computes. ``None``: the current accelerator, else the CPU
             (the same logic runs there synchronously, for testing).
         cache_bytes: device bytes for the expert cache. At least `minimum_cache_bytes` (one
-            token's routed experts of one block); more than every expert needs is capped.
+            token's routed experts of one block); capped at every expert plus one block's
+            ``top_k`` (the stage a CUDA graph computes from: Note: [Routed experts in a CUDA
+            graph]); beyond every expert, eager calls leave those slots empty.
         policy: which expert the full cache evicts: ``"lru"`` (used longest ago) or ``"lfu"``
             (used least often since setup). See Note: [The expert cache].
         use_streams: copy on a dedicated stream (overlapping compute); ``False`` queues the

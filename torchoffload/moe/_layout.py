@@ -176,7 +176,10 @@ class ExpertLayout:
         return min(self.top_k, self.total_experts) * self.slot_bytes
 
     def slots_for(self, cache_bytes: int) -> int:
-        return min(cache_bytes // self.slot_bytes, self.total_experts)
+        """The cache slots ``cache_bytes`` buy, capped at every expert plus one call's routed
+        experts: a CUDA graph computes from ``top_k`` slots of its own (the stage, Note:
+        [Routed experts in a CUDA graph]), so only then does a graph hold every expert."""
+        return min(cache_bytes // self.slot_bytes, self.total_experts + self.top_k)
 
 
 # -- finding the experts ------------------------------------------------------------------------
