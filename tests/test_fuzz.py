@@ -1459,7 +1459,8 @@ class ExpertGraph(Experts):
         least = to.minimum_cache_bytes(self.off)
         slot = least // dims["top_k"]
         total = dims["experts"] * dims["layers"]
-        slots = data.draw(st.integers(dims["top_k"], total + 1), label="slots")
+        # up to every expert plus a graph's stage (top_k slots), and one past the cap
+        slots = data.draw(st.integers(dims["top_k"], total + dims["top_k"] + 1), label="slots")
         self.kw = dict(
             cache_bytes=slots * slot,
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
