@@ -20,7 +20,10 @@ cache (a fresh TORCHINDUCTOR_CACHE_DIR, as on CI), 2026-11-28 (wall s / CPU s):
   second 536;
 - the same, 2026-11-28 (session 28), with the fuzzer's compiled-program regressions moved to
   the second (tests/test_fuzz_compiled.py) and the AOTI decode smoke at two layers: the first
-  514 s, the second 531 (675 s in all, set-up, docs and lint included).
+  514 s, the second 531 (675 s in all, set-up, docs and lint included);
+- the same, 2026-11-28 (session 29), torch installed beside the test tools and the docs built
+  in their own environment during set-up (Makefile): the first 532 s, the second 550 (642 s
+  in all).
 The threaded host step stays tested in the first process (test_optim); the documentation's
 examples run it on one thread.
 
