@@ -27,8 +27,9 @@ $(STAMP): pyproject.toml Makefile
 # install runs on one core (unpacking and byte-compiling), so torch (38 s on a two-core machine)
 # is installed beside the test tools and matplotlib (21 s): the two sets share no package, so
 # the two pips never write the same files. transformers and accelerate come after both (they
-# share numpy, packaging, and accelerate needs torch). Set-up from a fresh clone: 104 s one
-# after another, 74 s so (2026-11-28).
+# share numpy, packaging, and accelerate needs torch). Set-up from a fresh clone, two cores:
+# 104 s one after another; 81 s so, with .ci/run's docs set-up and build (31 s) beside it
+# (2026-11-28).
 $(DEV_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) "$(TORCH_SPEC)" & torch=$$!; \
