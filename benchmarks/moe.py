@@ -339,8 +339,9 @@ def fill(model, x: torch.Tensor, routing: Routing, chunk: int, handle) -> None:
             routing.at(torch.arange(start, min(start + chunk, x.shape[1]), device=x.device))
             model(x[:, start : start + chunk])
     sync(x.device)
-    total = sum(layer.experts for layer in handle._runtime.layout.layers)
-    print(f"# fill ({routing.kind}): {len(handle.cached())} of {total} experts cached", flush=True)
+    st = handle.stats()
+    total = sum(layer.experts for layer in st.layers)
+    print(f"# fill ({routing.kind}): {st.cached} of {total} experts cached", flush=True)
 
 
 def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> dict:
