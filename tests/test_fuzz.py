@@ -1459,8 +1459,11 @@ class ExpertGraph(Experts):
         least = to.minimum_cache_bytes(self.off)
         slot = least // dims["top_k"]
         total = dims["experts"] * dims["layers"]
-        # up to every expert plus a graph's stage (top_k slots), and one past the cap
-        slots = data.draw(st.integers(dims["top_k"], total + dims["top_k"] + 1), label="slots")
+        # up to every expert plus a graph's stage (top_k slots), and one past the cap; or a
+        # few, where a large call stages its layer in chunks (Note: [Layers in chunks])
+        slots = data.draw(st.one_of(st.integers(dims["top_k"], total + dims["top_k"] + 1),
+                                    st.integers(dims["top_k"], 3 * dims["top_k"])),
+                          label="slots")  # fmt: skip
         self.kw = dict(
             cache_bytes=slots * slot,
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
@@ -1499,7 +1502,8 @@ class ExpertGraph(Experts):
     @rule(data=st.data())
     def long_call(self, data):
         """A prompt of 8 to 16 tokens: at least 2 rows per expert, so a grouped_mm layer is
-        copied whole where the cache holds it (Note: [Whole layers for large calls])."""
+        copied whole where the cache holds two (Note: [Whole layers for large calls]), else in
+        chunks (Note: [Layers in chunks])."""
         batch = data.draw(st.integers(1, 2), label="batch")
         seq = data.draw(st.integers(8, 16), label="seq")
         x = inputs(self.spec, batch, seq, data.draw(st.integers(0, 99), label="input seed"))
@@ -1509,6 +1513,13 @@ class ExpertGraph(Experts):
                 return call(x).clone()
 
         self.both(fn, f"long call {list(x.shape)}")
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def long_call_again(self, data):
+        """As often as a decode step: a cache of fewer slots than two layers stages a
+        grouped_mm layer in chunks (Note: [Layers in chunks])."""
+        self.long_call(data)
 
 
 class ExpertHost(ExpertGraph):

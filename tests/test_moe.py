@@ -787,7 +787,7 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
     with torch.no_grad():
         for x in xs:
             assert torch.equal(model(x).logits, ref(x).logits)
-    whole, sb = rt.whole, rt.cache.slot_bytes
+    whole, sb = rt.staged, rt.cache.slot_bytes
     assert whole.regions == 2
     base = rt.cache.data.data_ptr()
     last_done: dict[int, str] = {}  # slot offset -> done event of its last reader
@@ -825,17 +825,19 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
         hk.remove()
 
 
-def test_whole_layer_staging_rules_refusals_and_stats():
-    """Note: [Whole layers for large calls]: one region where the cache holds one layer (the
-    staged calls alternate nothing), an expert index outside the layer refused before any
-    compute, reset_stats(), and eager calls after: every output bitwise the resident's."""
+def test_chunked_staging_rules_refusals_and_stats():
+    """Note: [Layers in chunks]: where the cache's storage holds one layer but not two, a large
+    grouped_mm call stages its layer in two regions of half a layer each; an expert index
+    outside the layer refused before any compute (both regions' copies then ordered before a
+    later device copy there), reset_stats(), and eager calls after: every output bitwise the
+    resident's."""
     ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
     from torchoffload.moe._handle import expert_layout
 
     layout = expert_layout(model)
     layer = layout.layers[0]
     region = sum(-(-layer.experts * m.nbytes // 512) * 512 for m in layer.members)
-    slots = -(-region // layout.slot_bytes)  # the fewest slots that hold one region
+    slots = -(-region // layout.slot_bytes)  # the fewest slots that hold one layer
     h = stream_experts(model, "cpu", cache_bytes=slots * layout.slot_bytes, pin_memory=False)
     rt = h._runtime
 
@@ -843,8 +845,8 @@ def test_whole_layer_staging_rules_refusals_and_stats():
         with torch.no_grad():
             assert torch.equal(model(x).logits, ref(x).logits)
 
-    run(prompt(1, 8, 3))  # 16 rows per layer: both layers staged, in the one region
-    assert rt.whole.regions == 1 and rt.whole.next == 0
+    run(prompt(1, 8, 3))  # 16 rows per layer: both layers staged, in chunks of 4 experts
+    assert rt.staged.regions == 2 and rt.staged.chunk == [4, 4]
     st = h.stats()
     assert st.misses + st.staged == 16 and st.h2d_bytes == 16 * st.layers[0].expert_bytes
     run(prompt(1, 8, 4))
@@ -856,12 +858,74 @@ def test_whole_layer_staging_rules_refusals_and_stats():
     rt.engine = eng = RecordingEngine()
     with pytest.raises(ValueError, match=r"outside \[0, 8\)"), torch.no_grad():
         experts(x, index, torch.full((8, 2), 0.5))
-    # the refused call's copy into the region: a later device copy there waits for it
-    [ready] = [entry[3] for entry in eng.log if entry[0] == "load"]
-    assert all(s.done["region copy"] == ready for s in rt.cache.slots[:slots])
+    # the refused call's copies into both regions: a later device copy there waits for them
+    readies = [entry[3] for entry in eng.log if entry[0] == "load"]
+    assert len(readies) == 2
+    for j, ready in enumerate(readies):
+        assert all(s.done["region copy"] == ready for s in rt.staged.slots_of(rt, j))
     st = h.stats()
     assert st.staged == 8 and st.h2d_bytes == 8 * st.layers[0].expert_bytes
-    run(prompt(1, 8, 5))  # the region after a refused call: staged and bitwise again
+    run(prompt(1, 8, 5))  # the regions after a refused call: staged and bitwise again
+    h.remove()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_is_copied_after_the_chunk_before_it_in_its_region_computed(monkeypatch, dtype):
+    """Note: [Layers in chunks]: at a cache of 4 experts, a large call's layer is staged in
+    chunks of 2 or 3 experts (hidden 40, width 8: a down projection is 640 or 1280 bytes, so
+    a chunk's first expert starts off a 512 boundary, as in the resident parameter). The
+    first two chunks' copies wait on the regions' last readers; chunk i's copy (i >= 2) waits
+    on the event after chunk i - 2's compute; every grouped GEMM reads its chunk's region
+    after waiting on that chunk's copy. Logits bitwise the resident's."""
+    import torchoffload.moe._grouped as grouped
+
+    ref = qwen3(impl="grouped_mm", layers=1, dtype=dtype, hidden=40, width=8)
+    model = qwen3(impl="grouped_mm", layers=1, dtype=dtype, hidden=40, width=8)
+    from torchoffload.moe._handle import expert_layout
+
+    layout = expert_layout(model)
+    h = stream_experts(model, "cpu", cache_bytes=4 * layout.slot_bytes, pin_memory=False)
+    rt = h._runtime
+    rt.engine = eng = SizedEngine()
+    linear = grouped.grouped_linear
+
+    def logged(rows, weight, offs, module):
+        eng.log.append(("gemm", weight.data_ptr(), weight.shape[0]))
+        return linear(rows, weight, offs, module)
+
+    monkeypatch.setattr(grouped, "grouped_linear", logged)
+    with torch.no_grad():
+        x = prompt(1, 1, 0)  # one token: a slot before
+        assert torch.equal(model(x).logits, ref(x).logits)
+        x = prompt(1, 9, 2)  # 18 rows: staged
+        eng.log.clear()
+        assert torch.equal(model(x).logits, ref(x).logits)
+    staged, layer = rt.staged, layout.layers[0]
+    c, total = staged.chunk[0], rt.cache.data.numel()
+    assert layer.members[1].nbytes % 512 and staged.regions == 2
+    assert 2 <= c < 8 and 2 * staged.region <= total  # the most that two regions hold
+    assert 2 * sum(grouped.chunk_bytes(layer, c + 1)) > total
+    base, region = rt.cache.data.data_ptr(), staged.region
+    loads = [entry for entry in eng.log if entry[0] == "load"]
+    chunks = -(-8 // c)
+    assert len(loads) == chunks
+    chunk, waited, done = -1, set(), {}
+    for entry in eng.log:
+        if entry[0] == "load":
+            i = loads.index(entry)
+            if i >= 2:  # after the compute of chunk i - 2, in the same region
+                assert entry[2] == [done[i - 2]], (i, entry)
+        elif entry[0] == "wait":
+            waited.add(entry[1])
+        elif entry[0] == "gemm":
+            j = (entry[1] - base) // region
+            if chunk < 0 or (chunk % 2) != j:
+                chunk += 1
+            assert j == chunk % 2 and entry[2] == min(c, 8 - chunk * c)
+            assert loads[chunk][3] in waited, (chunk, "its copy not waited on")
+        elif entry[0] == "record" and chunk >= 0 and chunk not in done:
+            done[chunk] = entry[1]
+    assert chunk == chunks - 1 and sorted(done) == list(range(chunks))
     h.remove()
 
 
@@ -902,7 +966,7 @@ def test_a_cached_layer_is_assembled_from_its_slots_and_the_host(monkeypatch):
         for i in range(12):  # one-token calls: most experts cached
             x = prompt(1, 1, i)
             assert torch.equal(model(x).logits, ref(x).logits)
-        layer, whole, data = rt.layout.layers[0], rt.whole, rt.cache.data
+        layer, whole, data = rt.layout.layers[0], rt.staged, rt.cache.data
         start, base, sb = whole.next * whole.region, data.data_ptr(), rt.cache.slot_bytes
         region = [s for s in rt.cache.slots if s.offset < start + whole.region
                   and s.offset + sb > start]  # fmt: skip

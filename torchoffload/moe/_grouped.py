@@ -39,7 +39,14 @@ from torchoffload.moe._layout import ALIGN, round_up
 from torchoffload.moe._routing import NO_RECORDER
 from torchoffload.moe._runtime import bind_offsets
 
-__all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear", "kernel_forward"]
+__all__ = [
+    "Chunked",
+    "StagedLayers",
+    "batched_forward",
+    "grouped_forward",
+    "grouped_linear",
+    "kernel_forward",
+]
 
 # Note: [Whole layers for large calls]
 # A call of many tokens routes to most of a layer's experts (a prefill of 2048 tokens at top 8
@@ -62,8 +69,9 @@ __all__ = ["WholeLayers", "batched_forward", "grouped_forward", "grouped_linear"
 # unused copy, or a refused call's); an event recorded after these device copies is each
 # source slot's "done", the compute's each region slot's: a later copy into one waits for it.
 # Two regions where the storage holds two layers: layer l+1's copy runs while layer l
-# computes. One host read per call, after its copy is queued: the expert indices' bounds and
-# which experts were routed (counted as hits where they came from a slot, else as misses; the
+# computes (where it holds less, the layer is staged in chunks: Note: [Layers in chunks]).
+# One host read per call, after its copy is queued: the expert indices' bounds and which
+# experts were routed (counted as hits where they came from a slot, else as misses; the
 # rest of the layer copied over the link counts as ``staged``; routed cached experts are used
 # for the cache's policy). Measured on an H200 at the 30B shape, prefill of 2048 tokens, a
 # 16 GiB cache: the link busy 1062.5 of the GPU's 1071.7 ms (copies back to back), 1.02x the
@@ -84,33 +92,45 @@ def outside(name: str, n: int, impl: str) -> ValueError:
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
                    module: Any) -> torch.Tensor:  # fmt: skip
-    """transformers' ``_grouped_linear`` of one expert's ``rows`` with its ``weight`` (a member
-    view in a slot), as a group of one; ``offs``: that group's row count, int32 on the device."""
+    """transformers' ``_grouped_linear`` of ``rows`` with ``weight``: one expert's (a member
+    view in a slot) as a group of one, or a chunk's experts (a member's tensor over a region,
+    their leading dimension); ``offs``: the groups' cumulative row counts, int32 on the
+    device."""
     from transformers.integrations.moe import _grouped_linear
 
     if rows.device.type == "cpu" and rows.data_ptr() % 16:  # torch <= 2.10's CPU kernel
         rows = rows.clone()  # reads aligned rows only (transformers falls back otherwise)
-    return _grouped_linear(rows, weight.unsqueeze(0), offs, is_transposed=module.is_transposed)
+    if weight.dim() == 2:
+        weight = weight.unsqueeze(0)
+    return _grouped_linear(rows, weight, offs, is_transposed=module.is_transposed)
 
 
 def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """``grouped_mm_experts_forward`` on the experts in the cache (Note: [Grouped experts, one
-    group at a time]): its operations in its order, one host read of the group sizes."""
+    group at a time]): its operations in its order, one host read of the group sizes. A large
+    call stages its layer whole (Note: [Whole layers for large calls]) or in chunks (Note:
+    [Layers in chunks]) where the cache's storage holds them."""
     layer = rt.layout.layers[li]
     n = layer.experts
     device = hidden_states.device
     with rt._lock:
         rt.begin(li, hidden_states.shape[0])
         try:
-            if rt.whole is None:
-                rt.whole = WholeLayers(rt)
-            if rt.whole.serves(rt, li, top_k_index.numel()):  # Note: [Whole layers for large calls]
-                out = rt.whole.forward(rt, li, module, (hidden_states, top_k_index,
-                                                        top_k_weights))  # fmt: skip
-                if out is not None:
-                    return out
+            if rt.staged is None:
+                rt.staged = StagedLayers(rt)
+            chunked = None
+            if rt.staged.serves(rt, li, top_k_index.numel()):
+                if rt.staged.chunk[li] == n:
+                    out = rt.staged.forward(rt, li, module, (hidden_states, top_k_index,
+                                                             top_k_weights))  # fmt: skip
+                    if out is not None:
+                        return out
+                else:
+                    chunked = Chunked(rt.staged, rt, li)
+                    if not chunked.open():  # a slot of a region is pinned: expert by expert
+                        chunked = None
             num_top_k = top_k_index.size(-1)
             num_tokens = hidden_states.size(0)
             hidden_dim = hidden_states.size(-1)
@@ -125,20 +145,25 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             sizes = tokens_per_expert.to(torch.int32)
             counts = [int(c) for c in sizes.tolist()]  # the block's one host read
             if sum(counts) != expert_ids.numel():
+                if chunked is not None:
+                    chunked.refuse()
                 raise outside(layer.name, n, "grouped_mm")
             routed = [e for e, c in enumerate(counts) if c]
-            rt.route(li, routed)
-            outs, start = [], 0
-            for e in routed:
-                slot = rt.enter(li, e)
-                gate_up_proj, down_proj = rt.views(li, e, slot)
-                offs = sizes[e : e + 1]
-                rows = selected[start : start + counts[e]]
-                start += counts[e]
-                proj = grouped_linear(rows, gate_up_proj, offs, module)
-                proj = module._apply_gate(proj)
-                outs.append(grouped_linear(proj, down_proj, offs, module))
-                rt.exit(li, e)
+            if chunked is not None:
+                outs = chunked.compute(module, selected, sizes, counts, routed)
+            else:
+                rt.route(li, routed)
+                outs, start = [], 0
+                for e in routed:
+                    slot = rt.enter(li, e)
+                    gate_up_proj, down_proj = rt.views(li, e, slot)
+                    offs = sizes[e : e + 1]
+                    rows = selected[start : start + counts[e]]
+                    start += counts[e]
+                    proj = grouped_linear(rows, gate_up_proj, offs, module)
+                    proj = module._apply_gate(proj)
+                    outs.append(grouped_linear(proj, down_proj, offs, module))
+                    rt.exit(li, e)
             if outs:
                 proj_out = torch.cat(outs)
             else:
@@ -222,25 +247,71 @@ class _Staged:
         return getattr(self._module, name)
 
 
-class WholeLayers:
-    """The cache's storage as one or two regions of a whole layer's experts (Note: [Whole
-    layers for large calls])."""
+def chunk_bytes(layer: Any, count: int) -> list[int]:
+    """The bytes each member of ``count`` consecutive experts of ``layer`` takes in a region:
+    their slices contiguous as in the resident parameter, 512-aligned, and 512 more where a
+    chunk's first expert may start off a 512 boundary (Note: [Experts as units])."""
+    return [round_up(count * m.nbytes, ALIGN) + (ALIGN if count < layer.experts and
+            m.nbytes % ALIGN else 0) for m in layer.members]  # fmt: skip
+
+
+def _most(layer: Any, room: int) -> int:
+    """The most consecutive experts of ``layer`` a region of ``room`` bytes holds."""
+    count = layer.experts
+    while count and sum(chunk_bytes(layer, count)) > room:
+        count -= 1
+    return count
+
+
+class StagedLayers:
+    """The cache's storage as two regions, each of a whole layer's experts (Note: [Whole layers
+    for large calls]) or, where the storage holds less than two layers, of a chunk of a
+    layer's consecutive experts (Note: [Layers in chunks])."""
 
     def __init__(self, rt: Any):
         layers = rt.layout.layers
-        self.sizes = [[round_up(layer.experts * m.nbytes, ALIGN) for m in layer.members]
-                      for layer in layers]  # fmt: skip
-        self.region = max(sum(s) for s in self.sizes)
         total = 0 if rt.cache.data is None else rt.cache.data.numel()
-        self.regions = min(2, total // self.region)
+        if 2 * max(sum(chunk_bytes(layer, layer.experts)) for layer in layers) <= total:
+            self.chunk = [layer.experts for layer in layers]
+        else:
+            self.chunk = [_most(layer, total // 2) for layer in layers]
+        self.sizes = [chunk_bytes(layer, c) for layer, c in zip(layers, self.chunk, strict=True)]
+        self.region = max(sum(s) for s in self.sizes)
+        self.regions = 2 if self.region else 0
         self.next = 0
 
     def serves(self, rt: Any, li: int, rows: int) -> bool:
         """Whether a call of ``rows`` (token, expert) rows stages layer ``li``: enough rows
-        and a region."""
+        and a region that holds one of its experts at least."""
         layer = rt.layout.layers[li]
-        return (self.regions > 0 and rows >= STAGE_ROWS * layer.experts
+        return (self.chunk[li] > 0 and rows >= STAGE_ROWS * layer.experts
                 and rt.recorder is NO_RECORDER and rt.store is not None)  # fmt: skip
+
+    def slots_of(self, rt: Any, j: int) -> list[Any]:
+        """The cache slots region ``j`` overlaps."""
+        start, sb = j * self.region, rt.cache.slot_bytes
+        return [s for s in rt.cache.slots if s.offset < start + self.region
+                and s.offset + sb > start]  # fmt: skip
+
+    def assemble(self, rt: Any, li: int, start: int, first: int, count: int,
+                 held: dict) -> tuple[list, list, list]:  # fmt: skip
+        """Experts ``first`` to ``first + count - 1`` of layer ``li`` in the region at byte
+        ``start``: the (destination, source) pairs from the host store (one per run of
+        experts not in ``held``, expert -> its slot), those from their slots (one per expert
+        in ``held``), and each member's tensor of them there."""
+        layer, cache = rt.layout.layers[li], rt.cache
+        pairs, near, tensors, off = [], [], [], start
+        for m, member in enumerate(layer.members):
+            at = off + layer.shift(first, m)  # the resident slice's place modulo 512
+            far, close = _member_pairs(rt, li, m, at, held, range(first, first + count))
+            pairs += far
+            near += close
+            t = torch.empty(0, dtype=member.dtype, device=rt.device)
+            size, item = (count, *member.size), t.element_size()
+            stride = (member.nbytes // item, *member.stride)
+            tensors.append(t.set_(cache.storage, at // item, size, stride))
+            off += self.sizes[li][m]
+        return pairs, near, tensors
 
     def forward(self, rt: Any, li: int, module: Any, args: tuple) -> torch.Tensor | None:
         """transformers' grouped_mm forward on layer ``li`` assembled in the next region;
@@ -248,12 +319,7 @@ class WholeLayers:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         cache, layer, n = rt.cache, rt.layout.layers[li], rt.layout.layers[li].experts
-        start = self.next * self.region
-        slots = [
-            s
-            for s in cache.slots
-            if s.offset < start + self.region and s.offset + cache.slot_bytes > start
-        ]
+        slots = self.slots_of(rt, self.next)
         if any(s.pins for s in slots):
             return None
         after = [event for s in slots for event in s.done.values()]
@@ -266,16 +332,7 @@ class WholeLayers:
         # the layer's experts cached outside the region are copied from their slots on the
         # compute stream, after the host read (the link's stream carries the others only)
         held = {e: s for e in range(n) if (s := cache.lookup((li, e))) is not None}
-        pairs, near, tensors, off = [], [], [], start
-        for m, member in enumerate(layer.members):
-            far, close = _member_pairs(rt, li, m, off, held)
-            pairs += far
-            near += close
-            t = torch.empty(0, dtype=member.dtype, device=rt.device)
-            size, item = (n, *member.size), t.element_size()
-            stride = (member.nbytes // item, *member.stride)
-            tensors.append(t.set_(cache.storage, off // item, size, stride))
-            off += self.sizes[li][m]
+        pairs, near, tensors = self.assemble(rt, li, self.next * self.region, 0, n, held)
         ready = rt.engine.load(pairs, after)
         self.next = (self.next + 1) % self.regions
         c, copied = rt.counters[li], n - len(held)
@@ -294,13 +351,7 @@ class WholeLayers:
                 for s in slots:
                     s.done[_REGION_COPY] = ready
             raise outside(layer.name, n, "grouped_mm")
-        routed = [e for e, k in enumerate(counts) if k]
-        hits = [e for e in routed if e in held]
-        c.hits += len(hits)
-        c.misses += len(routed) - len(hits)
-        c.staged += copied - (len(routed) - len(hits))
-        for e in hits:
-            cache.use((li, e))
+        count_routed(rt, li, [e for e, k in enumerate(counts) if k], held, copied)
         sources = [s for s in held.values() if s.ready is not None and stream not in s.waited]
         # the region's readers on other streams and copies into it; the source slots' copies
         for event in (
@@ -311,13 +362,7 @@ class WholeLayers:
             rt.engine.wait(event)
         for s in sources:
             s.waited.add(stream)
-        try:
-            copy_near(near)
-        finally:  # a later copy into a source slot waits for these reads only
-            read = rt.engine.record()
-            if read is not None:
-                for s in held.values():
-                    s.done[stream] = read
+        copy_from_slots(rt, near, held.values())
         rt.engine.wait(ready)
         try:
             return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
@@ -328,7 +373,162 @@ class WholeLayers:
                     s.done[stream] = event
 
 
+# Note: [Layers in chunks]
+# Where the cache's storage holds less than two layers' experts (the least cache holds
+# ``top_k`` slots; a layer is 1.15 GB at the Qwen3-30B-A3B shape, 11 GB at DeepSeek-V3's), a
+# large grouped_mm call stages its layer in chunks: each of the storage's two regions holds
+# ``C`` consecutive experts (the most a half of the storage holds, each member's slices
+# contiguous as in the resident parameter, at its alignment modulo 512). Chunk i is copied into
+# region i % 2 after chunk i - 2's compute read it; its rows (consecutive: the rows are sorted
+# by expert) run through one grouped GEMM per projection, that chunk's experts as its groups.
+# Bitwise: a grouped GEMM's per-row result does not change with the groups beside it (Note:
+# [Grouped experts, one group at a time]); measured for chunks on an H200, torch 2.11
+# (benchmarks/moe_grouped_chunks.py: 128 experts of (1536, 2048), top 8, 1 to 8192 tokens,
+# chunks of 1 to 64 experts, bf16 and fp16): every row equal to the resident call's. The
+# first two chunks' copies are queued before the call's one host read (as a whole layer's), the
+# others after the compute of the chunk before in their region is queued: chunk i + 2's copy
+# overlaps chunk i + 1's compute and the host's queuing. So every expert of the layer is
+# copied, routed or not (a prefill routes to all of them); routed experts count as hits
+# where they came from a slot outside the regions, else as misses, the rest as ``staged``. The
+# host's cost is per chunk rather than per expert: the grouped GEMMs of 4 experts queue in
+# 0.17 ms of host time on the H200 host, where their copy takes 0.68 ms at 55 GB/s, and those
+# of one expert in 0.16 ms against its 0.17 ms copy (the per-expert path was host-bound:
+# 1.6-1.8x the link time at the least cache). Ordering is Note: [Whole layers for large
+# calls]'s, per chunk: the first copy into a region waits on the "done" events of the slots it
+# overlaps (their experts forgotten first), a later one on the compute of the chunk before it
+# there; the compute stream waits, before the first chunk, on the regions' readers on other
+# streams and on any copy into them no compute waited on, and before each chunk on its copy
+# and its source slots' copies.
+
+
+class Chunked:
+    """One grouped_mm call of layer ``li`` staged chunk by chunk in the two regions (Note:
+    [Layers in chunks]): `open` claims the regions and queues the first two copies, the
+    caller reads the routing on the host, `compute` runs the chunks (or `refuse`)."""
+
+    def __init__(self, staged: StagedLayers, rt: Any, li: int):
+        self.staged, self.rt, self.li = staged, rt, li
+        n, c = rt.layout.layers[li].experts, staged.chunk[li]
+        self.bounds = [(a, min(c, n - a)) for a in range(0, n, c)]
+        self.stream = rt.engine.current_stream()
+        self.queued: list[tuple[Any, list, list]] = []
+        self.done: list[Any] = [None, None]  # each region's last compute in this call
+
+    def open(self) -> bool:
+        """Claim both regions and queue the first two chunks' copies; False (nothing queued)
+        where a slot of either is pinned."""
+        rt, stream = self.rt, self.stream
+        self.slots = [self.staged.slots_of(rt, j) for j in (0, 1)]
+        every = list({id(s): s for ss in self.slots for s in ss}.values())
+        if any(s.pins for s in every):
+            return False
+        self.after = [[ev for s in ss for ev in s.done.values()] for ss in self.slots]
+        # the regions' readers on other streams, and copies into them no compute waited on
+        self.first = [ev for s in every for k, ev in s.done.items() if k != stream]
+        self.first += [s.ready for s in every if s.ready is not None and stream not in s.waited]
+        for s in every:
+            if s.key is not None:
+                rt.cache.forget(s.key)
+        n = rt.layout.layers[self.li].experts
+        self.held = {e: s for e in range(n) if (s := rt.cache.lookup((self.li, e))) is not None}
+        self.copied = n - len(self.held)
+        c = rt.counters[self.li]
+        c.loads += self.copied
+        c.h2d_bytes += self.copied * rt.layout.layers[self.li].expert_bytes
+        for i in range(min(2, len(self.bounds))):
+            self.queue(i)
+        return True
+
+    def queue(self, i: int) -> None:
+        """Queue chunk ``i``'s copy from the host into region ``i % 2``."""
+        j, (first, count) = i % 2, self.bounds[i]
+        pairs, near, tensors = self.staged.assemble(self.rt, self.li, j * self.staged.region,
+                                                    first, count, self.held)  # fmt: skip
+        after = self.after[j] if i < 2 else [self.done[j]]
+        self.queued.append((self.rt.engine.load(pairs, after), near, tensors))
+
+    def refuse(self) -> None:
+        """The call is refused after its host read: its copies used by no compute (a later
+        device copy into a region waits for them)."""
+        self.rt.counters[self.li].staged += self.copied
+        self._unused(0)
+
+    def _unused(self, i: int) -> None:
+        """Chunks ``i`` onwards were queued and never computed: a later device copy into
+        their region waits for their copies."""
+        for k in range(i, len(self.queued)):
+            ready = self.queued[k][0]
+            if ready is not None:
+                for s in self.slots[k % 2]:
+                    s.done[_REGION_COPY] = ready
+
+    def compute(self, module: Any, selected: torch.Tensor, sizes: torch.Tensor,
+                counts: list[int], routed: list[int]) -> list[torch.Tensor]:  # fmt: skip
+        """Each chunk's rows of ``selected`` (sorted by expert; ``sizes`` per expert, int32 on
+        the device, ``counts`` the same on the host) through its experts, in order: the
+        projections' outputs, a tensor per chunk with rows."""
+        rt, stream = self.rt, self.stream
+        count_routed(rt, self.li, routed, self.held, self.copied)
+        for event in self.first:
+            rt.engine.wait(event)
+        outs, start, i, finished = [], 0, 0, False
+        try:
+            for i, (first, count) in enumerate(self.bounds):
+                ready, near, tensors = self.queued[i]
+                sources = [self.held[e] for e in range(first, first + count) if e in self.held]
+                for s in sources:
+                    if s.ready is not None and stream not in s.waited:
+                        rt.engine.wait(s.ready)
+                        s.waited.add(stream)
+                copy_from_slots(rt, near, sources)
+                rt.engine.wait(ready)
+                rows = sum(counts[first : first + count])
+                try:
+                    if rows:
+                        offs = torch.cumsum(sizes[first : first + count], 0, dtype=torch.int32)
+                        x = selected[start : start + rows]
+                        start += rows
+                        proj = module._apply_gate(grouped_linear(x, tensors[0], offs, module))
+                        outs.append(grouped_linear(proj, tensors[1], offs, module))
+                finally:  # a failed call's kernels read the region too
+                    event = self.done[i % 2] = rt.engine.record()
+                    if event is not None:
+                        for s in self.slots[i % 2]:
+                            s.done[stream] = event
+                if i + 2 < len(self.bounds):
+                    self.queue(i + 2)
+            finished = True
+        finally:
+            if not finished:  # chunk i onwards: a later device copy into a region waits
+                self._unused(i)
+        return outs
+
+
+def count_routed(rt: Any, li: int, routed: list[int], held: dict, copied: int) -> None:
+    """A staged call's counts: routed experts from a slot are hits (used, for the cache's
+    policy), the other routed ones misses, the rest of the ``copied`` experts staged."""
+    c = rt.counters[li]
+    hits = [e for e in routed if e in held]
+    c.hits += len(hits)
+    c.misses += len(routed) - len(hits)
+    c.staged += copied - (len(routed) - len(hits))
+    for e in hits:
+        rt.cache.use((li, e))
+
+
 _REGION_COPY = "region copy"  # a region slot's "done" key for a refused call's host copy
+
+
+def copy_from_slots(rt: Any, near: list, sources: Any) -> None:
+    """The device copies ``near`` on the compute stream, then an event: each source slot's
+    "done" (a later copy into one waits for these reads)."""
+    try:
+        copy_near(near)
+    finally:
+        read = rt.engine.record()
+        if read is not None:
+            for s in sources:
+                s.done[rt.engine.current_stream()] = read
 
 
 def copy_near(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -337,14 +537,15 @@ def copy_near(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
-def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict) -> tuple[list, list]:
-    """The (destination, source) pairs that fill member ``m`` of layer ``li``'s experts from
-    byte ``off`` of the cache's storage: from the host store, one per run of experts not in
-    ``held`` (expert -> its slot), and from their slots, one per expert in ``held``."""
+def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict,
+                  experts: range) -> tuple[list, list]:  # fmt: skip
+    """The (destination, source) pairs that fill member ``m`` of layer ``li``'s ``experts``
+    from byte ``off`` of the cache's storage: from the host store, one per run of experts not
+    in ``held`` (expert -> its slot), and from their slots, one per expert in ``held``."""
     layer, data = rt.layout.layers[li], rt.cache.data
-    nbytes, n, far, near, e = layer.members[m].nbytes, layer.experts, [], [], 0
-    while e < n:
-        dst = off + e * nbytes
+    nbytes, end, far, near, e = layer.members[m].nbytes, experts.stop, [], [], experts.start
+    while e < end:
+        dst = off + (e - experts.start) * nbytes
         slot = held.get(e)
         if slot is not None:
             src = bind_offsets(rt, li, e, slot)[m]
@@ -353,7 +554,7 @@ def _member_pairs(rt: Any, li: int, m: int, off: int, held: dict) -> tuple[list,
             continue
         piece, first = layer.source(e, m)
         run = 1
-        while e + run < n and e + run not in held and layer.source(e + run, m) == (
+        while e + run < end and e + run not in held and layer.source(e + run, m) == (
             piece, first + run * nbytes):  # fmt: skip
             run += 1
         far.append((data[dst : dst + run * nbytes],

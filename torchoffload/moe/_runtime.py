@@ -134,7 +134,7 @@ class ExpertRuntime:
         self.graphing = False  # experts in a CUDA graph]); whether a captured call runs
         self.recorder: Recorder = NO_RECORDER  # a RoutingRecorder while one is open
         self.host: Any = None  # HostExperts, with host_compute (Note: [Cold experts on the host])
-        self.whole: Any = None  # WholeLayers, at the first large grouped_mm call (_grouped.py)
+        self.staged: Any = None  # StagedLayers, at the first large grouped_mm call (_grouped.py)
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
