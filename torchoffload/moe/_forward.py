@@ -52,7 +52,12 @@ class _Entry:
 # resident loop computes, and every kernel after them gets the same inputs: bitwise. Only the
 # ``nonzero`` waits for queued work; the copy of its expert column after it finds the device
 # idle. With no read between experts, the host queues a block's experts while the device copies
-# and computes.
+# and computes. Serving a one-token eager call with no host read at all, as a graph call is
+# (`graphed_forward`: routing and copies on the device), was measured slower on an H200 (the
+# Qwen3-30B-A3B shape, grouped_mm: 264-306 ms per token against 184-221 on this path,
+# benchmarks/log/2026-11-28-moe-grouped-mm.md): its host work per block, the device tables'
+# update and two copy launches per routed expert, costs more than the one read saves. A replay by
+# `cuda_graph` runs that path with no host cost per call.
 
 
 class FusedForward(_Entry):
