@@ -93,6 +93,42 @@ def test_recorded_qwen3_profile_replays_to_the_stats(policy, slots):
     h.remove()
 
 
+@pytest.mark.parametrize(("policy", "slots"), [("lru", 2), ("lru", 5), ("lru", 14),
+                                               ("lru", 24), ("lfu", 24), ("lru", 64)])  # fmt: skip
+def test_a_prefill_copies_the_bytes_the_plan_predicts(policy, slots):
+    """Note: [Predicting expert streaming]: after one-token calls recorded as a profile, a
+    prefill (a grouped_mm call of each of 3 layers: staged in chunks below two layers' worth
+    of slots, else whole layers in alternating regions, experts cached outside them taken from
+    their slots) copies exactly the bytes the plan predicts from that profile at that cache;
+    a list of expert modules is not staged: None."""
+    model = qwen3(impl="grouped_mm", layers=3)
+    layout = find_experts(model)
+    cache = slots * layout.slot_bytes
+    h = to.stream_experts(model, "cpu", cache_bytes=cache, policy=policy, pin_memory=False)
+    with h.record_routing() as rec, torch.no_grad():
+        for seed in range(8):
+            model(prompt(1, 1, seed))
+    before = h.stats().h2d_bytes
+    with torch.no_grad():
+        model(prompt(1, 20, 9))  # 40 routed rows per layer: at least 2 per expert
+    copied = h.stats().h2d_bytes - before
+    staged = h._runtime.staged
+    assert all(staged.chunk) and h.stats().staged > 0
+    plan = plan_experts(model, rec.profile(), link_bytes_per_s=LINK, resident_ms_per_token=1.0,
+                        policy=policy, cache_bytes=[cache])  # fmt: skip
+    [p] = plan.predictions
+    assert p.prefill_bytes == copied, (staged.chunk, p.prefill_bytes, copied)
+    assert p.prefill_ms == pytest.approx(copied / LINK * 1e3)
+    if slots >= 24:  # some experts come from their slots
+        assert copied < 3 * 8 * layout.layers[0].expert_bytes
+    h.remove()
+    model = list_model()
+    profile = synthetic_routing(model, steps=2)
+    [p] = plan_experts(model, profile, link_bytes_per_s=LINK, resident_ms_per_token=1.0,
+                       cache_bytes=[to.minimum_cache_bytes(model)]).predictions  # fmt: skip
+    assert p.prefill_bytes is None and p.prefill_ms is None
+
+
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("slots", ["least", 3, 7, "all"])
 @pytest.mark.parametrize("contrary", [False, True])

@@ -270,7 +270,7 @@ class StagedLayers:
 
     def __init__(self, rt: Any):
         layers = rt.layout.layers
-        total = 0 if rt.cache.data is None else rt.cache.data.numel()
+        total = len(rt.cache.slots) * rt.cache.slot_bytes  # the storage (a dry runtime's too)
         if 2 * max(sum(chunk_bytes(layer, layer.experts)) for layer in layers) <= total:
             self.chunk = [layer.experts for layer in layers]
         else:

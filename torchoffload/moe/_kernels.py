@@ -17,7 +17,10 @@ slow that compute 1.07x, 32 at 47.6 GB/s and 1.16x, 64 at 47.2 and 1.35x, 128 at
 1-17% slower than without prefetch to 2-14% faster. So a launch copies over the link with
 ``LINK_PROGRAMS`` programs whatever its size (each program loops over every row's chunks), the
 fewest that keep the link's rate, and between device addresses (a hit's stage copy, bound by
-device memory) with ``DEVICE_PROGRAMS``."""
+device memory) with ``DEVICE_PROGRAMS``. Hopper's bulk tensor copies (TMA, through Triton 3.6's
+tensor descriptors) read the link no faster: 48-51 GB/s for tiles of 16-64 x 128-256 words,
+2 or 4 stages, 32-132 programs, against 51 for these loads and 53.8 for the copy engine, on
+another H200 lease (a probe, 2026-11-28, benchmarks/log/2026-11-28-moe-grouped-mm.md)."""
 
 from __future__ import annotations
 

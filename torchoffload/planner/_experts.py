@@ -17,6 +17,13 @@ Measured (H200, Qwen3-30B-A3B shape, 2026-11-28): decode replayed by ``cuda_grap
 prefetch ran at 1.00-1.03x the sum (its copies wait for the router, the next block for them),
 with prefetch between the two ends; eager decode is host-bound (0.99-3.0x the resident ms
 across leases), which this does not model.
+A prefill after the profile's steps (``prefill_bytes``, fused grouped_mm experts, a call large
+enough to stage every layer: at least 2 routed rows per expert) copies each layer's experts
+not cached outside the staging regions, whatever its routing; the prediction walks the layers
+over the replayed cache's slots as the engine's staging claims them. Its time is those bytes
+over the link: measured prefills of 2048 tokens took 1.00-1.05x that at every cache size
+(benchmarks/README.md); the prefill's compute (about 0.1 s there, not modelled) bounds it only
+when larger.
 """
 
 from __future__ import annotations
@@ -34,7 +41,14 @@ from torchoffload.moe._layout import ExpertLayout, LayoutKind, shape_layout
 from torchoffload.moe._routing import RoutingProfile
 from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
 
-__all__ = ["ExpertPlan", "ExpertPrediction", "ExpertShape", "as_layout", "plan_experts"]
+__all__ = [
+    "ExpertPlan",
+    "ExpertPrediction",
+    "ExpertShape",
+    "as_layout",
+    "plan_experts",
+    "prefill_bytes",
+]
 
 _MiB = 1 << 20
 
@@ -106,6 +120,10 @@ class ExpertPrediction:
     link_ms: float  # per token: its bytes over the link
     resident_ms: float  # per token: the resident model's compute
     ms_per_token: float  # max(link_ms, resident_ms)
+    # a prefill after the profile's steps (Note: [Predicting expert streaming]): the bytes its
+    # staged layers copy, and their time over the link; None where it would not be staged
+    prefill_bytes: int | None = None
+    prefill_ms: float | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -284,6 +302,7 @@ def _predict(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: 
     tokens = cs[0].tokens
     h2d = sum(c.h2d_bytes for c in cs)
     link_ms = h2d / tokens / link * 1e3 if tokens else 0.0
+    prefill = prefill_bytes(rt)
     return ExpertPrediction(
         cache_bytes=slots * layout.slot_bytes,
         slots=slots,
@@ -295,7 +314,40 @@ def _predict(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: 
         link_ms=link_ms,
         resident_ms=resident_ms,
         ms_per_token=max(link_ms, resident_ms),
+        prefill_bytes=prefill,
+        prefill_ms=None if prefill is None else prefill / link * 1e3,
     )
+
+
+def prefill_bytes(rt: ExpertRuntime) -> int | None:
+    """The bytes a prefill copies from the state of ``rt``'s cache: a grouped_mm call of every
+    layer in order, each large enough to be staged (Note: [Whole layers for large calls],
+    Note: [Layers in chunks] in moe/_grouped.py); None where a layer would not be staged (a
+    list of expert modules, or a cache that holds no two chunks of one expert). A staged
+    layer copies every expert not cached outside the regions claimed so far (a whole layer
+    claims one region, the next layer the other; a chunked one both): the counts of
+    `stream_experts`' own staging, over the same slots."""
+    from torchoffload.moe._grouped import StagedLayers
+
+    layers = rt.layout.layers
+    if any(layer.kind is not LayoutKind.FUSED for layer in layers):
+        return None
+    staged = StagedLayers(rt)
+    if not all(staged.chunk):
+        return None
+    claimed: set[int] = set()
+    nbytes, region = 0, 0
+    for li, layer in enumerate(layers):
+        if staged.chunk[li] == layer.experts:
+            regions, region = (region,), (region + 1) % staged.regions
+        else:
+            regions = (0, 1)
+        for j in regions:
+            claimed.update(s.index for s in staged.slots_of(rt, j))
+        held = sum(1 for (owner, _), slot in rt.cache.where.items() if owner == li
+                   and slot.index not in claimed)  # fmt: skip
+        nbytes += (layer.experts - held) * layer.expert_bytes
+    return nbytes
 
 
 def _least_reaching(

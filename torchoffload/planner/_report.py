@@ -176,18 +176,21 @@ def describe_experts(plan: ExpertPlan) -> str:
         f"torchoffload expert plan: {plan.model}",
         f"routing: {plan.profile}, policy {plan.policy}{warm}",
         f"link {plan.link_bytes_per_s / 1e9:.1f} GB/s, resident {plan.resident_ms_per_token:.2f}"
-        " ms/token; ms/token = max(link ms, resident ms) (Note: [Predicting expert streaming])",
+        " ms/token; ms/token = max(link ms, resident ms); prefill s: a staged prefill's copies"
+        " over the link (Note: [Predicting expert streaming])",
         "",
         f"{'cache ' + unit:>10}  {'slots':>6}  {'hit rate':>8}  {'MiB/token':>10}  "
-        f"{'link ms':>8}  {'ms/token':>9}  {'no overlap':>10}  {'tokens/s':>9}  bound",
+        f"{'link ms':>8}  {'ms/token':>9}  {'no overlap':>10}  {'tokens/s':>9}  "
+        f"{'prefill s':>9}  bound",
     ]
     for p in plan.predictions:
         mark = "  <- least for the target" if p is plan.target else ""
+        prefill = "-" if p.prefill_ms is None else f"{p.prefill_ms / 1e3:.3f}"
         lines.append(
             f"{p.cache_bytes / scale:>10.2f}  {p.slots:>6}  {p.hit_rate:>8.3f}  "
             f"{p.bytes_per_token / 2**20:>10.1f}  {p.link_ms:>8.2f}  {p.ms_per_token:>9.2f}  "
             f"{p.no_overlap_ms:>10.2f}  {1e3 / p.ms_per_token if p.ms_per_token else 0:>9.1f}  "
-            f"{p.bound}{mark}"
+            f"{prefill:>9}  {p.bound}{mark}"
         )
     lines.append(
         f"least cache {plan.least_cache_bytes / scale:.2f} {unit} (one token's routed experts of "
