@@ -355,8 +355,9 @@ def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> 
                         cache_bytes=[handle.stats().cache_bytes],
                         policy=handle._runtime.config.policy.value)  # fmt: skip
     (p,) = plan.predictions
+    prefill = None if p.prefill_bytes is None else round(p.prefill_bytes / MIB, 1)
     return dict(pred_ms=round(p.ms_per_token, 2) if bw == bw else None,
-                pred_hit=round(p.hit_rate, 3))  # fmt: skip
+                pred_hit=round(p.hit_rate, 3), pred_prefill_mib=prefill)  # fmt: skip
 
 
 def moved(stats, tokens: int, weights_bytes: int) -> tuple[float, float | None]:
@@ -624,12 +625,16 @@ def main(argv=None) -> int:
                                        cache_len=ids.shape[1] + 1)  # fmt: skip
             per, hit = moved(st, n, weight_bytes)
             add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
+            guess = None
             if isinstance(row.handle, to.ExpertStreamHandle) and not row.graph:
                 rows[-1] |= predicted(row.handle, routing, resident[(kind, "decode")][0], bw, args)
+                guess = rows[-1].pop("pred_prefill_mib")
             if args.prefill and not row.graph:
                 ms, st = prefill(model, long, routing, row.handle, row.prefill_runs)
                 per, hit = moved(st, 1, weight_bytes)
                 add(row, kind, f"prefill {args.prefill}", ms, row.copies or per, hit, None)
+                if guess is not None:  # a staged prefill's copies, after the synthetic decode
+                    rows[-1]["pred_mib"] = guess
             routing.stop()
 
     def add(row: Row, kind, phase, ms, per, hit, logits):
@@ -684,6 +689,14 @@ def main(argv=None) -> int:
         if "pred_ms" in r:
             print(f"| {r['routing']} | {r['row']} | {r['ms']} | {r['pred_ms']} | {r['hit']} | "
                   f"{r['pred_hit']} |")  # fmt: skip
+    if any("pred_mib" in r for r in rows):
+        print("\nPer prefill row, the MiB the planner predicts a staged prefill copies after the "
+              "synthetic decode (plan_experts' prefill_bytes; each row's prefill runs after its "
+              "decode steps, a second routing's after the first's prefill too):\n\n| routing | "
+              "row | MiB | predicted MiB |\n|---|---|---:|---:|")  # fmt: skip
+        for r in rows:
+            if "pred_mib" in r:
+                print(f"| {r['routing']} | {r['row']} | {r['mib']} | {r['pred_mib']} |")
     if args.json:
         args.json.write_text(json.dumps(dict(bw_gbps=bw, shape=shape, rows=rows), indent=1))
     return 0
