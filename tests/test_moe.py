@@ -869,6 +869,51 @@ def test_chunked_staging_rules_refusals_and_stats():
     h.remove()
 
 
+def test_a_staged_call_that_fails_before_its_compute_leaves_its_copies_ordered(monkeypatch):
+    """Note: [Layers in chunks]: a chunked call that fails after its first copies were queued
+    and before its compute (here its sort runs out of memory) leaves each region's last copy
+    under its slots' "region copy" event, which the next staged call's device copies and a
+    graph's push wait on; its copied experts count as staged; the next calls are bitwise."""
+    from torchoffload.moe._graphed import tables_of
+
+    ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
+    from torchoffload.moe._handle import expert_layout
+
+    layout = expert_layout(model)
+    h = stream_experts(model, "cpu", cache_bytes=7 * layout.slot_bytes, pin_memory=False)
+    rt = h._runtime
+    with torch.no_grad():
+        for seed in range(3):  # one-token calls: experts cached, some outside the regions
+            x = prompt(1, 1, seed)
+            assert torch.equal(model(x).logits, ref(x).logits)
+    rt.engine = eng = RecordingEngine()
+    sort = torch.sort
+
+    def failing(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    experts = model.model.layers[0].mlp.experts
+    monkeypatch.setattr(torch, "sort", failing)
+    with pytest.raises(torch.OutOfMemoryError), torch.no_grad():
+        experts(torch.randn(10, 32), torch.randint(0, 8, (10, 2)), torch.full((10, 2), 0.5))
+    monkeypatch.setattr(torch, "sort", sort)
+    readies = [entry[3] for entry in eng.log if entry[0] == "load"]
+    assert len(readies) == 2  # chunks 0 and 1 queued
+    staged = rt.staged
+    for j, ready in enumerate(readies):
+        assert all(s.done["region copy"] == ready for s in staged.slots_of(rt, j))
+    st = h.stats()
+    assert st.h2d_copies == st.misses + st.staged
+    eng.log.clear()
+    tables_of(rt).push()  # a graph's copies into any slot wait for the abandoned ones
+    assert set(readies) <= {entry[1] for entry in eng.log if entry[0] == "wait"}
+    rt.own_map()
+    with torch.no_grad():
+        for x in (prompt(1, 9, 2), prompt(1, 1, 5)):  # staged again, then one token
+            assert torch.equal(model(x).logits, ref(x).logits)
+    h.remove()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_chunk_is_copied_after_the_chunk_before_it_in_its_region_computed(monkeypatch, dtype):
     """Note: [Layers in chunks]: at a cache of 4 experts, a large call's layer is staged in
@@ -903,8 +948,10 @@ def test_a_chunk_is_copied_after_the_chunk_before_it_in_its_region_computed(monk
     staged, layer = rt.staged, layout.layers[0]
     c, total = staged.chunk[0], rt.cache.data.numel()
     assert layer.members[1].nbytes % 512 and staged.regions == 2
-    assert 2 <= c < 8 and 2 * staged.region <= total  # the most that two regions hold
-    assert 2 * sum(grouped.chunk_bytes(layer, c + 1)) > total
+    # as many as two regions of whole slots hold, in chunks of equal sizes
+    room = total // 2 // layout.slot_bytes * layout.slot_bytes
+    assert 2 <= c < 8 and c == grouped._balanced(8, grouped._most(layer, room))
+    assert 2 * staged.region <= total and staged.region % layout.slot_bytes == 0
     base, region = rt.cache.data.data_ptr(), staged.region
     loads = [entry for entry in eng.log if entry[0] == "load"]
     chunks = -(-8 // c)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
-from torchoffload.moe._grouped import grouped_linear
+from torchoffload.moe._grouped import REGION_COPY, grouped_linear
 from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held
 
 # Note: [Prefetch by the next router]
@@ -193,7 +193,8 @@ class DeviceTables:
 
     def push(self) -> None:
         """The host's map to the tables (before a capture or a replay); the compute stream
-        waits for the eager copies still in flight (graph calls read any slot)."""
+        waits for the eager copies still in flight (graph calls read and write any slot),
+        a staged call's into its regions too."""
         if self.owned:
             return
         cache = self.rt.cache
@@ -201,6 +202,8 @@ class DeviceTables:
         for slot in cache.slots:
             if slot.ready is not None:
                 engine.wait(slot.ready)
+            if REGION_COPY in slot.done:  # a staged call's copy no compute waited on
+                engine.wait(slot.done[REGION_COPY])
         for slot in cache.slots[self.cache_slots :]:  # the stage: emptied
             if slot.key is not None:
                 cache.forget(slot.key)

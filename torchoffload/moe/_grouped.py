@@ -134,20 +134,23 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             num_top_k = top_k_index.size(-1)
             num_tokens = hidden_states.size(0)
             hidden_dim = hidden_states.size(-1)
-            sample_weights = top_k_weights.reshape(-1)
-            expert_ids = top_k_index.reshape(-1)
-            expert_ids_g, perm = torch.sort(expert_ids)
-            selected = hidden_states[perm // num_top_k]
-            sample_weights_g = sample_weights[perm]
-            histc_input = (expert_ids_g.float() if device.type in ("cpu", "mps")
-                           else expert_ids_g.int())  # fmt: skip
-            tokens_per_expert = torch.histc(histc_input, bins=n, min=0, max=n - 1)
-            sizes = tokens_per_expert.to(torch.int32)
-            counts = [int(c) for c in sizes.tolist()]  # the block's one host read
-            if sum(counts) != expert_ids.numel():
-                if chunked is not None:
-                    chunked.refuse()
-                raise outside(layer.name, n, "grouped_mm")
+            try:
+                sample_weights = top_k_weights.reshape(-1)
+                expert_ids = top_k_index.reshape(-1)
+                expert_ids_g, perm = torch.sort(expert_ids)
+                selected = hidden_states[perm // num_top_k]
+                sample_weights_g = sample_weights[perm]
+                histc_input = (expert_ids_g.float() if device.type in ("cpu", "mps")
+                               else expert_ids_g.int())  # fmt: skip
+                tokens_per_expert = torch.histc(histc_input, bins=n, min=0, max=n - 1)
+                sizes = tokens_per_expert.to(torch.int32)
+                counts = [int(c) for c in sizes.tolist()]  # the block's one host read
+                if sum(counts) != expert_ids.numel():
+                    raise outside(layer.name, n, "grouped_mm")
+            except BaseException:
+                if chunked is not None:  # its copies, used by no compute
+                    chunked.abandon()
+                raise
             routed = [e for e, c in enumerate(counts) if c]
             if chunked is not None:
                 outs = chunked.compute(module, selected, sizes, counts, routed)
@@ -263,6 +266,14 @@ def _most(layer: Any, room: int) -> int:
     return count
 
 
+def _balanced(n: int, most: int) -> int:
+    """Chunks of ``n`` experts, ``most`` at most each: as few as that allows, of sizes as
+    equal as they can be (127 and 1 would leave the last chunk's copy nothing to overlap)."""
+    if not most:
+        return 0
+    return -(-n // -(-n // most))
+
+
 class StagedLayers:
     """The cache's storage as two regions, each of a whole layer's experts (Note: [Whole layers
     for large calls]) or, where the storage holds less than two layers, of a chunk of a
@@ -271,12 +282,16 @@ class StagedLayers:
     def __init__(self, rt: Any):
         layers = rt.layout.layers
         total = len(rt.cache.slots) * rt.cache.slot_bytes  # the storage (a dry runtime's too)
+        sb = rt.cache.slot_bytes
         if 2 * max(sum(chunk_bytes(layer, layer.experts)) for layer in layers) <= total:
             self.chunk = [layer.experts for layer in layers]
-        else:
-            self.chunk = [_most(layer, total // 2) for layer in layers]
+        else:  # regions of whole slots (Note: [Layers in chunks]), chunks of equal sizes
+            room = total // 2 // sb * sb
+            self.chunk = [_balanced(layer.experts, _most(layer, room)) for layer in layers]
         self.sizes = [chunk_bytes(layer, c) for layer, c in zip(layers, self.chunk, strict=True)]
         self.region = max(sum(s) for s in self.sizes)
+        if any(c < layer.experts for layer, c in zip(layers, self.chunk, strict=True)):
+            self.region = round_up(self.region, sb)
         self.regions = 2 if self.region else 0
         self.next = 0
 
@@ -324,8 +339,10 @@ class StagedLayers:
             return None
         after = [event for s in slots for event in s.done.values()]
         stream = rt.engine.current_stream()
-        # copies into the region's slots that no compute waited on (forget() drops them)
-        written = [s.ready for s in slots if s.ready is not None and stream not in s.waited]
+        # the region's readers on other streams and copies into it no compute waited on (a
+        # refused call's; forget() drops the "ready" of a cached expert's)
+        others = [ev for s in slots for k, ev in s.done.items() if k != stream]
+        others += [s.ready for s in slots if s.ready is not None and stream not in s.waited]
         for s in slots:
             if s.key is not None:
                 cache.forget(s.key)
@@ -334,39 +351,36 @@ class StagedLayers:
         held = {e: s for e in range(n) if (s := cache.lookup((li, e))) is not None}
         pairs, near, tensors = self.assemble(rt, li, self.next * self.region, 0, n, held)
         ready = rt.engine.load(pairs, after)
+        region_copy(slots, ready)
         self.next = (self.next + 1) % self.regions
         c, copied = rt.counters[li], n - len(held)
         c.loads += copied
         c.h2d_bytes += copied * layer.expert_bytes
-        ids = args[1].reshape(-1)
-        hist = torch.histc(ids.float() if ids.device.type in ("cpu", "mps") else ids.int(),
-                           bins=n, min=0, max=n - 1)  # fmt: skip
-        # one host read, before the compute stream waits for this copy (the router's choice:
-        # it waits for the previous layer's compute, while this copy runs): the index bounds,
-        # then the routed experts, for the counts and the policy
-        low, high, *counts = torch.cat([torch.stack(torch.aminmax(ids)), hist.long()]).tolist()
-        if low < 0 or high >= n:
+        try:
+            ids = args[1].reshape(-1)
+            hist = torch.histc(ids.float() if ids.device.type in ("cpu", "mps") else ids.int(),
+                               bins=n, min=0, max=n - 1)  # fmt: skip
+            # one host read, before the compute stream waits for this copy (the router's
+            # choice: it waits for the previous layer's compute, while this copy runs): the
+            # index bounds, then the routed experts, for the counts and the policy
+            low, high, *counts = torch.cat([torch.stack(torch.aminmax(ids)),
+                                            hist.long()]).tolist()  # fmt: skip
+            if low < 0 or high >= n:
+                raise outside(layer.name, n, "grouped_mm")
+        except BaseException:
             c.staged += copied  # copied, used by no call
-            if ready is not None:  # a later device copy into the region waits for it
-                for s in slots:
-                    s.done[_REGION_COPY] = ready
-            raise outside(layer.name, n, "grouped_mm")
+            raise
         count_routed(rt, li, [e for e, k in enumerate(counts) if k], held, copied)
         sources = [s for s in held.values() if s.ready is not None and stream not in s.waited]
-        # the region's readers on other streams and copies into it; the source slots' copies
-        for event in (
-            [ev for s in slots for k, ev in s.done.items() if k != stream]
-            + written
-            + [s.ready for s in sources]
-        ):
+        for event in others + [s.ready for s in sources]:  # and the source slots' copies
             rt.engine.wait(event)
         for s in sources:
             s.waited.add(stream)
-        copy_from_slots(rt, near, held.values())
-        rt.engine.wait(ready)
         try:
+            copy_from_slots(rt, near, held.values())
+            rt.engine.wait(ready)
             return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
-        finally:  # a failed call's kernels read the region too
+        finally:  # a failed call's copies and kernels wrote and read the region too
             event = rt.engine.record()
             if event is not None:
                 for s in slots:
@@ -376,9 +390,11 @@ class StagedLayers:
 # Note: [Layers in chunks]
 # Where the cache's storage holds less than two layers' experts (the least cache holds
 # ``top_k`` slots; a layer is 1.15 GB at the Qwen3-30B-A3B shape, 11 GB at DeepSeek-V3's), a
-# large grouped_mm call stages its layer in chunks: each of the storage's two regions holds
-# ``C`` consecutive experts (the most a half of the storage holds, each member's slices
-# contiguous as in the resident parameter, at its alignment modulo 512). Chunk i is copied into
+# large grouped_mm call stages its layer in chunks: each of the storage's two regions (whole
+# slots: a slot across their border would make a layer's first copy wait on the last chunk's
+# compute) holds ``C`` consecutive experts (at most what a half of the storage holds, the
+# chunks of equal sizes, each member's slices contiguous as in the resident parameter, at its
+# alignment modulo 512). Chunk i is copied into
 # region i % 2 after chunk i - 2's compute read it; its rows (consecutive: the rows are sorted
 # by expert) run through one grouped GEMM per projection, that chunk's experts as its groups.
 # Bitwise: a grouped GEMM's per-row result does not change with the groups beside it (Note:
@@ -398,13 +414,15 @@ class StagedLayers:
 # overlaps (their experts forgotten first), a later one on the compute of the chunk before it
 # there; the compute stream waits, before the first chunk, on the regions' readers on other
 # streams and on any copy into them no compute waited on, and before each chunk on its copy
-# and its source slots' copies.
+# and its source slots' copies. Each copy is also kept as its region slots' "region copy"
+# event as it is queued, so a call that fails or is refused before computing leaves nothing
+# unordered: the next staged call's copies from slots and a graph's push wait on it.
 
 
 class Chunked:
     """One grouped_mm call of layer ``li`` staged chunk by chunk in the two regions (Note:
     [Layers in chunks]): `open` claims the regions and queues the first two copies, the
-    caller reads the routing on the host, `compute` runs the chunks (or `refuse`)."""
+    caller reads the routing on the host, `compute` runs the chunks (or `abandon`)."""
 
     def __init__(self, staged: StagedLayers, rt: Any, li: int):
         self.staged, self.rt, self.li = staged, rt, li
@@ -413,6 +431,7 @@ class Chunked:
         self.stream = rt.engine.current_stream()
         self.queued: list[tuple[Any, list, list]] = []
         self.done: list[Any] = [None, None]  # each region's last compute in this call
+        self.counted = False  # the call's hits, misses and staged experts
 
     def open(self) -> bool:
         """Claim both regions and queue the first two chunks' copies; False (nothing queued)
@@ -435,8 +454,12 @@ class Chunked:
         c = rt.counters[self.li]
         c.loads += self.copied
         c.h2d_bytes += self.copied * rt.layout.layers[self.li].expert_bytes
-        for i in range(min(2, len(self.bounds))):
-            self.queue(i)
+        try:
+            for i in range(min(2, len(self.bounds))):
+                self.queue(i)
+        except BaseException:
+            self.abandon()
+            raise
         return True
 
     def queue(self, i: int) -> None:
@@ -445,22 +468,16 @@ class Chunked:
         pairs, near, tensors = self.staged.assemble(self.rt, self.li, j * self.staged.region,
                                                     first, count, self.held)  # fmt: skip
         after = self.after[j] if i < 2 else [self.done[j]]
-        self.queued.append((self.rt.engine.load(pairs, after), near, tensors))
+        ready = self.rt.engine.load(pairs, after)
+        region_copy(self.slots[j], ready)  # whatever happens to this call
+        self.queued.append((ready, near, tensors))
 
-    def refuse(self) -> None:
-        """The call is refused after its host read: its copies used by no compute (a later
-        device copy into a region waits for them)."""
-        self.rt.counters[self.li].staged += self.copied
-        self._unused(0)
-
-    def _unused(self, i: int) -> None:
-        """Chunks ``i`` onwards were queued and never computed: a later device copy into
-        their region waits for their copies."""
-        for k in range(i, len(self.queued)):
-            ready = self.queued[k][0]
-            if ready is not None:
-                for s in self.slots[k % 2]:
-                    s.done[_REGION_COPY] = ready
+    def abandon(self) -> None:
+        """The call ends before its compute (refused, or failed): its copied experts count as
+        staged, used by no call."""
+        if not self.counted:
+            self.rt.counters[self.li].staged += self.copied
+            self.counted = True
 
     def compute(self, module: Any, selected: torch.Tensor, sizes: torch.Tensor,
                 counts: list[int], routed: list[int]) -> list[torch.Tensor]:  # fmt: skip
@@ -469,38 +486,34 @@ class Chunked:
         projections' outputs, a tensor per chunk with rows."""
         rt, stream = self.rt, self.stream
         count_routed(rt, self.li, routed, self.held, self.copied)
+        self.counted = True
         for event in self.first:
             rt.engine.wait(event)
-        outs, start, i, finished = [], 0, 0, False
-        try:
-            for i, (first, count) in enumerate(self.bounds):
-                ready, near, tensors = self.queued[i]
-                sources = [self.held[e] for e in range(first, first + count) if e in self.held]
-                for s in sources:
-                    if s.ready is not None and stream not in s.waited:
-                        rt.engine.wait(s.ready)
-                        s.waited.add(stream)
+        outs, start = [], 0
+        for i, (first, count) in enumerate(self.bounds):
+            ready, near, tensors = self.queued[i]
+            sources = [self.held[e] for e in range(first, first + count) if e in self.held]
+            for s in sources:
+                if s.ready is not None and stream not in s.waited:
+                    rt.engine.wait(s.ready)
+                    s.waited.add(stream)
+            rows = sum(counts[first : first + count])
+            try:
                 copy_from_slots(rt, near, sources)
                 rt.engine.wait(ready)
-                rows = sum(counts[first : first + count])
-                try:
-                    if rows:
-                        offs = torch.cumsum(sizes[first : first + count], 0, dtype=torch.int32)
-                        x = selected[start : start + rows]
-                        start += rows
-                        proj = module._apply_gate(grouped_linear(x, tensors[0], offs, module))
-                        outs.append(grouped_linear(proj, tensors[1], offs, module))
-                finally:  # a failed call's kernels read the region too
-                    event = self.done[i % 2] = rt.engine.record()
-                    if event is not None:
-                        for s in self.slots[i % 2]:
-                            s.done[stream] = event
-                if i + 2 < len(self.bounds):
-                    self.queue(i + 2)
-            finished = True
-        finally:
-            if not finished:  # chunk i onwards: a later device copy into a region waits
-                self._unused(i)
+                if rows:
+                    offs = torch.cumsum(sizes[first : first + count], 0, dtype=torch.int32)
+                    x = selected[start : start + rows]
+                    start += rows
+                    proj = module._apply_gate(grouped_linear(x, tensors[0], offs, module))
+                    outs.append(grouped_linear(proj, tensors[1], offs, module))
+            finally:  # a failed call's copies and kernels wrote and read the region too
+                event = self.done[i % 2] = rt.engine.record()
+                if event is not None:
+                    for s in self.slots[i % 2]:
+                        s.done[stream] = event
+            if i + 2 < len(self.bounds):
+                self.queue(i + 2)
         return outs
 
 
@@ -516,7 +529,16 @@ def count_routed(rt: Any, li: int, routed: list[int], held: dict, copied: int) -
         rt.cache.use((li, e))
 
 
-_REGION_COPY = "region copy"  # a region slot's "done" key for a refused call's host copy
+# a region slot's "done" key for the last copy into the region: a later device copy there (a
+# staged call's copies from slots, a graph's stage) waits for it, whether or not a compute did
+REGION_COPY = "region copy"
+
+
+def region_copy(slots: list[Any], ready: Any) -> None:
+    """A copy into the region of ``slots`` was queued: its "ready" event, under REGION_COPY."""
+    if ready is not None:
+        for s in slots:
+            s.done[REGION_COPY] = ready
 
 
 def copy_from_slots(rt: Any, near: list, sources: Any) -> None:
