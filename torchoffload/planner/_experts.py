@@ -321,8 +321,8 @@ def _predict(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: 
 
 def prefill_bytes(rt: ExpertRuntime) -> int | None:
     """The bytes a prefill copies from the state of ``rt``'s cache: a grouped_mm call of every
-    layer in order, each large enough to be staged (Note: [Whole layers for large calls],
-    Note: [Layers in chunks] in moe/_grouped.py); None where a layer would not be staged (a
+    layer in order, each large enough to be staged (in moe/_grouped.py: Note: [Whole layers
+    for large calls], Note: [Layers in chunks]); None where a layer would not be staged (a
     list of expert modules, or a cache that holds no two chunks of one expert). A staged
     layer copies every expert not cached outside the regions claimed so far (a whole layer
     claims one region, the next layer the other; a chunked one both): the counts of
