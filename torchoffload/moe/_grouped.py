@@ -337,15 +337,8 @@ class StagedLayers:
         slots = self.slots_of(rt, self.next)
         if any(s.pins for s in slots):
             return None
-        after = [event for s in slots for event in s.done.values()]
         stream = rt.engine.current_stream()
-        # the region's readers on other streams and copies into it no compute waited on (a
-        # refused call's; forget() drops the "ready" of a cached expert's)
-        others = [ev for s in slots for k, ev in s.done.items() if k != stream]
-        others += [s.ready for s in slots if s.ready is not None and stream not in s.waited]
-        for s in slots:
-            if s.key is not None:
-                cache.forget(s.key)
+        after, others = claim(rt, slots)
         # the layer's experts cached outside the region are copied from their slots on the
         # compute stream, after the host read (the link's stream carries the others only)
         held = {e: s for e in range(n) if (s := cache.lookup((li, e))) is not None}
@@ -381,10 +374,7 @@ class StagedLayers:
             rt.engine.wait(ready)
             return ALL_EXPERTS_FUNCTIONS["grouped_mm"](_Staged(module, tensors), *args)
         finally:  # a failed call's copies and kernels wrote and read the region too
-            event = rt.engine.record()
-            if event is not None:
-                for s in slots:
-                    s.done[stream] = event
+            computed(rt, slots)
 
 
 # Note: [Layers in chunks]
@@ -394,9 +384,9 @@ class StagedLayers:
 # slots: a slot across their border would make a layer's first copy wait on the last chunk's
 # compute) holds ``C`` consecutive experts (at most what a half of the storage holds, the
 # chunks of equal sizes, each member's slices contiguous as in the resident parameter, at its
-# alignment modulo 512). Chunk i is copied into
-# region i % 2 after chunk i - 2's compute read it; its rows (consecutive: the rows are sorted
-# by expert) run through one grouped GEMM per projection, that chunk's experts as its groups.
+# alignment modulo 512). Chunk i is copied into region i % 2 after chunk i - 2's compute read
+# it; its rows (consecutive: the rows are sorted by expert) run through one grouped GEMM per
+# projection, that chunk's experts as its groups.
 # Bitwise: a grouped GEMM's per-row result does not change with the groups beside it (Note:
 # [Grouped experts, one group at a time]); measured for chunks on an H200, torch 2.11
 # (benchmarks/moe_grouped_chunks.py: 128 experts of (1536, 2048), top 8, 1 to 8192 tokens,
@@ -436,18 +426,13 @@ class Chunked:
     def open(self) -> bool:
         """Claim both regions and queue the first two chunks' copies; False (nothing queued)
         where a slot of either is pinned."""
-        rt, stream = self.rt, self.stream
+        rt = self.rt
         self.slots = [self.staged.slots_of(rt, j) for j in (0, 1)]
         every = list({id(s): s for ss in self.slots for s in ss}.values())
         if any(s.pins for s in every):
             return False
         self.after = [[ev for s in ss for ev in s.done.values()] for ss in self.slots]
-        # the regions' readers on other streams, and copies into them no compute waited on
-        self.first = [ev for s in every for k, ev in s.done.items() if k != stream]
-        self.first += [s.ready for s in every if s.ready is not None and stream not in s.waited]
-        for s in every:
-            if s.key is not None:
-                rt.cache.forget(s.key)
+        self.first = claim(rt, every)[1]
         n = rt.layout.layers[self.li].experts
         self.held = {e: s for e in range(n) if (s := rt.cache.lookup((self.li, e))) is not None}
         self.copied = n - len(self.held)
@@ -508,13 +493,36 @@ class Chunked:
                     proj = module._apply_gate(grouped_linear(x, tensors[0], offs, module))
                     outs.append(grouped_linear(proj, tensors[1], offs, module))
             finally:  # a failed call's copies and kernels wrote and read the region too
-                event = self.done[i % 2] = rt.engine.record()
-                if event is not None:
-                    for s in self.slots[i % 2]:
-                        s.done[stream] = event
+                self.done[i % 2] = computed(rt, self.slots[i % 2])
             if i + 2 < len(self.bounds):
                 self.queue(i + 2)
         return outs
+
+
+def claim(rt: Any, slots: list[Any]) -> tuple[list, list]:
+    """Forget the experts cached in ``slots`` (a region's) for a staged call. Returns the events
+    a copy into them waits on (every "done": their last readers) and those the compute stream
+    waits on before it writes there itself (readers on other streams, and copies into them no
+    compute waited on: a refused call's; forget() drops a cached expert's "ready")."""
+    stream = rt.engine.current_stream()
+    after = [ev for s in slots for ev in s.done.values()]
+    others = [ev for s in slots for k, ev in s.done.items() if k != stream]
+    others += [s.ready for s in slots if s.ready is not None and stream not in s.waited]
+    for s in slots:
+        if s.key is not None:
+            rt.cache.forget(s.key)
+    return after, others
+
+
+def computed(rt: Any, slots: list[Any]) -> Any:
+    """An event after the work queued on the compute stream so far, each of ``slots``' "done"
+    there (a later copy into them waits for it); None on the CPU."""
+    event = rt.engine.record()
+    if event is not None:
+        stream = rt.engine.current_stream()
+        for s in slots:
+            s.done[stream] = event
+    return event
 
 
 def count_routed(rt: Any, li: int, routed: list[int], held: dict, copied: int) -> None:
