@@ -2899,6 +2899,53 @@ def test_param_groups_edited_after_the_build_are_refused_before_anything_changes
     opt.remove()
 
 
+@pytest.mark.parametrize("edit", EDITS)
+def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bitwise(edit):
+    """A loop may edit ``param_groups`` while the host steps buckets during backward (here a
+    hook on the last layer's input edits them after that layer's buckets may have stepped):
+    a bucket stepped after the edit read the groups as edited (a deleted group failed it
+    with an IndexError raised at the next step, seen as a flaky CI failure). It is stepped
+    at step() instead: refused there while the edit stands; put back, bitwise the plain
+    class."""
+    a = model()
+    twin = copy.deepcopy(a)
+    extra = nn.Parameter(torch.ones(3))
+
+    def groups(ps):
+        return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
+
+    ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
+    opt = to.OffloadedOptimizer(groups(list(a.parameters())), torch.optim.AdamW, lr=1e-2,
+                                bucket_bytes=2048, overlap=True)  # fmt: skip
+    saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+    edited = []
+
+    def edit_in_backward(module, args):
+        args[0].register_hook(lambda g: edited.append(_edit_groups(opt, edit, extra)))
+
+    handle = a[4].register_forward_pre_hook(edit_in_backward)
+    loss_of(a, batch(0)).backward()
+    handle.remove()
+    assert len(edited) == 1
+    buckets = opt._runtime.buckets  # the worker takes each while the edit stands
+    deadline = time.monotonic() + 30
+    while not all(b.failed or b.pending or b.done.is_set() for b in buckets):
+        assert time.monotonic() < deadline, "the worker did not take every bucket"
+        time.sleep(0.001)
+    ref.backward(batch(0))
+    before = copy.deepcopy(a)
+    for call in (opt.step, opt.zero_grad):
+        with pytest.raises(RuntimeError, match="The param groups the host steps"):
+            call()
+    assert same_params(a, before)
+    opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
+    opt.step()
+    opt.zero_grad()
+    ref.step()
+    assert same_params(a, ref.twin)
+    opt.remove()
+
+
 def test_param_groups_assigned_a_new_list_are_the_ones_stepped_with():
     """``opt.param_groups = [...]`` (the same parameters, another lr): the runtime read the
     list it was built with, so the new lr was silently not used (off after one step)."""

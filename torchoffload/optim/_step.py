@@ -244,7 +244,11 @@ class HostStep:
             with self.lock:  # `open_call` takes its snapshot under it: both, or the snapshot
                 snapshot = self.snapshot  # (a scheduler may change the values after step())
                 if snapshot is None:  # stepped during backward: checked against step()'s
-                    bucket.used = [hyper(self.user_groups[g]) for g in bucket.groups]
+                    bucket.used = self._hyper_now(bucket)
+            if snapshot is None and bucket.used is None:  # groups edited: taken at step()
+                bucket.done.set()
+                self._account(start)
+                return
             for k, (host_group, g) in enumerate(
                 zip(optimizer.param_groups, bucket.groups, strict=True)
             ):
@@ -285,6 +289,19 @@ class HostStep:
         if not bucket.pending:
             bucket.done.set()
         self._account(start)
+
+    def _hyper_now(self, bucket: Bucket) -> list[dict[str, Any]] | None:
+        """The hyperparameters of the bucket's groups as the loop holds them now, for a step
+        taken during backward; None where they cannot be read as built. The loop's thread may
+        edit ``param_groups`` while this one reads them (a hook that deletes a group read here
+        as an IndexError that failed the next step); the bucket is then stepped at `step()`,
+        where `GroupsCheck` refuses the edit or it was put back (Note: [The param groups the
+        host steps])."""
+        groups = self.user_groups
+        try:
+            return [hyper(groups[g]) for g in bucket.groups]
+        except Exception:  # an index gone, not a dict, a dict resized while read
+            return None
 
     def publish(self, bucket: Bucket) -> None:
         """Commit a speculative step: upload its new values."""
