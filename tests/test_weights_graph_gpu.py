@@ -4,6 +4,8 @@ replay could read a stale weight (eager calls in between, load_state_dict, a new
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -174,6 +176,46 @@ def test_a_capture_that_fails_reports_its_cause_and_leaves_the_device_usable():
         for _ in range(3):
             assert torch.equal(good(x), expected)
     assert good.stats().replays == 2  # the capturing call replays too
+    h.remove()
+
+
+def test_a_graph_freed_by_the_collector_during_a_capture_does_not_fail_it():
+    """Note: [Nothing collected during a capture]: a captured CUDA graph that only a reference
+    cycle keeps, freed when the cyclic collector runs inside a later capture, destroyed its CUDA
+    graph there ("operation not permitted when stream is capturing (function reset)") and the
+    capture failed at its first kernel. Here the cycle is made during the capture, with the
+    collector's threshold at 1 so that the next allocation would collect it."""
+    ref, model = make(), make()
+    h = stream_weights(model, "cuda", budget_bytes=3 * minimum_budget(model, prefetch_depth=0))
+    x = tokens((2, 16), 0)
+    old = torch.cuda.CUDAGraph()
+    static = torch.ones(4, device="cuda")
+    with torch.cuda.graph(old):
+        static.mul_(2)
+    pending, calls = [old], []
+    del old
+
+    def fn(x):
+        calls.append(1)
+        if len(calls) == 2:  # the capture (the first call is the eager warm-up)
+            cycle = [pending.pop()]
+            cycle.append(cycle)
+            del cycle
+            _ = [[] for _ in range(100)]  # tracked allocations: a collection, if one may run
+        return model(x)[:, -1]
+
+    g = h.cuda_graph(fn)
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        with torch.no_grad():
+            expected = ref(x)[:, -1]
+            for _ in range(3):
+                assert torch.equal(g(x), expected)
+    finally:
+        gc.set_threshold(*threshold)
+    assert len(calls) == 2 and g.stats().replays == 2
+    gc.collect()  # the cycle, freed outside the capture
     h.remove()
 
 

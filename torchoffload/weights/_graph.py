@@ -32,6 +32,7 @@ is tested without a GPU; the run that stands for the capture refuses what a capt
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import threading
 import warnings
@@ -125,6 +126,19 @@ class GraphStats:
 # freeing blocks used on other streams). Nothing is held by the graph after a failed capture, and
 # its signature is captured again at its next call, which fails the same way: fix the function
 # rather than retry it.
+
+# Note: [Nothing collected during a capture]
+# Destroying a CUDA graph (`CUDAGraph.reset`, run when its Python object is freed) calls
+# `cudaGraphDestroy`, which CUDA forbids on the capturing thread while a capture runs: it fails
+# with "operation not permitted when stream is capturing" (printed as a warning, "(function
+# reset)") and invalidates the capture, whose first kernel then fails with "operation failed due
+# to a previous error during capture". Python's cyclic collector runs whenever allocations cross
+# its threshold, so any graph that only a reference cycle keeps (a failed capture's graph, held
+# by its exception's traceback; a handle the caller dropped) can be freed inside an unrelated
+# capture: seen as a flaky expert-graph fuzz run on an H200, a capture failing at its first
+# kernel after refused captures. The collector is off for the capture (and restored as it was),
+# and a graph whose capture failed is reset at once, outside any capture. `torch.cuda.graph`
+# collects before its capture but not during it.
 
 
 class GraphRuntime(Protocol):
@@ -515,6 +529,8 @@ def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, ar
     ended_in_error = False  # the end of the capture raised (Note: [A capture that fails])
     reraise: BaseException | None = None
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture allocates in its own pool
+    collecting = gc.isenabled()  # Note: [Nothing collected during a capture]
+    gc.disable()
     try:
         # not torch.cuda.graph: its exit leaves the capture stream current when the end of
         # the capture raises (Note: [A capture that fails])
@@ -536,6 +552,10 @@ def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, ar
                     ended_in_error = True
                     raise
     except BaseException as e:  # Note: [A capture that fails]
+        if collecting:
+            gc.enable()
+            collecting = False
+        _reset_quietly(graph)  # Note: [Nothing collected during a capture]
         if ended_in_error:
             _restore_generators(stream)
         if raised is None or e is raised:
@@ -545,11 +565,24 @@ def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, ar
                             f"{type(e).__name__}: {e})")  # fmt: skip
         reraise = raised  # raised below, outside this handler: its own context kept
     finally:  # a capture runs nothing: the primes loaded before it are still there
+        if collecting:
+            gc.enable()
         delta = rt.end_capture(keep=primes if end == primes else ())
     if reraise is not None:
         raise reraise
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, outputs, delta, end
+
+
+def _reset_quietly(graph: Any) -> None:
+    """Free what a graph whose capture failed holds, now that no capture runs (Note: [Nothing
+    collected during a capture]); its own failure is not the error to report."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph.reset()
+    except Exception:
+        _log.debug("reset of a failed capture's graph raised", exc_info=True)
 
 
 def _restore_generators(stream: Any) -> None:
