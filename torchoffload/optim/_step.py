@@ -240,24 +240,21 @@ class HostStep:
         upload of its new values (Note: [Steps taken during backward])."""
         start = time.perf_counter()
         try:
-            optimizer = bucket.optimizer
+            opt = bucket.optimizer
             with self.lock:  # `open_call` takes its snapshot under it: both, or the snapshot
                 snapshot = self.snapshot  # (a scheduler may change the values after step())
                 if snapshot is None:  # stepped during backward: checked against step()'s
-                    bucket.used = self._hyper_now(bucket)
+                    bucket.used = hyper_now(self.user_groups, bucket.groups)
             if snapshot is None and bucket.used is None:  # groups edited: taken at step()
                 bucket.done.set()
                 self._account(start)
                 return
-            for k, (host_group, g) in enumerate(
-                zip(optimizer.param_groups, bucket.groups, strict=True)
-            ):
+            for k, (host_group, g) in enumerate(zip(opt.param_groups, bucket.groups, strict=True)):
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
             if speculative:
-                bucket.undo.save(optimizer, bucket.steps)
+                bucket.undo.save(opt, bucket.steps)
             # Views of one buffer share a version counter: a speculative step's class gets
-            # tensors with their own, which only its writes move (Note: [A class that writes
-            # its gradients])
+            # tensors with their own (Note: [A class that writes its gradients])
             alias = own_counter if speculative else (lambda g: g)
             grads = [alias(r.grad) if r.has_grad else None for r in bucket.records]
             for rec, grad in zip(bucket.records, grads, strict=True):
@@ -269,7 +266,7 @@ class HostStep:
             NormPool.results(bucket.norms)  # they read the gradients the class may write
             versions = [g._version for g in grads]
             try:
-                step_unhooked(optimizer)
+                step_unhooked(opt)
             finally:
                 for rec in bucket.records:
                     rec.master.grad = None
@@ -289,19 +286,6 @@ class HostStep:
         if not bucket.pending:
             bucket.done.set()
         self._account(start)
-
-    def _hyper_now(self, bucket: Bucket) -> list[dict[str, Any]] | None:
-        """The hyperparameters of the bucket's groups as the loop holds them now, for a step
-        taken during backward; None where they cannot be read as built. The loop's thread may
-        edit ``param_groups`` while this one reads them (a hook that deletes a group read here
-        as an IndexError that failed the next step); the bucket is then stepped at `step()`,
-        where `GroupsCheck` refuses the edit or it was put back (Note: [The param groups the
-        host steps])."""
-        groups = self.user_groups
-        try:
-            return [hyper(groups[g]) for g in bucket.groups]
-        except Exception:  # an index gone, not a dict, a dict resized while read
-            return None
 
     def publish(self, bucket: Bucket) -> None:
         """Commit a speculative step: upload its new values."""
@@ -334,6 +318,19 @@ class HostStep:
         called = self.call_time
         if called is not None and end > called:
             self.host_ms_after_call += (end - max(start, called)) * 1e3
+
+
+def hyper_now(groups: list[Any], indices: list[int]) -> list[dict[str, Any]] | None:
+    """The hyperparameters of ``groups[g]`` for each g in ``indices`` as the loop holds them
+    now, for a step taken during backward; None where they cannot be read as built. The loop's
+    thread may edit ``param_groups`` while the worker reads them (a hook that deleted a group
+    was read as an IndexError that failed the next step); the bucket is then stepped at
+    `step()`, where `GroupsCheck` refuses the edit or it was put back (Note: [The param groups
+    the host steps])."""
+    try:
+        return [hyper(groups[g]) for g in indices]
+    except Exception:  # an index gone, not a dict, a dict resized while read
+        return None
 
 
 def upload(bucket: Bucket, engine: Any) -> int:
