@@ -138,6 +138,8 @@ class ExpertCache:
             with torch.inference_mode(False):
                 self.data = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
             self.storage = self.data.untyped_storage()
+        # tensors over the storage by (byte offset, size, stride, dtype): `member_views`
+        self.views: dict[tuple, torch.Tensor] = {}
         self.slot_bytes = slot_bytes
         self.slots = [Slot(i, i * slot_bytes) for i in range(slots)]
         self.free = list(reversed(self.slots))  # pop() takes slot 0 first
@@ -235,3 +237,4 @@ class ExpertCache:
     def release(self) -> None:
         self.clear()
         self.data = self.storage = None
+        self.views = {}
