@@ -990,10 +990,17 @@ class Optimizer(TrainingMachine):
     @rule(data=st.data())
     def edit_groups(self, data):
         """``optimizer.param_groups`` edited as a loop might: assigned a new list of the
-        groups with another lr (followed), or a parameter dropped from a group (torch.optim
-        no longer steps it; refused from the next backward, step() or zero_grad() on: Note:
-        [The param groups the host steps])."""
-        how = data.draw(st.sampled_from(["new lr", "drop"]), label="param_groups edit")
+        groups with another lr (followed), or a parameter dropped from a group or a group
+        deleted (torch.optim no longer steps them; refused from the next backward, step() or
+        zero_grad() on: Note: [The param groups the host steps]). Made right after a
+        backward, an edit races the host's steps taken during it (a deleted group failed one
+        with an IndexError)."""
+        how = data.draw(st.sampled_from(["new lr", "drop", "delete group"]),
+                        label="param_groups edit")  # fmt: skip
+        if how == "delete group":
+            if len(self.ref.opt.param_groups) < 2:
+                return
+            g = data.draw(st.integers(0, len(self.ref.opt.param_groups) - 1), label="group")
         if how == "drop":  # from a group that has a parameter left (an earlier drop emptied some)
             full = [i for i, group in enumerate(self.ref.opt.param_groups) if group["params"]]
             if not full:
@@ -1007,6 +1014,8 @@ class Optimizer(TrainingMachine):
             if how == "new lr":
                 opt.param_groups = [{**group, "lr": group["lr"] * 0.5}
                                     for group in opt.param_groups]  # fmt: skip
+            elif how == "delete group":
+                del opt.param_groups[g]
             else:
                 opt.param_groups[g]["params"].pop(k)
 
