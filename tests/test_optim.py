@@ -2899,14 +2899,16 @@ def test_param_groups_edited_after_the_build_are_refused_before_anything_changes
     opt.remove()
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["", "step-ahead"])
 @pytest.mark.parametrize("edit", EDITS)
-def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bitwise(edit):
+def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bitwise(edit, ahead):
     """A loop may edit ``param_groups`` while the host steps buckets during backward (here a
     hook on the last layer's input edits them after that layer's buckets may have stepped):
     a bucket stepped after the edit read the groups as edited (a deleted group failed it
     with an IndexError raised at the next step, seen as a flaky CI failure). It is stepped
     at step() instead: refused there while the edit stands; put back, bitwise the plain
-    class."""
+    class. With ``step_ahead``, the next forward waits for those buckets' uploads (a bucket
+    marked done when it was skipped let the forward read its old values)."""
     a = model()
     twin = copy.deepcopy(a)
     extra = nn.Parameter(torch.ones(3))
@@ -2915,8 +2917,15 @@ def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bi
         return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
 
     ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
-    opt = to.OffloadedOptimizer(groups(list(a.parameters())), torch.optim.AdamW, lr=1e-2,
-                                bucket_bytes=2048, overlap=True)  # fmt: skip
+
+    class Slow(torch.optim.AdamW):  # the host's step outlasts the forward after step()
+        def step(self, closure=None):
+            time.sleep(0.05)
+            return super().step(closure)
+
+    opt = to.OffloadedOptimizer(groups(list(a.parameters())), Slow, lr=1e-2,
+                                bucket_bytes=2048, overlap=True,
+                                **(dict(step_ahead=True, model=a) if ahead else {}))  # fmt: skip
     saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
     edited = []
 
@@ -2929,7 +2938,7 @@ def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bi
     assert len(edited) == 1
     buckets = opt._runtime.buckets  # the worker takes each while the edit stands
     deadline = time.monotonic() + 30
-    while not all(b.failed or b.pending or b.done.is_set() for b in buckets):
+    while not all(b.handled.is_set() for b in buckets):
         assert time.monotonic() < deadline, "the worker did not take every bucket"
         time.sleep(0.001)
     ref.backward(batch(0))
@@ -2940,8 +2949,14 @@ def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bi
     assert same_params(a, before)
     opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
     opt.step()
+    if ahead:  # the forward right after step() reads every parameter as stepped
+        with torch.no_grad():
+            out = a(batch(1))
     opt.zero_grad()
     ref.step()
+    if ahead:
+        with torch.no_grad():
+            assert torch.equal(out, ref.twin(batch(1)))
     assert same_params(a, ref.twin)
     opt.remove()
 

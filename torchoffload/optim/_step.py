@@ -246,8 +246,7 @@ class HostStep:
                 if snapshot is None:  # stepped during backward: checked against step()'s
                     bucket.used = hyper_now(self.user_groups, bucket.groups)
             if snapshot is None and bucket.used is None:  # groups edited: taken at step()
-                bucket.done.set()
-                self._account(start)
+                self._account(start)  # not `done`: step ahead's forward waits for its upload
                 return
             for k, (host_group, g) in enumerate(zip(opt.param_groups, bucket.groups, strict=True)):
                 host_group.update(snapshot[g] if snapshot is not None else bucket.used[k])
