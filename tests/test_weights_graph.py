@@ -5,6 +5,7 @@ with the runtime in capture mode and no graph (tests/test_weights_graph_gpu.py c
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import warnings
 
@@ -742,3 +743,25 @@ def test_a_graph_is_captured_again_when_the_model_holds_other_tensors(change):
     assert torch.equal(g(x), expected)  # and replays it
     assert g.stats().captures == 2
     h.remove()
+
+
+def test_the_collector_is_off_while_any_capture_runs_and_restored_as_it_was():
+    """Note: [Nothing collected during a capture]: off while captures run (nested or on two
+    threads), back on after the last only if it was on before the first."""
+    from torchoffload.weights._graph import _no_collection
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        with _no_collection():
+            assert not gc.isenabled()
+            with _no_collection():
+                assert not gc.isenabled()
+            assert not gc.isenabled()  # the outer capture still runs
+        assert gc.isenabled()
+        gc.disable()
+        with _no_collection():
+            pass
+        assert not gc.isenabled()  # the caller's choice kept
+    finally:
+        (gc.enable if was else gc.disable)()

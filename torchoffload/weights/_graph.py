@@ -136,9 +136,9 @@ class GraphStats:
 # its threshold, so any graph that only a reference cycle keeps (a failed capture's graph, held
 # by its exception's traceback; a handle the caller dropped) can be freed inside an unrelated
 # capture: seen as a flaky expert-graph fuzz run on an H200, a capture failing at its first
-# kernel after refused captures. The collector is off for the capture (and restored as it was),
-# and a graph whose capture failed is reset at once, outside any capture. `torch.cuda.graph`
-# collects before its capture but not during it.
+# kernel after refused captures. The collector is off while any capture runs (on any thread;
+# restored as it was before the first), and a graph whose capture failed is reset at once,
+# outside any capture. `torch.cuda.graph` collects before its capture but not during it.
 
 
 class GraphRuntime(Protocol):
@@ -529,49 +529,65 @@ def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, ar
     ended_in_error = False  # the end of the capture raised (Note: [A capture that fails])
     reraise: BaseException | None = None
     torch.cuda.empty_cache()  # as torch.cuda.graph does: the capture allocates in its own pool
-    collecting = gc.isenabled()  # Note: [Nothing collected during a capture]
-    gc.disable()
-    try:
-        # not torch.cuda.graph: its exit leaves the capture stream current when the end of
-        # the capture raises (Note: [A capture that fails])
-        with torch.cuda.stream(stream):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                rt.start_capture(engine, primes)
+    with _no_collection():  # Note: [Nothing collected during a capture]
+        try:
+            # not torch.cuda.graph: its exit leaves the capture stream current when the end of
+            # the capture raises (Note: [A capture that fails])
+            with torch.cuda.stream(stream):
+                graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    outputs = fn(*args, **kwargs)
-                except BaseException as e:
-                    raised = e
-                    raise
-                finally:  # joined even when fn raises: the capture ends with its error
-                    end = rt.finish_capture()
-            finally:
-                try:
-                    graph.capture_end()
-                except BaseException:
-                    ended_in_error = True
-                    raise
-    except BaseException as e:  # Note: [A capture that fails]
-        if collecting:
-            gc.enable()
-            collecting = False
-        _reset_quietly(graph)  # Note: [Nothing collected during a capture]
-        if ended_in_error:
-            _restore_generators(stream)
-        if raised is None or e is raised:
-            raise
-        if hasattr(raised, "add_note"):  # Python 3.11+
-            raised.add_note(f"(raised while handle.cuda_graph captured the call; then "
-                            f"{type(e).__name__}: {e})")  # fmt: skip
-        reraise = raised  # raised below, outside this handler: its own context kept
-    finally:  # a capture runs nothing: the primes loaded before it are still there
-        if collecting:
-            gc.enable()
-        delta = rt.end_capture(keep=primes if end == primes else ())
+                    rt.start_capture(engine, primes)
+                    try:
+                        outputs = fn(*args, **kwargs)
+                    except BaseException as e:
+                        raised = e
+                        raise
+                    finally:  # joined even when fn raises: the capture ends with its error
+                        end = rt.finish_capture()
+                finally:
+                    try:
+                        graph.capture_end()
+                    except BaseException:
+                        ended_in_error = True
+                        raise
+        except BaseException as e:  # Note: [A capture that fails]
+            _reset_quietly(graph)  # Note: [Nothing collected during a capture]
+            if ended_in_error:
+                _restore_generators(stream)
+            if raised is None or e is raised:
+                raise
+            if hasattr(raised, "add_note"):  # Python 3.11+
+                raised.add_note(f"(raised while handle.cuda_graph captured the call; then "
+                                f"{type(e).__name__}: {e})")  # fmt: skip
+            reraise = raised  # raised below, outside this handler: its own context kept
+        finally:  # a capture runs nothing: the primes loaded before it are still there
+            delta = rt.end_capture(keep=primes if end == primes else ())
     if reraise is not None:
         raise reraise
     torch.cuda.current_stream(device).wait_stream(stream)
     return graph, outputs, delta, end
+
+
+_COLLECTION = threading.Lock()
+_PAUSED = {"depth": 0, "was_enabled": False}  # captures running on any thread
+
+
+@contextlib.contextmanager
+def _no_collection() -> Any:
+    """The cyclic collector off while any capture runs, on any thread, and restored as it was
+    before the first (Note: [Nothing collected during a capture])."""
+    with _COLLECTION:
+        if _PAUSED["depth"] == 0:
+            _PAUSED["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _PAUSED["depth"] += 1
+    try:
+        yield
+    finally:
+        with _COLLECTION:
+            _PAUSED["depth"] -= 1
+            if _PAUSED["depth"] == 0 and _PAUSED["was_enabled"]:
+                gc.enable()
 
 
 def _reset_quietly(graph: Any) -> None:
