@@ -2857,6 +2857,35 @@ def _edit_groups(opt, edit, extra):
 EDITS = ["drop", "append", "swap", "new group", "delete group"]
 
 
+def _two_groups(cls=torch.optim.AdamW, step_ahead=False, **kw):
+    """A model, the plain class's `Reference` on its twin and an OffloadedOptimizer of ``cls``
+    (``kw``: its options; ``step_ahead`` with the model), both over two param groups (the first
+    with its own lr); a parameter neither was built with; the groups as built, to put back."""
+    a = model()
+    if step_ahead:
+        kw.update(step_ahead=True, model=a)
+
+    def groups(ps):
+        return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
+
+    ref = Reference(copy.deepcopy(a), torch.optim.AdamW, lr=1e-2, groups=groups)
+    opt = to.OffloadedOptimizer(groups(list(a.parameters())), cls, lr=1e-2, bucket_bytes=2048,
+                                **kw)  # fmt: skip
+    saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+    return a, ref, opt, nn.Parameter(torch.ones(3)), saved
+
+
+def _refused_then_put_back(opt, a, saved):
+    """step() and zero_grad() refused with the groups edited, nothing changed; then the groups
+    as built put back."""
+    before = copy.deepcopy(a)
+    for call in (opt.step, opt.zero_grad):
+        with pytest.raises(RuntimeError, match="The param groups the host steps"):
+            call()
+    assert same_params(a, before)
+    opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
+
+
 @pytest.mark.parametrize("edit", EDITS)
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "at-step"])
 def test_param_groups_edited_after_the_build_are_refused_before_anything_changes(edit, overlap):
@@ -2865,26 +2894,11 @@ def test_param_groups_edited_after_the_build_are_refused_before_anything_changes
     parameter stepped on, an appended one never stepped, swapped groups each stepped with
     the other's lr): refused at step(), zero_grad(), state_dict() and at the next backward,
     before anything changes; put back, the loop goes on bitwise the plain class."""
-    a = model()
-    twin = copy.deepcopy(a)
-    extra = nn.Parameter(torch.ones(3))
-
-    def groups(ps):
-        return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
-
-    ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
-    opt = to.OffloadedOptimizer(groups(list(a.parameters())), torch.optim.AdamW, lr=1e-2,
-                                bucket_bytes=2048, overlap=overlap)  # fmt: skip
-    saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+    a, ref, opt, extra, saved = _two_groups(overlap=overlap)
     loss_of(a, batch(0)).backward()
     ref.backward(batch(0))
-    before = copy.deepcopy(a)
     _edit_groups(opt, edit, extra)
-    for call in (opt.step, opt.zero_grad):
-        with pytest.raises(RuntimeError, match="The param groups the host steps"):
-            call()
-    assert same_params(a, before)
-    opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
+    _refused_then_put_back(opt, a, saved)
     opt.step()
     opt.zero_grad()
     ref.step()
@@ -2909,24 +2923,13 @@ def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bi
     at step() instead: refused there while the edit stands; put back, bitwise the plain
     class. With ``step_ahead``, the next forward waits for those buckets' uploads (a bucket
     marked done when it was skipped let the forward read its old values)."""
-    a = model()
-    twin = copy.deepcopy(a)
-    extra = nn.Parameter(torch.ones(3))
-
-    def groups(ps):
-        return [{"params": ps[:3], "lr": 0.05}, {"params": ps[3:]}]
-
-    ref = Reference(twin, torch.optim.AdamW, lr=1e-2, groups=groups)
 
     class Slow(torch.optim.AdamW):  # the host's step outlasts the forward after step()
         def step(self, closure=None):
             time.sleep(0.05)
             return super().step(closure)
 
-    opt = to.OffloadedOptimizer(groups(list(a.parameters())), Slow, lr=1e-2,
-                                bucket_bytes=2048, overlap=True,
-                                **(dict(step_ahead=True, model=a) if ahead else {}))  # fmt: skip
-    saved = [dict(g, params=list(g["params"])) for g in opt.param_groups]
+    a, ref, opt, extra, saved = _two_groups(Slow, overlap=True, step_ahead=ahead)
     edited = []
 
     def edit_in_backward(module, args):
@@ -2942,12 +2945,7 @@ def test_param_groups_edited_during_backward_are_refused_at_step_then_stepped_bi
         assert time.monotonic() < deadline, "the worker did not take every bucket"
         time.sleep(0.001)
     ref.backward(batch(0))
-    before = copy.deepcopy(a)
-    for call in (opt.step, opt.zero_grad):
-        with pytest.raises(RuntimeError, match="The param groups the host steps"):
-            call()
-    assert same_params(a, before)
-    opt.param_groups[:] = [dict(g, params=list(g["params"])) for g in saved]
+    _refused_then_put_back(opt, a, saved)
     opt.step()
     if ahead:  # the forward right after step() reads every parameter as stepped
         with torch.no_grad():
