@@ -5,11 +5,13 @@ For each token count and chunk size C: the resident call is transformers' ``_gro
 over all E experts' weights (offsets from the routed rows' histogram, as grouped_mm_experts_
 forward makes them); the chunked call runs it once per chunk of C consecutive experts, on a
 copy of the chunk's weights in a tensor of its own (as a region of the cache holds them), with
-that chunk's rows and offsets. Prints, per (tokens, C), whether every row is equal and the host
+that chunk's rows and offsets; C ``stacked``: the routed experts in runs of top_k, each run's
+weights stacked (Note: [Routed experts stacked] in torchoffload/moe/_grouped.py). Prints, per
+(tokens, C), whether every row is equal and the host
 time of the chunked calls. Needs a GPU.
 
     PYTHONPATH=. python3 benchmarks/moe_grouped_chunks.py [--experts 128] [--hidden 2048]
-        [--width 768] [--top-k 8] [--tokens 1,32,256,2048,8192] [--chunks 1,2,4,8,16,64]
+        [--width 768] [--top-k 8] [--tokens 1,32,256,2048,8192] [--chunks 1,2,4,8,16,64,stacked]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--tokens", default="1,32,256,2048,8192")
-    p.add_argument("--chunks", default="1,2,4,8,16,64")
+    p.add_argument("--chunks", default="1,2,4,8,16,64,stacked")
     p.add_argument("--dtypes", default="bfloat16")
     a = p.parse_args()
     from transformers.integrations.moe import _grouped_linear
@@ -57,19 +59,27 @@ def main() -> None:
             torch.cuda.synchronize()
             resident_ms = (time.perf_counter() - t0) * 1e3
             counts = hist.long().tolist()
-            for C in map(int, a.chunks.split(",")):
+            routed = [e for e, c in enumerate(counts) if c]
+            for C in a.chunks.split(","):
                 chunks = []
-                for s in range(0, E, C):
-                    chunks.append((s, min(E, s + C), gate_up[s : s + C].clone(),
-                                   down[s : s + C].clone()))  # fmt: skip
+                if C == "stacked":  # runs of top_k routed experts, stacked (torch.stack)
+                    for s in range(0, len(routed), a.top_k):
+                        run = routed[s : s + a.top_k]
+                        chunks.append((run, torch.stack([gate_up[e] for e in run]),
+                                       torch.stack([down[e] for e in run])))  # fmt: skip
+                else:
+                    for s in range(0, E, int(C)):
+                        run = list(range(s, min(E, s + int(C))))
+                        chunks.append((run, gate_up[s : s + int(C)].clone(),
+                                       down[s : s + int(C)].clone()))  # fmt: skip
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 o1, o2, start = [], [], 0
-                for s, e, gu, dn in chunks:
-                    n = sum(counts[s:e])
+                for run, gu, dn in chunks:
+                    n = sum(counts[e] for e in run)
                     if not n:
                         continue
-                    off = torch.cumsum(hist[s:e], 0, dtype=torch.int32)
+                    off = torch.cumsum(hist[run], 0, dtype=torch.int32)
                     r = rows[start : start + n]
                     h1 = _grouped_linear(r, gu, off)
                     o1.append(h1)

@@ -224,8 +224,68 @@ def test_the_views_of_the_cache_are_made_once_and_dropped_on_remove(impl):
     assert cache.views == {} and cache.storage is None
 
 
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "width", "cache", "runs"),
+    [
+        (torch.float32, 32, 16, "all", [2]),  # one run of top_k = 2 per one-token call
+        (torch.float32, 32, 16, "least", [2]),  # top_k slots: the routed experts fill them
+        (torch.float16, 40, 8, "all", [1, 1]),  # slices of 1280 and 640 bytes: not stacked
+    ],
+    ids=["stacked", "least", "unaligned"],
+)
+def test_routed_experts_are_stacked_in_runs_where_the_cache_holds_them(
+    monkeypatch, dtype, hidden, width, cache, runs
+):
+    """Note: [Routed experts stacked]: a grouped_mm call computes the routed experts already in
+    their slots in runs of up to top_k, one grouped GEMM per projection each, and the logits
+    are the resident model's, bitwise, with several tokens' rows per expert too; runs of one
+    where a member's slice is not a multiple of 512 bytes."""
+    from torchoffload.moe import _grouped
+
+    ref = qwen3(impl="grouped_mm", dtype=dtype, hidden=hidden, width=width)
+    model = qwen3(impl="grouped_mm", dtype=dtype, hidden=hidden, width=width)
+    least = to.minimum_cache_bytes(model)
+    h = stream_experts(model, "cpu", cache_bytes=least if cache == "least" else 1 << 30,
+                       pin_memory=False)  # fmt: skip
+    seen = []
+    real = _grouped.grouped_linear
+
+    def spy(rows, weight, offs, module):
+        seen.append(1 if weight.dim() == 2 else weight.shape[0])
+        return real(rows, weight, offs, module)
+
+    monkeypatch.setattr(_grouped, "grouped_linear", spy)
+    rt = h._runtime
+    rt.engine = eng = RecordingEngine()
+    read, stack = rt.views, _grouped.stacked
+    monkeypatch.setattr(rt, "views", lambda li, e, slot: eng.log.append(("read", slot.offset))
+                        or read(li, e, slot))  # fmt: skip
+    monkeypatch.setattr(_grouped, "stacked", lambda views: eng.log.append(("stack",))
+                        or stack(views))  # fmt: skip
+    with torch.no_grad():
+        for s in range(4):
+            x = prompt(1, 1, s)
+            model(x)  # the first fills the cache
+            seen.clear()
+            assert torch.equal(model(x).logits, ref(x).logits)
+            # per layer, two projections per run
+            assert seen == [n for n in runs for _ in range(2)] * 2
+        x = prompt(2, 3, 9)  # rows of several tokens per expert: the offsets of each run
+        assert torch.equal(model(x).logits, ref(x).logits)
+    # each slot's "done" is recorded after its last reader: a run's records after its stack,
+    # a lone expert's after its GEMMs (the next read or the block's end)
+    kinds = "".join({"read": "r", "stack": "s", "record": "d"}.get(e[0], "") for e in eng.log)
+    stacks = [i for i, k in enumerate(kinds) if k == "s"]
+    if runs == [2]:
+        assert stacks and all(kinds[i - 2 : i + 3] == "rrsdd" for i in stacks), kinds
+    else:
+        assert "s" not in kinds and "rd" in kinds and "rr" not in kinds
+    h.remove()
+
+
 def test_qwen3_moe_slot_alignment_follows_the_resident_slices():
     """A member lies where its address is congruent mod 512 to the resident slice's (Note:
+
     [Experts as units]): at hidden 24 and width 12 in fp16 the slices are 1152 and 576 bytes,
     not multiples of 512; generate is bitwise at the least cache."""
     from torchoffload.moe._layout import find_experts
@@ -816,7 +876,10 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
     assert whole.regions == 2
     base = rt.cache.data.data_ptr()
     last_done: dict[int, str] = {}  # slot offset -> done event of its last reader
-    reading, staged_slots, staged, staged_ready, computing = None, None, 0, None, False
+    # slots read and not yet exited, in order: a run of stacked experts reads each of its
+    # slots, then exits them in that order (Note: [Routed experts stacked])
+    reading: list[int] = []
+    staged_slots, staged, staged_ready, computing = None, 0, None, False
     for entry in eng.log:
         if entry[0] == "load":
             _, ptr, after, ready, nbytes = entry
@@ -833,15 +896,15 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
                 if off in last_done:
                     assert last_done[off] in after, (entry, last_done[off])
         elif entry[0] == "read":
-            reading = entry[1]
+            reading.append(entry[1])
         elif entry[0] == "wait" and entry[1] == staged_ready:
             computing = True  # the staged compute: its record is the region's "done"
         elif entry[0] == "record":
             if staged_slots and not computing:
                 continue  # after the copies from slots outside the region: theirs
-            for off in staged_slots or [reading]:
+            for off in staged_slots or [reading.pop(0) if reading else None]:
                 last_done[off] = entry[1]
-            reading, staged_slots = None, None
+            staged_slots = None
     assert staged == 2 * 2  # two prompts, two layers
     st = check_stats(h, sum(uses))
     assert st.staged > 0 and st.layers[0].staged + st.layers[0].misses >= 2 * 8

@@ -119,6 +119,31 @@ def test_qwen3_moe_generate_bitwise_with_slow_copies(dtype, slots, policy, impl)
     h.remove()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", ["least", "middle", "all"])
+def test_qwen3_moe_grouped_mm_small_calls_bitwise_with_slow_copies(dtype, slots):
+    """grouped_mm calls too small to stage a layer (a decode step of one token, a few tokens:
+    generate() decodes with batched_mm on a GPU, a user's own loop may not) compute the routed
+    experts in stacked runs (Note: [Routed experts stacked]): logits bitwise the resident
+    model's with torch's grouped GEMM kernel, the copies slowed."""
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randint(1, 512, shape, generator=gen).cuda()
+          for shape in [(1, 1)] * 6 + [(1, 3), (2, 2), (1, 7)]]  # fmt: skip
+    ref = qwen3(dtype, impl="grouped_mm")
+    with torch.no_grad():
+        expected = [ref(x).logits for x in xs]
+    del ref
+    model = qwen3(dtype, impl="grouped_mm")
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots))
+    with testing.slow_copies(cycles=5_000_000), torch.no_grad():
+        for _ in range(2):  # misses, then hits where the cache holds them
+            for x, want in zip(xs, expected, strict=True):
+                assert torch.equal(model(x).logits, want)
+    st = h.stats()
+    assert st.staged == 0 and st.hits + st.misses > 0, st
+    h.remove()
+
+
 def _requested(which: str) -> int:
     return torch.cuda.memory_stats()[f"requested_bytes.all.{which}"]
 

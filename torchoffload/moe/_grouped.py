@@ -10,7 +10,8 @@ the routing weights, the rows put back in token order and summed over the top-k.
 expert's weights are in a cache slot, not in one (E, ...) tensor, so each routed expert's group
 is computed by its own grouped GEMM: a group of one, its rows the resident call's rows of that
 expert, in the same order (the same ``torch.sort``), its weights the slot's, placed as the
-resident slice is modulo 512 (Note: [Experts as units]). What makes it bitwise: a grouped GEMM
+resident slice is modulo 512 (Note: [Experts as units]); or experts in a run, stacked (Note:
+[Routed experts stacked]). What makes it bitwise: a grouped GEMM
 computes each group's rows from that group's weights alone, whatever the other groups hold, and
 its per-row result does not change with the group count. Measured on an H200 (torch 2.11,
 2026-11-28, 128 experts of (1536, 2048), top 8, 1 to 8192 tokens: every kernel shape the
@@ -156,17 +157,7 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
                 outs = chunked.compute(module, selected, sizes, counts, routed)
             else:
                 rt.route(li, routed)
-                outs, start = [], 0
-                for e in routed:
-                    slot = rt.enter(li, e)
-                    gate_up_proj, down_proj = rt.views(li, e, slot)
-                    offs = sizes[e : e + 1]
-                    rows = selected[start : start + counts[e]]
-                    start += counts[e]
-                    proj = grouped_linear(rows, gate_up_proj, offs, module)
-                    proj = module._apply_gate(proj)
-                    outs.append(grouped_linear(proj, down_proj, offs, module))
-                    rt.exit(li, e)
+                outs = routed_groups(rt, li, module, selected, sizes, counts, routed)
             if outs:
                 proj_out = torch.cat(outs)
             else:
@@ -179,6 +170,67 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
         finally:
             rt.end(li)
     return final_hidden_states.to(hidden_states.dtype)
+
+
+# Note: [Routed experts stacked]
+# Computing each routed expert as its own group costs the host three operations per expert
+# (two grouped GEMMs and the gate: 24 in a decode step's block at top 8, where the resident
+# call makes 3), and an eager decode step is host-bound. Where every member's slice is a
+# multiple of 512 bytes, a routed expert and those after it already pinned in their slots by
+# the block's copies are taken as a run of up to ``top_k``: each member of the run stacked into
+# one tensor of its own (``torch.stack``: the slices contiguous with the resident parameter's
+# strides, each at a multiple of 512 bytes from a 512-aligned base, as the resident slices
+# are), then one grouped GEMM per projection over the run, its offsets the cumulative sum of
+# the run's entries of the device histogram (no host-to-device copy). Bitwise for the reason of
+# Note: [Grouped experts, one group at a time]: each group's rows are computed from that
+# group's weights alone, as with the chunks of Note: [Layers in chunks], which are such
+# tensors. Ordering: a run's experts are entered (their copies waited for) before the stack and
+# exited right after it, so each slot's "done" event follows its last reader, the stack, and
+# the slot may take the next copy while the GEMMs run; an expert computed alone reads its slot
+# and is exited after its GEMMs. The stacked tensors are the call's activations, outside the
+# cache: at most ``top_k`` experts' bytes (what batched_mm's resident gather allocates for one
+# token). A run is one expert where a member's slice is not a multiple of 512 (a stacked
+# expert would sit at another address modulo 512 than its resident slice) or where the next
+# routed expert has no slot yet.
+
+
+def stacked(views: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each member of a run of experts (``views``: per expert, its members in its slot) in one
+    tensor: the experts on the leading dimension, in order (Note: [Routed experts stacked])."""
+    return [torch.stack([v[m] for v in views]) for m in range(len(views[0]))]
+
+
+def routed_groups(rt: Any, li: int, module: Any, selected: torch.Tensor, sizes: torch.Tensor,
+                  counts: list[int], routed: list[int]) -> list[torch.Tensor]:  # fmt: skip
+    """The routed experts' outputs for their rows of ``selected`` (sorted by expert; ``sizes``
+    and ``counts``: rows per expert of the layer, on the device and the host), in runs stacked
+    where they can be (Note: [Routed experts stacked])."""
+    layer = rt.layout.layers[li]
+    most = rt.layout.top_k if all(m.nbytes % ALIGN == 0 for m in layer.members) else 1
+    b = rt.blocks[li]
+    outs, start, i = [], 0, 0
+    while i < len(routed):
+        run = [routed[i]]  # and the experts after it already in their slots
+        while i + len(run) < len(routed) and len(run) < most and routed[i + len(run)] in \
+                b.acquired:  # fmt: skip
+            run.append(routed[i + len(run)])
+        views = [rt.views(li, e, rt.enter(li, e)) for e in run]
+        if len(run) == 1:
+            weights, off = views[0], sizes[run[0] : run[0] + 1]
+        else:  # the stack is the slots' last reader: they are free for other copies after it
+            weights = stacked(views)
+            off = torch.stack([sizes[e] for e in run]).cumsum(0, dtype=torch.int32)
+            for e in run:
+                rt.exit(li, e)
+        rows = sum(counts[e] for e in run)
+        proj = grouped_linear(selected[start : start + rows], weights[0], off, module)
+        proj = module._apply_gate(proj)
+        outs.append(grouped_linear(proj, weights[1], off, module))
+        if len(run) == 1:
+            rt.exit(li, run[0])
+        start += rows
+        i += len(run)
+    return outs
 
 
 def batched_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
