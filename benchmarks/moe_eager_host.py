@@ -10,7 +10,7 @@ interleaved, the best of ``--repeats`` kept; on a CPU, one intra-op thread and C
 Prints ms per call and the microseconds each streamed block call adds over the resident one.
 
     PYTHONPATH=. python3 benchmarks/moe_eager_host.py [--device cpu|cuda] [--impl grouped_mm]
-        [--layers 8] [--experts 128] [--top-k 8] [--calls 100] [--repeats 7]
+        [--dtype bfloat16] [--layers 8] [--experts 128] [--top-k 8] [--calls 100] [--repeats 7]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torchoffload as to
 
 
-def build(args: argparse.Namespace, device: torch.device):
+def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     import transformers
 
     cfg = transformers.Qwen3MoeConfig(
@@ -36,13 +36,20 @@ def build(args: argparse.Namespace, device: torch.device):
         tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(cfg).to(device).eval()
+    return transformers.Qwen3MoeForCausalLM(cfg).to(device, dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "eager", "batched_mm"])
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="default: bfloat16 on a GPU (the 30B shape's; "
+        "torch's grouped GEMM in float32 there reads its offsets on the host), "
+        "float32 on a CPU",
+    )
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--top-k", type=int, default=8)
@@ -52,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    resident = build(args, device)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    resident = build(args, device, dtype)
     models = {"resident": resident}
     for name in ("least cache", "every expert cached"):
         m = copy.deepcopy(resident).cpu()  # stream_experts moves the dense parts
@@ -84,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, model in models.items():
             best[name] = min(best[name], run(model))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    print(f"# {datetime.date.today()} {gpu} torch {torch.__version__}; {args.impl}, "
+    print(f"# {datetime.date.today()} {gpu} torch {torch.__version__}; {args.impl}, {dtype}, "
           f"{args.layers} layers x {args.experts} experts (top {args.top_k}), hidden 64, "
           f"{args.calls} one-token calls, best of {args.repeats}")  # fmt: skip
     print("| model | ms per call | us added per block call |")
