@@ -210,10 +210,10 @@ def routed_groups(rt: Any, li: int, module: Any, selected: torch.Tensor, sizes: 
     b = rt.blocks[li]
     outs, start, i = [], 0, 0
     while i < len(routed):
-        run = [routed[i]]  # and the experts after it already in their slots
-        while i + len(run) < len(routed) and len(run) < most and routed[i + len(run)] in \
-                b.acquired:  # fmt: skip
-            run.append(routed[i + len(run)])
+        j = i + 1  # the run: routed[i] and the experts after it already in their slots
+        while j < len(routed) and j - i < most and routed[j] in b.acquired:
+            j += 1
+        run = routed[i:j]
         views = [rt.views(li, e, rt.enter(li, e)) for e in run]
         if len(run) == 1:
             weights, off = views[0], sizes[run[0] : run[0] + 1]
@@ -229,7 +229,7 @@ def routed_groups(rt: Any, li: int, module: Any, selected: torch.Tensor, sizes: 
         if len(run) == 1:
             rt.exit(li, run[0])
         start += rows
-        i += len(run)
+        i = j
     return outs
 
 
