@@ -11,6 +11,11 @@ Prints ms per call and the microseconds each streamed block call adds over the r
 
     PYTHONPATH=. python3 benchmarks/moe_eager_host.py [--device cpu|cuda] [--impl grouped_mm]
         [--dtype bfloat16] [--layers 8] [--experts 128] [--top-k 8] [--calls 100] [--repeats 7]
+        [--profile 25]
+
+``--profile N`` then runs each model's calls once more under cProfile and prints its N
+functions of most own time (where the host time goes; the profiler's own cost inflates small
+functions).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--profile", type=int, default=0, metavar="N")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -100,7 +106,23 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in best.items():
         added = "-" if name == "resident" else f"{(ms - best['resident']) / args.layers * 1e3:.0f}"
         print(f"| {name} | {ms:.2f} | {added} |")
+    if args.profile:
+        profile(models, run, args.profile)
     return 0
+
+
+def profile(models: dict, run, top: int) -> None:
+    """Each model's calls under cProfile: its ``top`` functions by own time."""
+    import cProfile
+    import pstats
+
+    for name, model in models.items():
+        prof = cProfile.Profile()
+        prof.enable()
+        run(model)
+        prof.disable()
+        print(f"\n## cProfile: {name}")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
 
 
 if __name__ == "__main__":

@@ -272,14 +272,38 @@ def test_routed_experts_are_stacked_in_runs_where_the_cache_holds_them(
             assert seen == [n for n in runs for _ in range(2)] * 2
         x = prompt(2, 3, 9)  # rows of several tokens per expert: the offsets of each run
         assert torch.equal(model(x).logits, ref(x).logits)
-    # each slot's "done" is recorded after its last reader: a run's records after its stack,
-    # a lone expert's after its GEMMs (the next read or the block's end)
+    # each slot's "done" is recorded after its last reader: one event for a run's slots after
+    # its stack, a lone expert's after its GEMMs (the next read or the block's end)
     kinds = "".join({"read": "r", "stack": "s", "record": "d"}.get(e[0], "") for e in eng.log)
     stacks = [i for i, k in enumerate(kinds) if k == "s"]
     if runs == [2]:
-        assert stacks and all(kinds[i - 2 : i + 3] == "rrsdd" for i in stacks), kinds
+        assert stacks and all(kinds[i - 2 : i + 2] == "rrsd" for i in stacks), kinds
     else:
         assert "s" not in kinds and "rd" in kinds and "rr" not in kinds
+    # and a later copy into any slot of a run waits on that event
+    base, sb = rt.cache.data.data_ptr(), rt.cache.slot_bytes
+    last_done, reads, checked = {}, [], 0
+    for entry in eng.log:
+        if entry[0] == "read":
+            reads.append(entry[1])
+        elif entry[0] == "record":
+            last_done.update(dict.fromkeys(reads, entry[1]))
+            reads = []
+        elif entry[0] == "load":
+            off = (entry[1] - base) // sb * sb
+            if off in last_done:
+                assert last_done[off] in entry[2], (entry, last_done[off])
+                checked += 1
+    from torchoffload.moe._runtime import load
+
+    for slot in rt.cache.slots:  # each slot read, copied into again (no call evicted here)
+        if slot.offset in last_done and slot.key is not None:
+            key = slot.key
+            rt.cache.forget(key)
+            load(rt, slot, key)
+            assert last_done[slot.offset] in eng.log[-1][2]
+            checked += 1
+    assert checked >= 2
     h.remove()
 
 
@@ -772,10 +796,15 @@ class RecordingEngine:
         self.log.append(("load", pairs[0][0].data_ptr() if pairs else None, list(after), ready))
         return ready
 
-    def wait(self, event):
+    def load_many(self, groups):
+        return [self.load(pairs, after) for pairs, after in groups]
+
+    def wait(self, event, stream=None):
+        assert stream in (None, "compute")
         self.log.append(("wait", event))
 
-    def record(self):
+    def record(self, stream=None):
+        assert stream in (None, "compute")
         event = f"done{next(self.n)}"
         self.log.append(("record", event))
         return event
@@ -876,8 +905,8 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
     assert whole.regions == 2
     base = rt.cache.data.data_ptr()
     last_done: dict[int, str] = {}  # slot offset -> done event of its last reader
-    # slots read and not yet exited, in order: a run of stacked experts reads each of its
-    # slots, then exits them in that order (Note: [Routed experts stacked])
+    # slots read and not yet exited: a run of stacked experts reads each of its slots, then
+    # exits them all after one event (Note: [Routed experts stacked])
     reading: list[int] = []
     staged_slots, staged, staged_ready, computing = None, 0, None, False
     for entry in eng.log:
@@ -902,9 +931,9 @@ def test_a_large_grouped_mm_call_copies_its_layer_whole_after_the_region_is_read
         elif entry[0] == "record":
             if staged_slots and not computing:
                 continue  # after the copies from slots outside the region: theirs
-            for off in staged_slots or [reading.pop(0) if reading else None]:
+            for off in staged_slots or reading:
                 last_done[off] = entry[1]
-            staged_slots = None
+            staged_slots, reading = None, []
     assert staged == 2 * 2  # two prompts, two layers
     st = check_stats(h, sum(uses))
     assert st.staged > 0 and st.layers[0].staged + st.layers[0].misses >= 2 * 8
@@ -1148,6 +1177,81 @@ def test_a_cached_layer_is_assembled_from_its_slots_and_the_host(monkeypatch):
     h.remove()
     for hk in hooks:
         hk.remove()
+
+
+@pytest.mark.parametrize("engine", ["cpu", "recording"])
+@pytest.mark.parametrize("kind", ["list", "eager", "grouped_mm"])
+def test_a_copy_that_cannot_be_queued_leaves_no_expert_half_cached(kind, engine):
+    """Note: [A block's copies queued together]: a block's copies are queued together, each
+    slot assigned to its expert as it is taken; where queuing fails (a copy failure injected
+    before anything is queued), every expert of the batch is forgotten and unpinned, with its
+    slot's "done" events back: nothing pinned after the call, no slot without the "done"
+    event of its last reader (checked with a recording engine), and every later call bitwise
+    the resident model's (a slot left holding an expert whose bytes were never copied would be
+    read as a hit)."""
+    from torchoffload._transfer import CopyTestHooks, InjectedCopyError
+
+    if kind == "list":
+        ref, model = moe(), moe()
+        xs, run = inputs(), lambda m, x: m(x)
+    else:
+        ref, model = qwen3(impl=kind), qwen3(impl=kind)
+        xs = [prompt(1, 1, i) for i in range(6)]
+        run = lambda m, x: m(x).logits  # noqa: E731
+    slot = to.minimum_cache_bytes(model) // model_top_k(model)
+    h = stream_experts(model, "cpu", cache_bytes=5 * slot, pin_memory=False)
+    rt = h._runtime
+    real = rt.engine
+    if engine == "recording":
+        rt.engine = FailingEngine()
+    failed = 0
+    with torch.no_grad():
+        for i, x in enumerate(xs * 2):
+            if i % 2:  # the (1 + i % 3)-th batch of copies of this call fails
+                if engine == "cpu":
+                    real.testing = CopyTestHooks(fail_at=1 + i % 3, fail_kinds=frozenset({"load"}))
+                else:
+                    rt.engine.fail_at = 1 + i % 3
+                done = {s.index: bool(s.done) for s in rt.cache.slots}
+                try:
+                    run(model, x)
+                except InjectedCopyError:
+                    failed += 1
+                finally:
+                    real.testing = None
+                    if engine == "recording":
+                        rt.engine.fail_at = 0
+                assert all(s.pins == 0 for s in rt.cache.slots)
+                assert not any(b.acquired or b.active for b in rt.blocks)
+                assert all(s.done or not done[s.index] for s in rt.cache.slots)
+            assert torch.equal(run(model, x), run(ref, x)), i
+    assert failed >= 3
+    h.remove()
+
+
+def model_top_k(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return cfg.num_experts_per_tok if cfg is not None else SPEC.top_k
+
+
+class FailingEngine(RecordingEngine):
+    """`RecordingEngine` whose ``fail_at``-th batch of loads raises before queuing any."""
+
+    fail_at = 0
+
+    def load_many(self, groups):
+        from torchoffload._transfer import InjectedCopyError
+
+        if self.fail_at:
+            self.fail_at -= 1
+            if self.fail_at == 0:
+                raise InjectedCopyError("injected")
+        return super().load_many(groups)
+
+
+def model_top_k(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    return cfg.num_experts_per_tok if cfg is not None else SPEC.top_k
 
 
 def test_list_block_copies_its_routed_experts_at_the_router():

@@ -198,12 +198,17 @@ class _Dropping:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    def wait(self, event):
+    def wait(self, event, stream=None):
         if self.drop != "ready":
-            self._engine.wait(event)
+            self._engine.wait(event, stream)
 
     def load(self, pairs, after):
         return self._engine.load(pairs, [] if self.drop == "done" else after)
+
+    def load_many(self, groups):
+        if self.drop == "done":
+            groups = [(pairs, []) for pairs, _ in groups]
+        return self._engine.load_many(groups)
 
 
 def _race(kind: str, drop: str | None) -> bool:

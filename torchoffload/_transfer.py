@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,12 +197,30 @@ class CopyEngine:
         stream = self.h2d if self.use_streams else self._mod.current_stream(self._index)
         return self._copy(stream, pairs, after)
 
-    def record(self) -> Any:
-        """An event recorded on the compute stream now (None on the CPU)."""
+    def load_many(self, groups: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Any]]]
+                  ) -> list[Any]:  # fmt: skip
+        """`load` of each ``(pairs, after)`` group, in order, with the copy stream made current
+        once (Note: [Switching streams cheaply]): each group's copies wait on its own ``after``
+        and are followed by its own "ready" event. Returns the events, one per group. A copy
+        failure injected by the test hooks is raised before any group is queued."""
+        if self.testing is not None:
+            for _ in groups:
+                self.testing.before_copy("load")
+        if self.synchronous:
+            for pairs, _ in groups:
+                for dst, src in pairs:
+                    _copy_pair(dst, src)
+            return [None] * len(groups)
+        stream = self.h2d if self.use_streams else self._mod.current_stream(self._index)
+        return self._on(stream, None, lambda: [self._queue(stream, p, a) for p, a in groups])
+
+    def record(self, stream: Any = None) -> Any:
+        """An event recorded now on ``stream`` (default: the compute stream, read now); None on
+        the CPU."""
         if self.synchronous:
             return None
         event = self._mod.Event()
-        event.record(self._mod.current_stream(self._index))
+        event.record(self._mod.current_stream(self._index) if stream is None else stream)
         return event
 
     def _copy(
@@ -223,17 +242,22 @@ class CopyEngine:
         in a ``finally``; otherwise (setting a stream of another device also makes that device
         current) the context manager does both.
         """
+        return self._on(stream, compute, lambda: self._queue(stream, pairs, after))
+
+    def _on(self, stream: Any, compute: Any, queue: Callable[[], Any]) -> Any:
+        """``queue()`` with ``stream`` current (``compute``: the current stream, when the
+        caller has just read it), the current stream restored after."""
         fast = self._cuda and torch._C._cuda_getDevice() == self._index
         if not fast:
             with self._mod.stream(stream):
-                return self._queue(stream, pairs, after)
+                return queue()
         if compute is None:
             compute = self._mod.current_stream(self._index)
         if stream is compute:
-            return self._queue(stream, pairs, after)
+            return queue()
         torch.cuda.set_stream(stream)
         try:
-            return self._queue(stream, pairs, after)
+            return queue()
         finally:
             torch.cuda.set_stream(compute)
 
@@ -252,10 +276,13 @@ class CopyEngine:
         event.record(stream)
         return event
 
-    def wait(self, event: Any) -> None:
-        """Make the current compute stream wait on ``event`` (no host sync)."""
+    def wait(self, event: Any, stream: Any = None) -> None:
+        """Make ``stream`` (default: the compute stream, read now) wait on ``event`` (no host
+        sync)."""
         if event is not None and not self.synchronous:
-            self._mod.current_stream(self._index).wait_event(event)
+            if stream is None:
+                stream = self._mod.current_stream(self._index)
+            stream.wait_event(event)
 
     @staticmethod
     def release_after(stream: Any, event: Any) -> None:

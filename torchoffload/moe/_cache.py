@@ -140,12 +140,23 @@ class ExpertCache:
             self.storage = self.data.untyped_storage()
         # tensors over the storage by (byte offset, size, stride, dtype): `member_views`
         self.views: dict[tuple, torch.Tensor] = {}
+        self.spans: dict[tuple[int, int], torch.Tensor] = {}  # `span`s by (offset, bytes)
         self.slot_bytes = slot_bytes
         self.slots = [Slot(i, i * slot_bytes) for i in range(slots)]
         self.free = list(reversed(self.slots))  # pop() takes slot 0 first
         self.where: dict[Key, Slot] = {}
         self.policy = _LFU() if policy is CachePolicy.LFU else _LRU()
         self.evictions = 0
+
+    def span(self, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes [start, start + nbytes) of the storage (uint8), made once and kept (a copy
+        into a slot's member is queued at every miss; made outside inference mode, as it is
+        written in and out of it)."""
+        t = self.spans.get((start, nbytes))
+        if t is None:
+            with torch.inference_mode(False):
+                t = self.spans[start, nbytes] = self.data[start : start + nbytes]
+        return t
 
     def lookup(self, key: Key) -> Slot | None:
         return self.where.get(key)
@@ -238,3 +249,4 @@ class ExpertCache:
         self.clear()
         self.data = self.storage = None
         self.views = {}
+        self.spans = {}

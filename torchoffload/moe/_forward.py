@@ -100,9 +100,10 @@ class FusedForward(_Entry):
                                                               return_counts=True)  # fmt: skip
                 routed = routed.tolist()
                 rt.route(li, routed)
+                stream = rt.engine.current_stream()  # this call's compute stream, read now
                 start = 0
                 for e, count in zip(routed, counts.tolist(), strict=True):
-                    slot = rt.enter(li, e)
+                    slot = rt.enter(li, e, stream)
                     gate_up_proj, down_proj = rt.views(li, e, slot)
                     top_k_pos, token_idx = places[:, start : start + count]
                     start += count
@@ -114,7 +115,7 @@ class FusedForward(_Entry):
                     final_hidden_states.index_add_(
                         0, token_idx, current.to(final_hidden_states.dtype)
                     )
-                    rt.exit(li, e)
+                    rt.exit(li, e, stream)
             finally:
                 rt.end(li)
         return final_hidden_states

@@ -32,6 +32,7 @@ implementation is read at every call.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -173,25 +174,25 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
 
 
 # Note: [Routed experts stacked]
-# Computing each routed expert as its own group costs the host three operations per expert
-# (two grouped GEMMs and the gate: 24 in a decode step's block at top 8, where the resident
-# call makes 3), and an eager decode step is host-bound. Where every member's slice is a
-# multiple of 512 bytes, a routed expert and those after it already pinned in their slots by
-# the block's copies are taken as a run of up to ``top_k``: each member of the run stacked into
-# one tensor of its own (``torch.stack``: the slices contiguous with the resident parameter's
-# strides, each at a multiple of 512 bytes from a 512-aligned base, as the resident slices
-# are), then one grouped GEMM per projection over the run, its offsets the cumulative sum of
-# the run's entries of the device histogram (no host-to-device copy). Bitwise for the reason of
-# Note: [Grouped experts, one group at a time]: each group's rows are computed from that
-# group's weights alone, as with the chunks of Note: [Layers in chunks], which are such
-# tensors. Ordering: a run's experts are entered (their copies waited for) before the stack and
-# exited right after it, so each slot's "done" event follows its last reader, the stack, and
-# the slot may take the next copy while the GEMMs run; an expert computed alone reads its slot
-# and is exited after its GEMMs. The stacked tensors are the call's activations, outside the
-# cache: at most ``top_k`` experts' bytes (what batched_mm's resident gather allocates for one
-# token). A run is one expert where a member's slice is not a multiple of 512 (a stacked
-# expert would sit at another address modulo 512 than its resident slice) or where the next
-# routed expert has no slot yet.
+# Computing each routed expert as its own group costs the host three operations per expert (two
+# grouped GEMMs and the gate: 24 in a decode step's block at top 8, where the resident call makes
+# 3), and an eager decode step is host-bound. Where every member's slice is a multiple of 512
+# bytes, a routed expert and those after it already pinned in their slots by the block's copies
+# are taken as a run of up to ``top_k``: each member of the run stacked into one tensor of its own
+# (``torch.stack``: the slices contiguous with the resident parameter's strides, each at a
+# multiple of 512 bytes from a 512-aligned base, as the resident slices are), then one grouped
+# GEMM per projection over the run, its offsets the cumulative sum of the run's row counts read on
+# the host (one small host-to-device copy). Bitwise for the reason of
+# Note: [Grouped experts, one group at a time]: each group's rows are computed from that group's
+# weights alone, as with the chunks of Note: [Layers in chunks], which are such tensors. Ordering:
+# a run's experts are entered (their copies waited for) before the stack and exited right after
+# it, after one event recorded for them all (`ExpertRuntime.exit_all`), so each slot's "done"
+# event follows its last reader, the stack, and the slot may take the next copy while the GEMMs
+# run; an expert computed alone reads its slot and is exited after its GEMMs. The stacked tensors
+# are the call's activations, outside the cache: at most ``top_k`` experts' bytes (what
+# batched_mm's resident gather allocates for one token). A run is one expert where a member's
+# slice is not a multiple of 512 (a stacked expert would sit at another address modulo 512 than
+# its resident slice) or where the next routed expert has no slot yet.
 
 
 def stacked(views: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -208,29 +209,38 @@ def routed_groups(rt: Any, li: int, module: Any, selected: torch.Tensor, sizes: 
     layer = rt.layout.layers[li]
     most = rt.layout.top_k if all(m.nbytes % ALIGN == 0 for m in layer.members) else 1
     b = rt.blocks[li]
+    stream = rt.engine.current_stream()  # this call's compute stream, read now
     outs, start, i = [], 0, 0
     while i < len(routed):
         j = i + 1  # the run: routed[i] and the experts after it already in their slots
         while j < len(routed) and j - i < most and routed[j] in b.acquired:
             j += 1
         run = routed[i:j]
-        views = [rt.views(li, e, rt.enter(li, e)) for e in run]
+        views = [rt.views(li, e, rt.enter(li, e, stream)) for e in run]
         if len(run) == 1:
             weights, off = views[0], sizes[run[0] : run[0] + 1]
         else:  # the stack is the slots' last reader: they are free for other copies after it
             weights = stacked(views)
-            off = torch.stack([sizes[e] for e in run]).cumsum(0, dtype=torch.int32)
-            for e in run:
-                rt.exit(li, e)
+            rt.exit_all(li, run, stream)
+            off = run_offsets([counts[e] for e in run], sizes.device)
         rows = sum(counts[e] for e in run)
         proj = grouped_linear(selected[start : start + rows], weights[0], off, module)
         proj = module._apply_gate(proj)
         outs.append(grouped_linear(proj, weights[1], off, module))
         if len(run) == 1:
-            rt.exit(li, run[0])
+            rt.exit(li, run[0], stream)
         start += rows
         i = j
     return outs
+
+
+def run_offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """A run's grouped GEMM offsets (the cumulative row counts, int32 on ``device``) from its
+    counts read on the host: one small copy, where the run's entries of the device histogram
+    took an indexing operation per expert, a stack and a sum."""
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(
+        device, non_blocking=True
+    )
 
 
 def batched_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
@@ -265,15 +275,16 @@ def batched_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             gathered = [torch.empty((len(ids), *m.size), dtype=m.dtype, device=device)
                         for m in layer.members]  # fmt: skip
             rt.route(li, routed)
+            stream = rt.engine.current_stream()  # this call's compute stream, read now
             start = 0
             for e in routed:
-                views = rt.views(li, e, rt.enter(li, e))
+                views = rt.views(li, e, rt.enter(li, e, stream))
                 count = len(places[e])
                 for into, view in zip(gathered, views, strict=True):
                     into.index_copy_(0, at[start : start + count],
                                      view.unsqueeze(0).expand(count, *view.shape))  # fmt: skip
                 start += count
-                rt.exit(li, e)
+                rt.exit(li, e, stream)
             proj_out = _batched_linear(selected_hidden_states, gathered[0],
                                        is_transposed=module.is_transposed)  # fmt: skip
             proj_out = module._apply_gate(proj_out)

@@ -180,17 +180,22 @@ class ExpertRuntime:
         if b.active and not b.implicit and not b.order and not b.acquired:
             self.route(li, experts)
 
-    def enter(self, li: int, e: int) -> Slot:
+    def enter(self, li: int, e: int, stream: Any = None) -> Slot:
         """Expert ``e`` of layer ``li`` is about to compute: its slot, its copy waited for on
-        the compute stream."""
+        the compute stream (``stream``: that stream, where the caller read it in this call)."""
         b = self.blocks[li]
         if not b.active:  # an expert called outside its block's forward
             self.begin(li, 0)
             b.implicit = True
             self.counters[li].calls -= 1
         self.recorder.enter(li, e, b.order)
-        if e not in b.acquired and not self._acquire(li, e, now=True):
-            raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
+        if e not in b.acquired:
+            queued: list = []
+            try:
+                if not self._acquire(li, e, True, queued):
+                    raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
+            finally:
+                load_queued(self, li, queued)
         slot, copied = b.acquired[e]
         b.entered.add(e)
         c = self.counters[li]
@@ -200,22 +205,32 @@ class ExpertRuntime:
         else:
             c.hits += 1
         if slot.ready is not None:
-            stream = self.engine.current_stream()
+            if stream is None:
+                stream = self.engine.current_stream()
             if stream not in slot.waited:
-                self.engine.wait(slot.ready)
+                self.engine.wait(slot.ready, stream)
                 slot.waited.add(stream)
         return slot
 
-    def exit(self, li: int, e: int) -> None:
+    def exit(self, li: int, e: int, stream: Any = None) -> None:
         """Expert ``e`` has computed (its kernels are queued): record "done", unpin."""
+        self.exit_all(li, (e,), stream)
+
+    def exit_all(self, li: int, experts: Any, stream: Any = None) -> None:
+        """`exit` of each of ``experts``, after one event recorded for them all (their last
+        reads are queued; ``stream``: the compute stream, where the caller read it in this
+        call)."""
         b = self.blocks[li]
-        slot, _ = b.acquired.pop(e)
-        b.entered.discard(e)
-        event = self.engine.record()
-        if event is not None:
-            slot.done[self.engine.current_stream()] = event
-        slot.pins -= 1
-        self.cache.use((li, e))
+        event = self.engine.record(stream)
+        if event is not None and stream is None:
+            stream = self.engine.current_stream()
+        for e in experts:
+            slot, _ = b.acquired.pop(e)
+            b.entered.discard(e)
+            if event is not None:
+                slot.done[stream] = event
+            slot.pins -= 1
+            self.cache.use((li, e))
         if b.q < len(b.order):
             self._fill(li)
         if b.implicit and not b.acquired:
@@ -261,16 +276,24 @@ class ExpertRuntime:
     # -- slots -----------------------------------------------------------------------------
 
     def _fill(self, li: int) -> None:
+        """Pin the block's next routed experts in slots as far as slots can be taken, their
+        copies queued together."""
         b = self.blocks[li]
-        while b.q < len(b.order):
-            e = b.order[b.q]
-            if e not in b.acquired and not self._acquire(li, e, now=not b.acquired):
-                return
-            b.q += 1
+        queued: list = []
+        try:
+            while b.q < len(b.order):
+                e = b.order[b.q]
+                if e not in b.acquired and not self._acquire(li, e, not b.acquired, queued):
+                    return
+                b.q += 1
+        finally:
+            load_queued(self, li, queued)
 
-    def _acquire(self, li: int, e: int, now: bool) -> bool:
-        """Pin expert ``e`` in a slot, copying it there if it is not cached. ``now``: the
-        block needs it next (evict an expert it routes later if nothing else can go)."""
+    def _acquire(self, li: int, e: int, now: bool, queued: list) -> bool:
+        """Pin expert ``e`` in a slot; if it is not cached, the slot is assigned to it and
+        added to ``queued``, whose copies the caller queues (`load_queued`) before any compute
+        reads them. ``now``: the block needs it next (evict an expert it routes later if
+        nothing else can go)."""
         b = self.blocks[li]
         key = (li, e)
         slot = self.cache.lookup(key)
@@ -289,7 +312,8 @@ class ExpertRuntime:
                         f"{self.layout.layers[li].name!r}"
                     )
                 return False
-            load(self, slot, key)
+            queued.append((slot, key, dict(slot.done)))
+            self.cache.assign(slot, key, None)  # its "ready" set when its copy is queued
         slot.pins += 1
         b.acquired[e] = (slot, copied)
         return True
@@ -368,20 +392,67 @@ def _routed_from(index: dict[int, int], li: int, start: int) -> Callable[[Key], 
 
 def load(rt: ExpertRuntime, slot: Slot, key: Key) -> None:
     """Queue the copy of expert ``key`` into ``slot`` (after the slot's last readers)."""
-    li, e = key
-    layer = rt.layout.layers[li]
-    data = rt.cache.data
-    pairs = []
-    for m, member in enumerate(layer.members if rt.store is not None else ()):
-        start = slot.offset + member.region + layer.shift(e, m)
-        piece, offset = layer.source(e, m)
-        src = rt.store.source(li, piece, offset, member.nbytes)
-        pairs.append((data[start : start + member.nbytes], src))
-    ready = None if rt.store is None else rt.engine.load(pairs, list(slot.done.values()))
-    rt.cache.assign(slot, key, ready)
+    queued = [(slot, key, dict(slot.done))]
+    rt.cache.assign(slot, key, None)
+    load_queued(rt, key[0], queued)
+
+
+# Note: [A block's copies queued together]
+# A block's misses are copied one expert after another (two copies each at the fused layout: its
+# gate_up and down slices), and an eager decode step is host-bound: each expert queued on its own
+# made the copy stream current and the compute stream current again
+# (Note: [Switching streams cheaply]) and sliced the cache's storage and the host store anew. The
+# experts a `_fill` pins are queued by one `load_many`: the copy stream made current once, each
+# expert's copies still after its own slot's "done" events and followed by its own "ready" event,
+# so expert i computes while experts i+1... are copied, as before; the byte ranges of a slot and
+# of a host store's expert are kept (`ExpertCache.span`, `ExpertStore.expert_source`). A slot is
+# assigned to its expert as it is taken, with no "ready" until its copy is queued: no compute runs
+# between the two (the copies are queued before `_fill` returns, and before `enter` returns where
+# it acquires). Where queuing fails, every expert of the batch is forgotten and unpinned and its
+# slot gets back the "done" events it had: no later read finds bytes that were never copied, and
+# no later copy skips a reader of the slot's old bytes.
+
+
+def load_queued(rt: ExpertRuntime, li: int, queued: list[tuple[Slot, Key, dict]]) -> None:
+    """Queue the copies of ``queued`` (slot, its expert of layer ``li``, the slot's "done"
+    events when it was taken), in order, and count them.
+    See Note: [A block's copies queued together]."""
+    if not queued:
+        return
+    layer, cache, store = rt.layout.layers[li], rt.cache, rt.store
+    if store is not None:
+        groups = []
+        for slot, (_, e), done in queued:
+            pairs = []
+            for m, member in enumerate(layer.members):
+                piece, offset = layer.source(e, m)
+                pairs.append((cache.span(slot.offset + member.region + layer.shift(e, m),
+                                         member.nbytes),
+                              store.expert_source(li, piece, offset, member.nbytes)))  # fmt: skip
+            groups.append((pairs, list(done.values())))
+        try:
+            readies = rt.engine.load_many(groups)
+        except BaseException:
+            unqueue(rt, li, queued)
+            raise
+        for (slot, _, _), ready in zip(queued, readies, strict=True):
+            slot.ready = ready
     c = rt.counters[li]
-    c.loads += 1
-    c.h2d_bytes += layer.expert_bytes
+    c.loads += len(queued)
+    c.h2d_bytes += len(queued) * layer.expert_bytes
+
+
+def unqueue(rt: ExpertRuntime, li: int, queued: list[tuple[Slot, Key, dict]]) -> None:
+    """Undo the slots of copies that could not be queued: each expert forgotten and unpinned
+    (out of its block's pinned experts), its slot's "done" events as they were."""
+    b = rt.blocks[li]
+    for slot, key, done in queued:
+        held = b.acquired.get(key[1])
+        if held is not None and held[0] is slot:
+            del b.acquired[key[1]]
+            slot.pins -= 1
+        rt.cache.forget(key)
+        slot.done = done
 
 
 def member_views(rt: ExpertRuntime, li: int, e: int, slot: Slot) -> list[torch.Tensor]:

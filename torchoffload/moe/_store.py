@@ -38,6 +38,7 @@ class ExpertStore:
         self.removed = False
         self.pinned = pin
         self.hosts = [pinned_buffer(layer.host_bytes, pin=pin) for layer in layout.layers]
+        self.sources: dict[tuple[int, int, int, int], torch.Tensor] = {}  # `source`'s
         with torch.inference_mode(False), torch.no_grad():
             for host, layer in zip(self.hosts, layout.layers, strict=True):
                 for p in layer.pieces:
@@ -54,6 +55,16 @@ class ExpertStore:
         """Host bytes [offset, offset + nbytes) of a piece (uint8)."""
         start = self.layout.layers[layer].pieces[piece].host_offset + offset
         return self.hosts[layer][start : start + nbytes]
+
+    def expert_source(self, layer: int, piece: int, offset: int, nbytes: int) -> torch.Tensor:
+        """`source` of one expert's member, made once and kept (the source of a copy at every
+        miss of the expert; made outside inference mode, as it is read in and out of it)."""
+        key = (layer, piece, offset, nbytes)
+        t = self.sources.get(key)
+        if t is None:
+            with torch.inference_mode(False):
+                t = self.sources[key] = self.source(layer, piece, offset, nbytes)
+        return t
 
     def host_value(self, layer: int, piece: int) -> torch.Tensor:
         """A host copy of a piece's tensor (for state_dict)."""
@@ -123,6 +134,7 @@ class ExpertStore:
                     t.set_(copy.untyped_storage(), 0, p.size, p.stride)
         self.removed = True
         self.hosts = []
+        self.sources = {}
 
 
 def _typed(data: torch.Tensor, p: Any) -> torch.Tensor:
