@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import statistics
 import time
 
 import torch
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--paired", action="store_true", help="each call timed, the models in turn")
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cpu":
@@ -93,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for model in models.values():  # warm-up
         run(model)
+    if args.paired:
+        return paired(args, models, xs, device)
     best = dict.fromkeys(models, float("inf"))
     for _ in range(args.repeats):
         for name, model in models.items():
@@ -108,6 +112,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {ms:.2f} | {added} |")
     if args.profile:
         profile(models, run, args.profile)
+    return 0
+
+
+def paired(args: argparse.Namespace, models: dict, xs: list, device: torch.device) -> int:
+    """Each call of each model timed on its own (synchronized before and after), the models in
+    turn per call, the order rotated: the median over calls of what each streamed call adds
+    to the resident call next to it (the host's speed drifts between runs and processes)."""
+    names = list(models)
+    ms: dict[str, list[float]] = {n: [] for n in names}
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            for i, x in enumerate(xs):
+                k = i % len(names)
+                for name in names[k:] + names[:k]:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    models[name](x, use_cache=False)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    ms[name].append((time.perf_counter() - t) * 1e3)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# {datetime.date.today()} {gpu} torch {torch.__version__}; {args.impl}, "
+          f"{args.layers} layers x {args.experts} experts (top {args.top_k}), hidden 64, "
+          f"{len(ms['resident'])} one-token calls each, in turn; medians")  # fmt: skip
+    print("| model | ms per call | us added per block call (median of pairs) |")
+    print("|---|---:|---:|")
+    for name in names:
+        v = ms[name]
+        diff = [a - r for a, r in zip(v, ms["resident"], strict=True)]
+        added = "-" if name == "resident" else f"{statistics.median(diff) / args.layers * 1e3:.0f}"
+        print(f"| {name} | {statistics.median(v):.2f} | {added} |")
     return 0
 
 
