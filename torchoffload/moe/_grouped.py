@@ -146,7 +146,7 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
                                else expert_ids_g.int())  # fmt: skip
                 tokens_per_expert = torch.histc(histc_input, bins=n, min=0, max=n - 1)
                 sizes = tokens_per_expert.to(torch.int32)
-                counts = [int(c) for c in sizes.tolist()]  # the block's one host read
+                counts = sizes.tolist()  # the block's one host read
                 if sum(counts) != expert_ids.numel():
                     raise outside(layer.name, n, "grouped_mm")
             except BaseException:
@@ -159,7 +159,9 @@ def grouped_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
             else:
                 rt.route(li, routed)
                 outs = routed_groups(rt, li, module, selected, sizes, counts, routed)
-            if outs:
+            if len(outs) == 1:  # one run (a decode step's): no copy
+                proj_out = outs[0]
+            elif outs:
                 proj_out = torch.cat(outs)
             else:
                 proj_out = selected.new_empty((0, hidden_dim), dtype=layer.members[1].dtype)
