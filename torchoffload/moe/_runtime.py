@@ -192,7 +192,7 @@ class ExpertRuntime:
         if e not in b.acquired:
             queued: list = []
             try:
-                if not self._acquire(li, e, True, queued):
+                if not acquire(self, li, e, True, queued):
                     raise RuntimeError(f"no cache slot is free for expert {e} of layer {li}")
             finally:
                 load_queued(self, li, queued)
@@ -283,56 +283,11 @@ class ExpertRuntime:
         try:
             while b.q < len(b.order):
                 e = b.order[b.q]
-                if e not in b.acquired and not self._acquire(li, e, not b.acquired, queued):
+                if e not in b.acquired and not acquire(self, li, e, not b.acquired, queued):
                     return
                 b.q += 1
         finally:
             load_queued(self, li, queued)
-
-    def _acquire(self, li: int, e: int, now: bool, queued: list) -> bool:
-        """Pin expert ``e`` in a slot; if it is not cached, the slot is assigned to it and
-        added to ``queued``, whose copies the caller queues (`load_queued`) before any compute
-        reads them. ``now``: the block needs it next (evict an expert it routes later if
-        nothing else can go)."""
-        b = self.blocks[li]
-        key = (li, e)
-        slot = self.cache.lookup(key)
-        copied = slot is None
-        if slot is None:
-            start = b.index.get(e, b.q - 1) + 1  # experts routed from ``start`` on are spared
-            slot = self.cache.take(_routed_from(b.index, li, start))
-            if slot is None and now:
-                slot = self.cache.take_routed([(li, x) for x in b.order[start:]])
-            if slot is None and now:
-                slot = self._unroute(li)
-            if slot is None:
-                if now:
-                    raise RuntimeError(
-                        f"every cache slot is in use: {len(self.cache.slots)} slots for "
-                        f"{self.layout.layers[li].name!r}"
-                    )
-                return False
-            queued.append((slot, key, dict(slot.done)))
-            self.cache.assign(slot, key, None)  # its "ready" set when its copy is queued
-        slot.pins += 1
-        b.acquired[e] = (slot, copied)
-        return True
-
-    def _unroute(self, li: int) -> Slot | None:
-        """A slot from an expert routed ahead and not entered yet (a prediction the block did
-        not follow): the one routed last gives its slot up."""
-        b = self.blocks[li]
-        for e in reversed(b.order):
-            if e not in b.acquired or e in b.entered:
-                continue
-            slot, copied = b.acquired.pop(e)
-            slot.pins -= 1
-            if copied:
-                self.counters[li].unused += 1
-            if slot.pins == 0:
-                b.q = min(b.q, b.index[e])
-                return self.cache.take_routed([(li, e)])
-        return None
 
     # -- writes of the host store ---------------------------------------------------------
 
@@ -382,6 +337,53 @@ class ExpertRuntime:
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0
+
+
+def acquire(rt: ExpertRuntime, li: int, e: int, now: bool, queued: list) -> bool:
+    """Pin expert ``e`` of layer ``li`` in a slot; if it is not cached, the slot is assigned to
+    it and added to ``queued``, whose copies the caller queues (`load_queued`) before any
+    compute reads them. ``now``: the block needs it next (evict an expert it routes later if
+    nothing else can go)."""
+    b = rt.blocks[li]
+    key = (li, e)
+    slot = rt.cache.lookup(key)
+    copied = slot is None
+    if slot is None:
+        start = b.index.get(e, b.q - 1) + 1  # experts routed from ``start`` on are spared
+        slot = rt.cache.take(_routed_from(b.index, li, start))
+        if slot is None and now:
+            slot = rt.cache.take_routed([(li, x) for x in b.order[start:]])
+        if slot is None and now:
+            slot = _unroute(rt, li)
+        if slot is None:
+            if now:
+                raise RuntimeError(
+                    f"every cache slot is in use: {len(rt.cache.slots)} slots for "
+                    f"{rt.layout.layers[li].name!r}"
+                )
+            return False
+        queued.append((slot, key, dict(slot.done)))
+        rt.cache.assign(slot, key, None)  # its "ready" set when its copy is queued
+    slot.pins += 1
+    b.acquired[e] = (slot, copied)
+    return True
+
+
+def _unroute(rt: ExpertRuntime, li: int) -> Slot | None:
+    """A slot from an expert routed ahead and not entered yet (a prediction the block did not
+    follow): the one routed last gives its slot up."""
+    b = rt.blocks[li]
+    for e in reversed(b.order):
+        if e not in b.acquired or e in b.entered:
+            continue
+        slot, copied = b.acquired.pop(e)
+        slot.pins -= 1
+        if copied:
+            rt.counters[li].unused += 1
+        if slot.pins == 0:
+            b.q = min(b.q, b.index[e])
+            return rt.cache.take_routed([(li, e)])
+    return None
 
 
 def _routed_from(index: dict[int, int], li: int, start: int) -> Callable[[Key], bool]:
