@@ -1249,11 +1249,6 @@ class FailingEngine(RecordingEngine):
         return super().load_many(groups)
 
 
-def model_top_k(model: nn.Module) -> int:
-    cfg = getattr(model, "config", None)
-    return cfg.num_experts_per_tok if cfg is not None else SPEC.top_k
-
-
 def test_list_block_copies_its_routed_experts_at_the_router():
     """A list block's router output predicts its routing: the copies of all its routed misses
     are queued before its first expert computes (the recorded log has several loads before the
