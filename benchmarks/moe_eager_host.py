@@ -11,11 +11,15 @@ Prints ms per call and the microseconds each streamed block call adds over the r
 
     PYTHONPATH=. python3 benchmarks/moe_eager_host.py [--device cpu|cuda] [--impl grouped_mm]
         [--dtype bfloat16] [--layers 8] [--experts 128] [--top-k 8] [--calls 100] [--repeats 7]
-        [--profile 25]
+        [--profile 25] [--paired]
 
 ``--profile N`` then runs each model's calls once more under cProfile and prints its N
 functions of most own time (where the host time goes; the profiler's own cost inflates small
-functions).
+functions). ``--paired`` times each call alone instead (synchronized before and after), the
+models in turn per call, and prints the median over calls of what a streamed call adds to the
+resident call beside it: the GPU machine's host speed drifted by up to 2x between processes
+and within one (resident calls of 12 to 24 ms, 2026-11-29), which best-of-N runs of each
+model in a block do not cancel.
 """
 
 from __future__ import annotations
