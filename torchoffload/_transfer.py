@@ -188,14 +188,7 @@ class CopyEngine:
         For memory the caller manages itself (the weight arena): see Note: [H2D into an arena].
         Returns the "ready" event recorded after the last copy.
         """
-        if self.testing is not None:
-            self.testing.before_copy("load")
-        if self.synchronous:
-            for dst, src in pairs:
-                _copy_pair(dst, src)
-            return None
-        stream = self.h2d if self.use_streams else self._mod.current_stream(self._index)
-        return self._copy(stream, pairs, after)
+        return self.load_many([(pairs, after)])[0]
 
     def load_many(self, groups: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[Any]]]
                   ) -> list[Any]:  # fmt: skip

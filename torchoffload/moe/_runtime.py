@@ -426,11 +426,11 @@ def load_queued(rt: ExpertRuntime, li: int, queued: list[tuple[Slot, Key, dict]]
         groups = []
         for slot, (_, e), done in queued:
             pairs = []
-            for m, member in enumerate(layer.members):
+            for m, at in enumerate(bind_offsets(rt, li, e, slot)):
+                nbytes = layer.members[m].nbytes
                 piece, offset = layer.source(e, m)
-                pairs.append((cache.span(slot.offset + member.region + layer.shift(e, m),
-                                         member.nbytes),
-                              store.expert_source(li, piece, offset, member.nbytes)))  # fmt: skip
+                pairs.append((cache.span(at, nbytes),
+                              store.expert_source(li, piece, offset, nbytes)))  # fmt: skip
             groups.append((pairs, list(done.values())))
         try:
             readies = rt.engine.load_many(groups)
