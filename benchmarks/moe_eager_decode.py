@@ -8,11 +8,15 @@ compare different host speeds. Here two models with the same weights, the reside
 copy whose experts `stream_experts` serves, decode the same tokens under the same routing, one
 step each in turn (the order swapped every step), and the ratio is taken per pair. Every step's
 logits are compared bitwise. The Qwen3-30B-A3B shape (``--layers`` of it), random weights,
-uniform or Zipf routing (`moe.py`'s). ``--profile``: one more pair under `torch.profiler`, its
-tables printed. Needs a GPU (``--device cpu``: a smoke run of the bookkeeping).
+uniform or Zipf routing (`moe.py`'s). ``--modes``: the streamed model's one-token block calls
+replayed as block graphs (``graphs``: ``block_graphs=True``, the design in
+torchoffload/moe/_replayed.py) or routed on the host (``host``: ``block_graphs=False``).
+``--profile``: one more pair under `torch.profiler`, its tables printed. Needs a GPU
+(``--device cpu``: a smoke run of the bookkeeping).
 
     PYTHONPATH=. python3 benchmarks/moe_eager_decode.py [--layers 48] [--caches 16,0]
-        [--routing uniform,zipf] [--impl grouped_mm] [--tokens 12] [--profile]
+        [--routing uniform,zipf] [--modes graphs,host] [--impl grouped_mm] [--tokens 12]
+        [--profile]
         [--shape small --device cpu]
 """
 
@@ -97,10 +101,12 @@ def pairs(args, resident, streamed, h, routing: str) -> tuple[dict, bool]:
         print(f"| {i} | {r:.2f} | {s:.2f} | {s / r:.3f} |")
     med = {name: statistics.median(v) for name, v in ms.items()}
     med["ratio"] = statistics.median(ratios)
+    med["mib"] = st.bytes_per_token / 2**20
     print(f"\nmedian: resident {med['resident']:.2f} ms, streamed {med['streamed']:.2f} ms, "
           f"ratio of pairs {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max "
           f"{max(ratios):.3f}); hit rate {st.hit_rate:.3f}, {st.bytes_per_token / 2**20:.1f} "
-          f"MiB per token; logits bitwise equal: {same}", flush=True)  # fmt: skip
+          f"MiB per token; block calls replayed {st.block_replays}, unreplayed "
+          f"{st.block_unreplayed}; logits bitwise equal: {same}", flush=True)  # fmt: skip
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -123,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the bookkeeping")
     p.add_argument("--caches", default="16", help="GiB, comma-separated; 0: the least cache")
     p.add_argument("--routing", default="uniform", help="uniform, zipf or both")
+    p.add_argument("--modes", default="graphs,host", help="graphs (block_graphs), host or both")
     p.add_argument("--impl", default="grouped_mm", choices=["grouped_mm", "eager", "batched_mm"])
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--tokens", type=int, default=12)
@@ -145,18 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     rows, same = [], True
     for gib in map(float, args.caches.split(",")):
         cache = int(gib * 2**30) if gib else minimum_cache_bytes(streamed)
-        h = stream_experts(streamed, dev, cache_bytes=cache, pin_memory=dev.type == "cuda")
-        print(f"\n## cache {cache / 2**30:.2f} GiB", flush=True)
-        for routing in args.routing.split(","):
-            med, ok = pairs(args, resident, streamed, h, routing)
-            same &= ok
-            rows.append((f"{gib:g} GiB" if gib else "least", routing, med))
-        h.remove()
-    print("\n| cache | routing | resident ms | streamed ms | x resident (median of pairs) |")
-    print("|---|---|---:|---:|---:|")
-    for cache, routing, med in rows:
-        print(f"| {cache} | {routing} | {med['resident']:.2f} | {med['streamed']:.2f} | "
-              f"{med['ratio']:.3f} |")  # fmt: skip
+        for mode in args.modes.split(","):
+            if mode not in ("graphs", "host"):
+                p.error(f"--modes: graphs or host, not {mode!r}")
+            h = stream_experts(streamed, dev, cache_bytes=cache, pin_memory=dev.type == "cuda",
+                               block_graphs=mode == "graphs")  # fmt: skip
+            print(f"\n## cache {cache / 2**30:.2f} GiB, block calls: {mode}", flush=True)
+            for routing in args.routing.split(","):
+                med, ok = pairs(args, resident, streamed, h, routing)
+                same &= ok
+                rows.append((f"{gib:g} GiB" if gib else "least", mode, routing, med))
+            h.remove()
+    print("\n| cache | block calls | routing | resident ms | streamed ms | MiB/token | x resident "
+          "(median of pairs) |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|")
+    for cache, mode, routing, med in rows:
+        print(f"| {cache} | {mode} | {routing} | {med['resident']:.2f} | {med['streamed']:.2f} | "
+              f"{med['mib']:.1f} | {med['ratio']:.3f} |")  # fmt: skip
     return 0 if same else 1
 
 

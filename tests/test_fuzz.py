@@ -1433,8 +1433,9 @@ class ExpertGraph(Experts):
     """stream_experts' handle.cuda_graph on fused experts (Note: [Routed experts in a CUDA
     graph]): one-token calls are captured and replayed with the routing, the cache's map and
     the copies on the (CPU-emulated) device; other shapes run eagerly the first time and are
-    refused at their capture. Or the model called eagerly (its one-token calls too). Every
-    inference operation between calls, compared bitwise."""
+    refused at their capture. Or the model called eagerly (its one-token calls too, replayed as
+    block graphs or not: Note: [Block calls replayed as graphs]). Every inference operation
+    between calls, compared bitwise."""
 
     ENGINE = "expert_graph"
     IMPLS = ("eager", "grouped_mm", "batched_mm")
@@ -1481,6 +1482,11 @@ class ExpertGraph(Experts):
         )
         # the model called eagerly rather than through cuda_graph
         self.eager = data.draw(st.booleans(), label="eager")
+        # eager one-token calls on the device tables (Note: [Block calls replayed as graphs]):
+        # the default (off on the CPU, on where a GPU graphs them), forced on, or off
+        graphs = data.draw(st.sampled_from([None, True, False]), label="block_graphs")
+        if graphs is not None and self.ENGINE != "expert_host":
+            self.kw["block_graphs"] = graphs
         self.start()
 
     def apply(self):

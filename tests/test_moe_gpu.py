@@ -134,7 +134,8 @@ def test_qwen3_moe_grouped_mm_small_calls_bitwise_with_slow_copies(dtype, slots)
         expected = [ref(x).logits for x in xs]
     del ref
     model = qwen3(dtype, impl="grouped_mm")
-    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots))
+    # routed on the host: a one-token call would replay a block graph (tested below)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), block_graphs=False)
     with testing.slow_copies(cycles=5_000_000), torch.no_grad():
         for _ in range(2):  # misses, then hits where the cache holds them
             for x, want in zip(xs, expected, strict=True):
@@ -471,4 +472,102 @@ def test_a_captured_block_that_ends_after_its_prefetch():
     torch.cuda.synchronize()
     assert h.stats().prefetched > 0
     assert any(".layers.1." in name for name, _ in h.cached())
+    h.remove()
+
+
+# -- block graphs (Note: [Block calls replayed as graphs]) -----------------------------------
+
+
+def _slowed_kernel(spin):
+    """``_kernels.copy_routed`` with a sleep queued before each of its copies of ``spin``
+    programs, on the stream the copy is queued on (captured into the block graphs with it)."""
+    from torchoffload.moe import _kernels
+
+    copy = _kernels.copy_routed
+
+    def slowed(src, stage, what, dst, write, sizes, programs=_kernels.LINK_PROGRAMS):
+        if programs == spin:
+            torch.cuda._sleep(2_000_000)
+        copy(src, stage, what, dst, write, sizes, programs)
+
+    return slowed
+
+
+@pytest.mark.parametrize("slow", ["link", "near", "engine"])
+@pytest.mark.parametrize("slots, dtype, impl", [
+    ("least", torch.bfloat16, "eager"), ("middle", torch.float32, "eager"),
+    ("all", torch.bfloat16, "grouped_mm"), ("middle", torch.bfloat16, "batched_mm"),
+    ("least", torch.float32, "batched_mm"),
+])  # fmt: skip
+def test_qwen3_moe_block_graphs_decode_bitwise_with_slow_copies(slots, dtype, impl, slow,
+                                                                 monkeypatch):  # fmt: skip
+    """Two requests of a prefill and 11 one-token steps, the steps replayed as block graphs:
+    with the misses' copies over the link slowed inside the graphs, the hits' stage copies
+    slowed, or the prefills' eager copies slowed, every step's logits are the resident
+    model's."""
+    from test_moe_block_graphs import decode_logits, same
+
+    from torchoffload.moe import _kernels
+
+    prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
+    want = decode_logits(qwen3(dtype, impl=impl), prompt, 12, requests=2)
+    model = qwen3(dtype, impl=impl)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, slots), block_graphs=True)
+    if slow != "engine":
+        spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
+        monkeypatch.setattr(_kernels, "copy_routed", _slowed_kernel(spin))
+    with testing.slow_copies(cycles=5_000_000 if slow == "engine" else 0):
+        got = decode_logits(model, prompt, 12, requests=2)
+    torch.cuda.synchronize()
+    assert same(got, want)
+    st = h.stats()
+    # per layer: the first step a warm-up, the second captured, then replays
+    assert (st.block_unreplayed, st.block_captures, st.block_replays) == (4, 4, 4 * (10 + 11))
+    assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
+    assert st.h2d_bytes == (st.misses + st.staged) * st.layers[0].expert_bytes
+    h.remove()
+    assert same(decode_logits(model, prompt, 12), want[:12])
+
+
+def test_block_graphs_on_two_compute_streams_and_beside_a_cuda_graph():
+    """Steps on two compute streams in turn, then through the handle's cuda_graph, then eager
+    again: one map, handed between the block graphs, the host and the whole-step graph, and
+    the logits the resident model's throughout."""
+    from test_moe_block_graphs import decode_logits, same
+    from test_moe_graph import decode
+
+    prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(5)).cuda()
+    ref = qwen3(torch.bfloat16)
+    want = decode_logits(ref, prompt, 10, requests=1)
+    want_tokens, _ = decode(ref, prompt, 10)
+    model = qwen3(torch.bfloat16)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"))  # on by default
+    side = torch.cuda.Stream()
+    steps = []
+
+    def edit(r, i):  # the next step on the side stream, every other step
+        steps.append(i)
+
+    original = model.forward
+
+    def forward(*args, **kwargs):
+        if len(steps) % 2:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                out = original(*args, **kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            return out
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        got = decode_logits(model, prompt, 10, edit=edit)
+    finally:
+        del model.forward
+    assert same(got, want)
+    tokens, _ = decode(model, prompt, 10, wrap=h.cuda_graph)
+    assert torch.equal(tokens, want_tokens)
+    assert same(decode_logits(model, prompt, 10), want)
+    st = h.stats()
+    assert st.block_replays > 0 and st.block_captures == 4
     h.remove()

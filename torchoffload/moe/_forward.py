@@ -53,11 +53,13 @@ class _Entry:
 # ``nonzero`` waits for queued work; the copy of its expert column after it finds the device
 # idle. With no read between experts, the host queues a block's experts while the device copies
 # and computes. Serving a one-token eager call with no host read at all, as a graph call is
-# (`graphed_forward`: routing and copies on the device), was measured slower on an H200 (the
-# Qwen3-30B-A3B shape, grouped_mm: 264-306 ms per token against 184-221 on this path,
+# (`graphed_forward`: routing and copies on the device), was measured slower run eagerly on an
+# H200 (the Qwen3-30B-A3B shape, grouped_mm: 264-306 ms per token against 184-221 on this path,
 # benchmarks/log/2026-11-28-moe-grouped-mm.md): its host work per block, the device tables'
-# update and two copy launches per routed expert, costs more than the one read saves. A replay by
-# `cuda_graph` runs that path with no host cost per call.
+# update and two copy launches per routed expert, costs more than the one read saves. Captured
+# per layer and replayed it has no such cost: one-token calls take that path by default where
+# a GPU can graph it (Note: [Block calls replayed as graphs] in _replayed.py); this path serves
+# the rest (prefills, larger batches, layouts a graph cannot serve).
 
 
 class FusedForward(_Entry):
@@ -80,6 +82,9 @@ class FusedForward(_Entry):
         impl = check_grouped(module, rt.layout.layers[li].name)
         if rt.graphing:  # a captured call: Note: [Routed experts in a CUDA graph]
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
+        graphs = rt.block_graphs  # Note: [Block calls replayed as graphs]
+        if graphs is not None and graphs.serves(li, impl, hidden_states, top_k_index):
+            return graphs(li, impl, module, hidden_states, top_k_index, top_k_weights)
         if impl != "eager":  # Note: [Grouped experts, one group at a time]
             if rt.host is not None:  # switched from eager since setup
                 check_host_implementation(rt.layout.layers[li], setup=False)

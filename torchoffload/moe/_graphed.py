@@ -494,9 +494,12 @@ def graphed_forward(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    prefetch: bool = True,
 ) -> torch.Tensor:
     """The fused experts' forward in a captured call: one token, its routed experts loaded and
-    computed with no host decision (Note: [Routed experts in a CUDA graph])."""
+    computed with no host decision (Note: [Routed experts in a CUDA graph]); ``prefetch``:
+    the next block's predicted experts copied ahead where the tables prefetch (a block call's
+    own graph does not: Note: [Block calls replayed as graphs] in _replayed.py)."""
     tables = rt.tables
     layer = rt.layout.layers[li]
     if hidden_states.dim() != 2 or hidden_states.shape[0] != 1:
@@ -516,7 +519,7 @@ def graphed_forward(
         experts, place = top_k_index[0].sort()
         plan = tables.route(li, experts)
         copied = tables.copies.copy(li, *plan)
-        if tables.prefetches and li + 1 < len(rt.layout.layers):
+        if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
             predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
             if predicted is not None:
                 tables.prefetch(li + 1, predicted)

@@ -18,6 +18,7 @@ from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._forward import NO_COPY, install
 from torchoffload.moe._host import HostCompute, HostExperts, check_host_layout
 from torchoffload.moe._layout import ExpertLayout, find_experts
+from torchoffload.moe._replayed import BlockGraphs
 from torchoffload.moe._routing import RoutingRecorder
 from torchoffload.moe._runtime import ExpertConfig, ExpertRuntime
 from torchoffload.weights._runtime import STREAMED, WeightRuntime
@@ -85,6 +86,11 @@ class ExpertStats:
     setup_s: float
     host_computed: int = 0  # misses computed on the host (host_compute), not copied
     staged: int = 0  # copied over the link with their layer, not routed to
+    # eager one-token block calls replayed as graphs (block_graphs), graphs captured for
+    # them, and such calls run without a graph (each signature's first; every one on the CPU)
+    block_replays: int = 0
+    block_captures: int = 0
+    block_unreplayed: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -161,6 +167,7 @@ class ExpertStreamHandle:
                 for layer, c in zip(layout.layers, rt.counters, strict=True)
             )
             cs = rt.counters
+            graphs = rt.block_graphs
             slots = 0 if rt.removed else len(rt.cache.slots)
             cached = 0 if rt.removed else len(rt.cache.where)
             if rt.tables is not None and rt.tables.owned:
@@ -185,6 +192,9 @@ class ExpertStreamHandle:
                 setup_s=self._setup_s,
                 host_computed=sum(c.host_computed for c in cs),
                 staged=sum(c.staged for c in cs),
+                block_replays=0 if graphs is None else graphs.replays,
+                block_captures=0 if graphs is None else graphs.captures,
+                block_unreplayed=0 if graphs is None else graphs.warm_ups,
             )
 
     def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:
@@ -277,6 +287,7 @@ def stream_experts(
     pin_memory: bool = True,
     prefetch: bool = False,
     host_compute: bool | str | HostCompute = False,
+    block_graphs: bool | None = None,
 ) -> ExpertStreamHandle:
     """Keep ``model``'s experts in pinned host memory and copy to ``device`` only the experts
     each block's router picks that are not in a device cache of ``cache_bytes``.
@@ -313,6 +324,16 @@ def stream_experts(
             measured at setup; or a `HostCompute`. Their values are then the CPU kernels'
             (bitwise on a CPU device only); every expert computed on the device is bitwise
             the resident loop's, and the sum keeps its order. They do not enter the cache.
+        block_graphs: eager block calls of one token (batch-1 decode) replayed as one CUDA
+            graph per layer, routing and copies on the device with no host read: the host
+            runs ahead of the device instead of waiting for each block's routing (see the
+            design in Note: [Block calls replayed as graphs]). ``None`` (default): on where
+            the model allows it (a CUDA device, fused experts whose slices are multiples of
+            512 bytes, a pinned host store, triton, no ``host_compute``); ``True``: required
+            (an error says what stands in the way; on the CPU the same path runs without
+            graphs, for testing); ``False``: off. Outputs stay bitwise the resident model's.
+            While they run, the cache's last ``top_k`` slots hold the experts being computed,
+            as in `cuda_graph`.
 
     Returns an `ExpertStreamHandle`: ``stats()``, ``cached()``, ``remove()``.
 
@@ -329,6 +350,8 @@ def stream_experts(
     check_bool("use_streams", use_streams)
     check_bool("pin_memory", pin_memory)
     check_bool("prefetch", prefetch)
+    if block_graphs is not None:
+        check_bool("block_graphs", block_graphs)
     host = HostCompute.parse(host_compute)
     config = ExpertConfig(compute_device(device), cache_bytes, CachePolicy.parse(policy),
                           use_streams, pin_memory, prefetch)  # fmt: skip
@@ -352,6 +375,7 @@ def stream_experts(
     try:
         if host is not None:  # its rates may be measured now (Note: [Cold experts on the host])
             runtime.host = HostExperts(runtime, host)
+        runtime.block_graphs = _block_graphs(runtime, block_graphs)
         _move_dense(layout, config.device, moved)
         undo = install(runtime, model)
     except BaseException:  # out of memory: the model as it was
@@ -367,6 +391,27 @@ def stream_experts(
         len(runtime.cache.slots) * layout.slot_bytes / _MiB,
     )  # fmt: skip
     return handle
+
+
+def _block_graphs(rt: ExpertRuntime, asked: bool | None) -> BlockGraphs | None:
+    """The runtime's `BlockGraphs` as ``block_graphs`` asks (Note: [Block calls replayed as
+    graphs])."""
+    if asked is False or (asked is None and rt.device.type != "cuda"):
+        return None
+    if rt.host is not None:
+        if asked:
+            raise ValueError(
+                "block_graphs=True and host_compute: a block graph computes every routed "
+                "expert on the device. Choose one (block_graphs=None picks host_compute)"
+            )
+        return None
+    try:
+        return BlockGraphs(rt)
+    except ValueError as e:
+        if asked:
+            raise ValueError(f"block_graphs=True: {e}") from None
+        _log.info("eager block calls route on the host: %s", e)
+        return None
 
 
 def minimum_cache_bytes(model: nn.Module) -> int:

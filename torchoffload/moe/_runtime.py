@@ -135,6 +135,8 @@ class ExpertRuntime:
         self.recorder: Recorder = NO_RECORDER  # a RoutingRecorder while one is open
         self.host: Any = None  # HostExperts, with host_compute (Note: [Cold experts on the host])
         self.staged: Any = None  # StagedLayers, at the first large grouped_mm call (_grouped.py)
+        # BlockGraphs, with block_graphs (Note: [Block calls replayed as graphs] in _replayed.py)
+        self.block_graphs: Any = None
         if dev.type != "cpu":
             torch.get_device_module(dev.type).synchronize(dev)
 
@@ -327,6 +329,7 @@ class ExpertRuntime:
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
             self.removed = True
+            self.block_graphs = None  # before the tables: its graphs read the cache
             self.tables = None
             self.cache.release()  # first: the experts may come back to the same device
             self.store.restore()
@@ -334,6 +337,8 @@ class ExpertRuntime:
     def reset(self) -> None:
         if self.tables is not None:
             self.tables.pull_counts()
+        if self.block_graphs is not None:
+            self.block_graphs.reset()
         for i in range(len(self.counters)):
             self.counters[i] = Counters()
         self.cache.evictions = 0

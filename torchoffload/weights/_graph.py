@@ -515,10 +515,11 @@ def _describe(i: int, x: Any, device: torch.device | None) -> Any:
 
 
 def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, args: Any,
-                  kwargs: Any, primes: Primes) -> tuple:  # fmt: skip
+                  kwargs: Any, primes: Primes, pool: Any = None) -> tuple:  # fmt: skip
     """One capture of ``fn(*args, **kwargs)`` on ``stream``, its copies on ``engine``, started
-    with ``primes`` loaded; returns the graph, its outputs, what a replay counts and the
-    units it leaves loaded (Note: [Primed replays], Note: [A capture that fails])."""
+    with ``primes`` loaded, its memory from ``pool`` (a `torch.cuda.graph_pool_handle`; None:
+    its own); returns the graph, its outputs, what a replay counts and the units it leaves
+    loaded (Note: [Primed replays], Note: [A capture that fails])."""
     device = rt.device
     engine.testing = rt.engine.testing  # the test instruments of the shared one
     graph = torch.cuda.CUDAGraph()
@@ -534,7 +535,7 @@ def _capture_once(rt: GraphRuntime, fn: Any, engine: CopyEngine, stream: Any, ar
             # not torch.cuda.graph: its exit leaves the capture stream current when the end of
             # the capture raises (Note: [A capture that fails])
             with torch.cuda.stream(stream):
-                graph.capture_begin(capture_error_mode="thread_local")
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                 try:
                     rt.start_capture(engine, primes)
                     try:

@@ -1,0 +1,159 @@
+"""Eager one-token block calls of fused experts replayed as one CUDA graph per layer: the
+routing, the cache's map and the copies stay on the device, as in a `cuda_graph` call, with
+no host read and one graph launch per block call.
+
+Note: [Block calls replayed as graphs]
+An eager block call that routes on the host reads the routing once (Note: [One host read per
+block call]): the read waits for the device to finish what was queued, then the device idles
+while the host queues the block's copies and experts, so at batch-1 decode the host's time per
+block bounds the step. The device-routed path of a graph call (Note: [Routed experts in a
+CUDA graph]) needs no read, but run eagerly its tens of small operations cost more host time
+than the read saves. Captured once per layer and replayed, it costs the host three small input
+copies, one graph launch and one output copy per block call, and the host runs ahead of the
+device across blocks.
+- Which calls: with ``block_graphs`` on, an eager call of a fused experts block on one token
+  (``hidden_states`` of shape (1, hidden), ``top_k`` routed experts), gradients off, no
+  routing recorder open, not inside a capture that is not the runtime's. Any other call
+  (a prefill, a larger batch) routes on the host.
+- Who owns the map: the device tables while replays run (`DeviceTables.push` before the first
+  of a run of replays); a call routed on the host reads it back first (`DeviceTables.pull`,
+  one host sync), so switching between a prefill and decode costs one sync and one push.
+- Per signature (the layer, the experts implementation, the module and its activation, and
+  each input's dtype, shape and stride): the first call runs the device-routed path eagerly
+  (a warm-up: lazy initialization, the copy kernel compiled), the second is captured
+  (`weights._graph._capture_once`: its errors and its collector pause) and replayed, later
+  calls replay. The inputs are copied into the graph's static inputs; the output is copied out
+  of the graph's (the next replay of the layer rewrites it: a caller keeping an output, in a
+  hook for example, keeps its own copy).
+- Every layer's graph allocates from one memory pool. A graph's memory is used only while it
+  replays (its output excepted, which no other capture reuses), and the replays are ordered on
+  one stream: a replay on another compute stream than the last first waits on that stream (the
+  tables, the stage and the pool are shared by every layer).
+- No prefetch inside a block's graph: a capture joins its copy streams before it ends, so a
+  prefetch of the next block's experts would hold the next block's attention behind it.
+- Each routed expert is copied to the stage, a hit from its cache slot (device to device):
+  device time a host-routed call does not spend, small beside the host time it saves.
+Outputs are bitwise the resident model's, as a graph call's. On the CPU no graph is captured:
+every such call runs the device-routed path with the tables' updates and copies as tensor
+operations, so the bookkeeping (map ownership both ways, counters, the stage) is tested
+without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload.moe._graphed import ExpertGraphs, check_graphable, graphed_forward, tables_of
+from torchoffload.moe._routing import NO_RECORDER
+
+__all__ = ["BlockGraphs"]
+
+
+class _Signature:
+    __slots__ = ("graph", "inputs", "output")
+
+    def __init__(self) -> None:
+        self.graph: Any = None  # torch.cuda.CUDAGraph once captured
+        self.inputs: tuple[torch.Tensor, ...] = ()
+        self.output: Any = None
+
+
+class BlockGraphs:
+    """The graphs of one runtime's block calls (Note: [Block calls replayed as graphs])."""
+
+    def __init__(self, rt: Any):
+        check_graphable(rt)
+        self.rt = rt
+        self.cuda = rt.device.type == "cuda"
+        self.k = rt.layout.top_k
+        self._graphs: dict[tuple, _Signature] = {}
+        self._runtime = ExpertGraphs(rt)  # the capture protocol of a `cuda_graph` call
+        self._pool: Any = None
+        self._stream: Any = None  # the capture stream
+        self._last: Any = None  # the compute stream of the last replay
+        self.captures = 0
+        self.replays = 0
+        self.warm_ups = 0  # calls run eagerly on the device-routed path (every call on the CPU)
+
+    def serves(self, li: int, impl: str, hidden_states: torch.Tensor,
+               top_k_index: torch.Tensor) -> bool:  # fmt: skip
+        """Whether this eager block call is one a block graph serves."""
+        rt = self.rt
+        if hidden_states.dim() != 2 or hidden_states.shape[0] != 1:
+            return False
+        if top_k_index.shape != (1, self.k) or torch.is_grad_enabled():
+            return False
+        if rt.recorder is not NO_RECORDER or rt.host is not None:
+            return False
+        if self.cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+            dtype = rt.layout.layers[li].members[0].dtype
+            if impl == "grouped_mm" and dtype != torch.bfloat16:
+                return False  # its grouped GEMM reads offsets on the host: `_graphed_kernels`
+        return True
+
+    def __call__(self, li: int, impl: str, module: Any, hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        rt = self.rt
+        inputs = (hidden_states, top_k_index, top_k_weights)
+        key = (li, impl, id(module), id(getattr(module, "act_fn", None)),
+               *((x.dtype, x.shape, x.stride(), x.device) for x in inputs))  # fmt: skip
+        with rt._lock:
+            rt._check_live()
+            rt._reap()
+            if rt.blocks[li].active:
+                raise RuntimeError(
+                    f"the block of {rt.layout.layers[li].name!r} was called inside itself"
+                )
+            entry = self._graphs.get(key)
+            if entry is None or not self.cuda:  # a warm-up; on the CPU, every call
+                self._runtime.prepare_capture()  # the map to the tables, the kernel compiled
+                self.warm_ups += 1
+                with torch.no_grad():
+                    out = graphed_forward(rt, li, module, *inputs, prefetch=False)
+                if self.cuda:
+                    self._graphs[key] = _Signature()
+                return out
+            if entry.graph is None:
+                self._capture(entry, li, module, inputs)
+            else:
+                tables_of(rt).push()  # no-op while the tables own the map
+                for static, x in zip(entry.inputs, inputs, strict=True):
+                    static.copy_(x)
+            compute = torch.cuda.current_stream(rt.device)
+            if self._last is not None and self._last != compute:
+                compute.wait_stream(self._last)
+            self._last = compute
+            entry.graph.replay()
+            self.replays += 1
+            return entry.output.clone()
+
+    def _capture(self, entry: _Signature, li: int, module: Any, inputs: tuple) -> None:
+        from torchoffload.weights._graph import _capture_once
+
+        rt = self.rt
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(rt.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode(False), torch.no_grad():
+            statics = tuple(
+                torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+                for x in inputs
+            )
+
+        def block(h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+            return graphed_forward(rt, li, module, h, index, weights, prefetch=False)
+
+        with torch.inference_mode(False), torch.no_grad():
+            graph, output, _, _ = _capture_once(self._runtime, block, rt.engine, self._stream,
+                                                statics, {}, (), pool=self._pool)  # fmt: skip
+        entry.graph, entry.inputs, entry.output = graph, statics, output
+        self.captures += 1
+
+    def reset(self) -> None:
+        """The counters to zero (the handle's ``reset_stats``)."""
+        self.captures = self.replays = self.warm_ups = 0
