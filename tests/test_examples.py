@@ -21,8 +21,11 @@ BACKGROUND = {
     ), needs=("transformers",)),
     # Two decoder layers (four by default on a CPU): torch.compile's work grows with them (48
     # CPU-s at four, 37 at two, 2026-11-28, this 2-core machine)
+    # Without --compile (36 of its 44 CPU-s here, 2026-11-29): torch.compile of a streamed
+    # model, its graph captured by cuda_graph, is tested in test_weights_graph and
+    # test_weights_contract
     "test_generate_streamed": Job(
-        ("examples/generate_streamed.py", "--new-tokens", "8", "--compile", "--layers", "2"),
+        ("examples/generate_streamed.py", "--new-tokens", "8", "--layers", "2"),
         needs=("transformers",),
     ),
     "test_generate_moe": Job(
@@ -100,7 +103,6 @@ def test_generate_streamed():
     assert "stream_weights" in out
     assert "CUDA-graph tokens identical to the all-on-device static-cache decode: True" in out
     assert "CUDA-graph decode: 7 of 8 calls replayed (timed decode)" in out  # eager: prefill
-    assert "  + compiled" in out and "compiled tokens identical" in out  # torch.compile'd step
     # transformers 5.24 renamed the static cache's argument: the old name warned at every run
     assert "past_key_values" not in output(__name__, "test_generate_streamed").stderr
 
