@@ -4,6 +4,7 @@ cache only, another compute stream, and races that show when a wait is dropped."
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import replace
 
@@ -570,4 +571,56 @@ def test_block_graphs_on_two_compute_streams_and_beside_a_cuda_graph():
     assert same(decode_logits(model, prompt, 10), want)
     st = h.stats()
     assert st.block_replays > 0 and st.block_captures == 4
+    h.remove()
+
+
+@contextlib.contextmanager
+def _tf32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+@pytest.mark.parametrize("setting, cap", [("autocast", 4), ("autocast", 1), ("tf32", 4)])
+def test_block_graphs_follow_the_settings_that_choose_kernels(setting, cap, monkeypatch):
+    """A block graph captured under one setting is not replayed under another: steps 2, 5 and
+    8 run under bf16 autocast (their inputs then differ in dtype too) or with TF32 matmuls
+    allowed (the same inputs: only the settings tell the graphs apart), each setting gets its
+    own graph (Note: [Block calls replayed as graphs]), and every step's logits are the
+    resident model's under the same setting. With one graph per layer allowed, the other
+    setting's steps route on the host. (A one-token call's GEMMs gave the same bits with and
+    without TF32 on an H200: without the settings in the key, this fails on the count of
+    captures, not on the logits.)"""
+    from torchoffload.moe import _replayed
+
+    monkeypatch.setattr(_replayed, "MAX_SIGNATURES", cap)
+    ids = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(6)).cuda()
+
+    def run(model):  # one token per call (no KV cache: an fp32 cache refuses bf16 entries)
+        outs = []
+        with torch.inference_mode():
+            for i in range(9):
+                other = i % 3 == 2
+                if not other:
+                    ctx = contextlib.nullcontext()
+                elif setting == "autocast":
+                    ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+                else:
+                    ctx = _tf32()
+                with ctx:
+                    out = model(input_ids=ids[:, i : i + 1], use_cache=False)
+                outs.append(out.logits[:, -1].float())
+        return outs
+
+    want = run(qwen3(torch.float32))
+    model = qwen3(torch.float32)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"), block_graphs=True)
+    got = run(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    st = h.stats()
+    # per layer: with and without the setting, or without only
+    assert st.block_captures == (2 if cap > 1 else 1) * 4 and st.block_replays > 0
     h.remove()

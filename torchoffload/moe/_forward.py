@@ -84,7 +84,9 @@ class FusedForward(_Entry):
             return graphed_forward(rt, li, module, hidden_states, top_k_index, top_k_weights)
         graphs = rt.block_graphs  # Note: [Block calls replayed as graphs]
         if graphs is not None and graphs.serves(li, impl, hidden_states, top_k_index):
-            return graphs(li, impl, module, hidden_states, top_k_index, top_k_weights)
+            out = graphs(li, impl, module, hidden_states, top_k_index, top_k_weights)
+            if out is not None:  # None: a signature beyond the layer's graphs
+                return out
         if impl != "eager":  # Note: [Grouped experts, one group at a time]
             if rt.host is not None:  # switched from eager since setup
                 check_host_implementation(rt.layout.layers[li], setup=False)

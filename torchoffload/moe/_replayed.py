@@ -18,13 +18,16 @@ device across blocks.
 - Who owns the map: the device tables while replays run (`DeviceTables.push` before the first
   of a run of replays); a call routed on the host reads it back first (`DeviceTables.pull`,
   one host sync), so switching between a prefill and decode costs one sync and one push.
-- Per signature (the layer, the experts implementation, the module and its activation, and
-  each input's dtype, shape and stride): the first call runs the device-routed path eagerly
+- Per signature (the layer, the experts implementation, the module and its activation, each
+  input's dtype, shape and stride, and the settings that choose kernels: autocast, the
+  deterministic mode, the matmul precision flags): the first call runs the device-routed path
+  eagerly
   (a warm-up: lazy initialization, the copy kernel compiled), the second is captured
   (`weights._graph._capture_once`: its errors and its collector pause) and replayed, later
   calls replay. The inputs are copied into the graph's static inputs; the output is copied out
   of the graph's (the next replay of the layer rewrites it: a caller keeping an output, in a
-  hook for example, keeps its own copy).
+  hook for example, keeps its own copy). A layer keeps at most ``MAX_SIGNATURES`` graphs; a
+  call of another signature beyond them routes on the host.
 - Every layer's graph allocates from one memory pool. A graph's memory is used only while it
   replays (its output excepted, which no other capture reuses), and the replays are ordered on
   one stream: a replay on another compute stream than the last first waits on that stream (the
@@ -48,7 +51,25 @@ import torch
 from torchoffload.moe._graphed import ExpertGraphs, check_graphable, graphed_forward, tables_of
 from torchoffload.moe._routing import NO_RECORDER
 
-__all__ = ["BlockGraphs"]
+__all__ = ["MAX_SIGNATURES", "BlockGraphs"]
+
+MAX_SIGNATURES = 4  # graphs kept per layer (a decode has one signature)
+
+
+def _settings(device: torch.device) -> tuple:
+    """The global settings a captured kernel choice depends on: a graph captured under others
+    would replay kernels the resident model no longer runs."""
+    kind = device.type
+    mm = torch.backends.cuda.matmul
+    return (
+        torch.is_autocast_enabled(kind),
+        torch.get_autocast_dtype(kind),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+        mm.allow_tf32,
+        mm.allow_fp16_reduced_precision_reduction,
+        mm.allow_bf16_reduced_precision_reduction,
+    )
 
 
 class _Signature:
@@ -69,6 +90,7 @@ class BlockGraphs:
         self.cuda = rt.device.type == "cuda"
         self.k = rt.layout.top_k
         self._graphs: dict[tuple, _Signature] = {}
+        self._per_layer = [0] * len(rt.layout.layers)  # signatures kept per layer
         self._runtime = ExpertGraphs(rt)  # the capture protocol of a `cuda_graph` call
         self._pool: Any = None
         self._stream: Any = None  # the capture stream
@@ -97,10 +119,10 @@ class BlockGraphs:
 
     def __call__(self, li: int, impl: str, module: Any, hidden_states: torch.Tensor,
                  top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                 top_k_weights: torch.Tensor) -> torch.Tensor | None:  # fmt: skip
         rt = self.rt
         inputs = (hidden_states, top_k_index, top_k_weights)
-        key = (li, impl, id(module), id(getattr(module, "act_fn", None)),
+        key = (li, impl, id(module), id(getattr(module, "act_fn", None)), _settings(rt.device),
                *((x.dtype, x.shape, x.stride(), x.device) for x in inputs))  # fmt: skip
         with rt._lock:
             rt._check_live()
@@ -110,6 +132,8 @@ class BlockGraphs:
                     f"the block of {rt.layout.layers[li].name!r} was called inside itself"
                 )
             entry = self._graphs.get(key)
+            if entry is None and self._per_layer[li] >= MAX_SIGNATURES:
+                return None  # the caller routes it on the host
             if entry is None or not self.cuda:  # a warm-up; on the CPU, every call
                 self._runtime.prepare_capture()  # the map to the tables, the kernel compiled
                 self.warm_ups += 1
@@ -117,6 +141,7 @@ class BlockGraphs:
                     out = graphed_forward(rt, li, module, *inputs, prefetch=False)
                 if self.cuda:
                     self._graphs[key] = _Signature()
+                    self._per_layer[li] += 1
                 return out
             if entry.graph is None:
                 self._capture(entry, li, module, inputs)
