@@ -1439,6 +1439,7 @@ class ExpertGraph(Experts):
 
     ENGINE = "expert_graph"
     IMPLS = ("eager", "grouped_mm", "batched_mm")
+    BLOCKS: bool | None = None  # block_graphs forced, the model called eagerly; None: drawn
 
     @initialize(data=st.data())
     def setup(self, data):
@@ -1485,6 +1486,8 @@ class ExpertGraph(Experts):
         # eager one-token calls on the device tables (Note: [Block calls replayed as graphs]):
         # the default (off on the CPU, on where a GPU graphs them), forced on, or off
         graphs = data.draw(st.sampled_from([None, True, False]), label="block_graphs")
+        if self.BLOCKS is not None:
+            self.eager, graphs = True, self.BLOCKS
         if graphs is not None and self.ENGINE != "expert_host":
             self.kw["block_graphs"] = graphs
         self.start()
@@ -1538,6 +1541,16 @@ class ExpertGraph(Experts):
         """As often as a decode step: a cache of fewer slots than two layers stages a
         grouped_mm layer in chunks (Note: [Layers in chunks])."""
         self.long_call(data)
+
+
+class ExpertBlockGraphs(ExpertGraph):
+    """stream_experts(block_graphs=True) called eagerly (Note: [Block calls replayed as
+    graphs]): its one-token calls on the device tables (replayed graphs on a GPU), its other
+    calls routed on the host, the map handed between them, every inference operation between
+    calls compared bitwise."""
+
+    ENGINE = "expert_block_graphs"
+    BLOCKS = True
 
 
 class ExpertHost(ExpertGraph):
@@ -1730,6 +1743,7 @@ ENGINES = {
     "cuda_graph": (CudaGraph, 10),
     "stream_experts": (Experts, 15),
     "expert_graph": (ExpertGraph, 10),
+    "expert_block_graphs": (ExpertBlockGraphs, 12),
     "expert_host": (ExpertHost, 10),
     "experts_weights": (ExpertsWeights, 10),
     "compile_streamed": (CompiledMachine, 0),
@@ -1746,7 +1760,8 @@ def test_fuzz(engine):
 # the activation and parameter machines; expert_host: on a GPU its cold experts round as the
 # CPU's kernels, not bitwise; the compiled machines compile for each example).
 GPU_ENGINES = ["activations", "layers", "optimizer", "stream_parameters", "stream_weights",
-               "cuda_graph", "stream_experts", "expert_graph", "experts_weights"]  # fmt: skip
+               "cuda_graph", "stream_experts", "expert_graph", "expert_block_graphs",
+               "experts_weights"]  # fmt: skip
 
 
 @pytest.mark.gpu
