@@ -105,8 +105,8 @@ def pairs(args, resident, streamed, h, routing: str) -> tuple[dict, bool]:
     print(f"\nmedian: resident {med['resident']:.2f} ms, streamed {med['streamed']:.2f} ms, "
           f"ratio of pairs {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max "
           f"{max(ratios):.3f}); hit rate {st.hit_rate:.3f}, {st.bytes_per_token / 2**20:.1f} "
-          f"MiB per token; block calls replayed {st.block_replays}, unreplayed "
-          f"{st.block_unreplayed}; logits bitwise equal: {same}", flush=True)  # fmt: skip
+          f"MiB per token; block calls replayed {st.block_replays}, run eagerly "
+          f"{st.block_eager_calls}; logits bitwise equal: {same}", flush=True)  # fmt: skip
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -67,7 +67,7 @@ def test_block_graph_decode_is_bitwise(slots, policy, dtype, impl):
     assert same(got, want)
     st = h.stats()
     # two layers x 2 x 7 steps on the device-routed path; no graph on the CPU
-    assert (st.block_unreplayed, st.block_captures, st.block_replays) == (28, 0, 0)
+    assert (st.block_eager_calls, st.block_captures, st.block_replays) == (28, 0, 0)
     assert st.calls == 16 and st.tokens == 2 * (4 + 7)
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
     assert st.h2d_bytes == (st.misses + st.staged) * st.layers[0].expert_bytes
@@ -94,7 +94,7 @@ def test_the_cache_carries_over_between_the_host_and_the_tables():
     # the first prefill routes to every expert: each copied once, then hits only
     assert (st.misses, st.h2d_copies, st.evictions, st.cached) == (16, 16, 0, 16)
     assert len(h.cached()) == 16
-    assert st.block_unreplayed == 2 * 2 * 5
+    assert st.block_eager_calls == 2 * 2 * 5
     h.remove()
 
 
@@ -129,9 +129,9 @@ def test_reads_writes_and_a_recorder_between_block_calls():
         assert same(decode_logits(model, prompt(), 3), decode_logits(ref, prompt(), 3))
     assert rec.profile().steps == 3  # a prefill and two steps, seen on the host
     st = h.stats()
-    assert st.block_unreplayed == 2 * 6
+    assert st.block_eager_calls == 2 * 6
     h.reset_stats()
-    assert h.stats().block_unreplayed == 0
+    assert h.stats().block_eager_calls == 0
     h.remove()
 
 
@@ -143,7 +143,7 @@ def test_block_graphs_setting():
     least = to.minimum_cache_bytes(model)
     h = to.stream_experts(model, "cpu", cache_bytes=least, pin_memory=False)
     decode_logits(model, prompt(), 3)
-    assert h.stats().block_unreplayed == 0
+    assert h.stats().block_eager_calls == 0
     h.remove()
     with pytest.raises(TypeError, match="block_graphs"):
         to.stream_experts(model, "cpu", cache_bytes=least, block_graphs="yes")
@@ -159,3 +159,98 @@ def test_block_graphs_setting():
     for _ in range(2):  # nothing left half done: the model still runs, bitwise
         assert same(decode_logits(model, prompt(), 3), decode_logits(qwen3(), prompt(), 3))
     h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_call_interrupted_after_the_tables_update_leaves_no_false_hit():
+    """An interrupt between the tables' update and the queueing of the copies (the third
+    block call here) would leave slots named for bytes never written: the map is emptied, and
+    the same request again gives the resident model's logits."""
+    from torchoffload.moe import _graphed
+
+    want = decode_logits(qwen3(), prompt(), 6)
+    model = qwen3()
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False,
+                          block_graphs=True)  # fmt: skip
+    copy = _graphed.Stage.copy
+    calls = []
+
+    def interrupted(self, li, *plan):
+        calls.append(li)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return copy(self, li, *plan)
+
+    _graphed.Stage.copy = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            decode_logits(model, prompt(), 6)
+    finally:
+        _graphed.Stage.copy = copy
+    assert same(decode_logits(model, prompt(), 6), want)
+    h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_python_that_runs_at_every_call_routes_on_the_host():
+    """A hook on the experts' activation and a dispatch mode run at every call, so those calls
+    route on the host (a graph would replay what its capture saw): the hook sees each call, and
+    the logits are the resident model's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    seen = {"ref": 0, "off": 0}
+
+    def hook(name):
+        def count(module, args, out):
+            seen[name] += 1
+
+        return count
+
+    ref = qwen3()
+    ref.model.layers[0].mlp.experts.act_fn.register_forward_hook(hook("ref"))
+    want = decode_logits(ref, prompt(), 5)
+    model = qwen3()
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False,
+                          block_graphs=True)  # fmt: skip
+    model.model.layers[0].mlp.experts.act_fn.register_forward_hook(hook("off"))
+    assert same(decode_logits(model, prompt(), 5), want)
+    assert seen["off"] == seen["ref"] > 0
+    assert h.stats().block_eager_calls == 4  # layer 1's four steps; layer 0's on the host
+    h.reset_stats()
+    with FlopCounterMode(display=False):
+        got = decode_logits(model, prompt(), 3)
+    assert h.stats().block_eager_calls == 0
+    assert same(got, decode_logits(ref, prompt(), 3))
+    h.remove()
+
+
+def test_the_new_precision_api_is_read_without_an_error():
+    """After `torch.backends.cuda.matmul.fp32_precision` is set (torch's new API), reading the
+    legacy flags raises; the settings of a block graph's signature are still read (and differ
+    from the defaults), and a one-token call runs (in a child process: the setting is global)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "from torchoffload.moe._replayed import _settings\n"
+        "before = _settings(torch.device('cuda'))\n"
+        "torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+        "after = _settings(torch.device('cuda'))\n"
+        "assert before != after, (before, after)\n"
+        "import torchoffload as to\n"
+        "from test_moe import qwen3\n"
+        "m = qwen3()\n"
+        "to.stream_experts(m, 'cpu', cache_bytes=to.minimum_cache_bytes(m), pin_memory=False,\n"
+        "                  block_graphs=True)\n"
+        "with torch.inference_mode():\n"
+        "    m(torch.ones(1, 1, dtype=torch.long))\n"
+        "print('ok')\n"
+    )
+    root = str(__import__("pathlib").Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         timeout=240)  # fmt: skip
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]

@@ -523,7 +523,7 @@ def test_qwen3_moe_block_graphs_decode_bitwise_with_slow_copies(slots, dtype, im
     assert same(got, want)
     st = h.stats()
     # per layer: the first step a warm-up, the second captured, then replays
-    assert (st.block_unreplayed, st.block_captures, st.block_replays) == (4, 4, 4 * (10 + 11))
+    assert (st.block_eager_calls, st.block_captures, st.block_replays) == (4, 4, 4 * (10 + 11))
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
     assert st.h2d_bytes == (st.misses + st.staged) * st.layers[0].expert_bytes
     h.remove()
@@ -623,4 +623,40 @@ def test_block_graphs_follow_the_settings_that_choose_kernels(setting, cap, monk
     st = h.stats()
     # per layer: with and without the setting, or without only
     assert st.block_captures == (2 if cap > 1 else 1) * 4 and st.block_replays > 0
+    h.remove()
+
+
+class _Syncing(torch.nn.Module):
+    """An activation that reads a value on the host (a capture cannot hold it)."""
+
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        if float(x.float().abs().sum()) < 0:  # never: a host read only
+            raise AssertionError
+        return self.act(x)
+
+
+def test_a_block_whose_capture_fails_routes_on_the_host(caplog):
+    """Layer 0's activation reads a value on the host: its block graph's capture fails, is
+    logged and given up, and its calls route on the host from then on; the other layers
+    replay; every step's logits are the resident model's with the same activation."""
+    from test_moe_block_graphs import decode_logits, same
+
+    prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(7)).cuda()
+    ref = qwen3(torch.bfloat16)
+    ref.model.layers[0].mlp.experts.act_fn = _Syncing(ref.model.layers[0].mlp.experts.act_fn)
+    want = decode_logits(ref, prompt, 8, requests=2)
+    model = qwen3(torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"), block_graphs=True)
+    experts.act_fn = _Syncing(experts.act_fn)
+    with caplog.at_level("WARNING", logger="torchoffload.moe._replayed"):
+        got = decode_logits(model, prompt, 8, requests=2)
+    assert same(got, want)
+    assert "could not be captured" in caplog.text and "layers.0." in caplog.text
+    st = h.stats()
+    assert st.block_captures == 3 and st.block_replays == 3 * (6 + 7)
     h.remove()

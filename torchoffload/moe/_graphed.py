@@ -33,11 +33,17 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
   the resident model's.
 - With ``prefetch=True``, see Note: [Prefetch by the next router].
+A call run eagerly on this path (a block graph's warm-up, any such call on the CPU) that
+raises after the tables' update and before its copies are queued (an interrupt, out of memory)
+would leave slots named for bytes never written: the map is emptied (`DeviceTables.forget`),
+so every expert is a miss again. A replay is all or nothing; a capture runs nothing.
 Who owns the map: the host (`ExpertCache`) in eager calls, the device tables in graph calls.
 Before a capture or a replay the host's map is written to the tables (``push``: the stage
-slots are emptied first); before an eager block call, a write of the host store, ``cached()``
-or ``remove()`` it is read back (``pull``: one host sync, after which every slot is free to be
-overwritten by an eager copy). Counters are kept on the device and added to the host's on
+slots are emptied first, and the compute stream waits on every eager copy in flight and every
+eager read of a slot, on any stream); before an eager block call, a write of the host store,
+``cached()`` or ``remove()`` it is read back (``pull``: the device synchronized, so graph calls
+on every stream are done, after which every slot is free to be overwritten by an eager
+copy). Counters are kept on the device and added to the host's on
 ``stats()``. On the CPU the same tables, updates and copies run as tensor operations (the
 copies index the host store's and the cache's bytes), so the bookkeeping is tested without a
 GPU.
@@ -52,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
-from torchoffload.moe._grouped import REGION_COPY, grouped_linear
+from torchoffload.moe._grouped import grouped_linear
 from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held
 
 # Note: [Prefetch by the next router]
@@ -199,11 +205,15 @@ class DeviceTables:
             return
         cache = self.rt.cache
         engine = self.rt.engine
+        waited: set[int] = set()
         for slot in cache.slots:
-            if slot.ready is not None:
-                engine.wait(slot.ready)
-            if REGION_COPY in slot.done:  # a staged call's copy no compute waited on
-                engine.wait(slot.done[REGION_COPY])
+            # the copies in flight into a slot, and every read of it (an eager call's, on any
+            # compute stream; a staged call's copy out of it, REGION_COPY): a graph call may
+            # write any slot
+            for event in (slot.ready, *slot.done.values()):
+                if event is not None and id(event) not in waited:
+                    waited.add(id(event))
+                    engine.wait(event)
         for slot in cache.slots[self.cache_slots :]:  # the stage: emptied
             if slot.key is not None:
                 cache.forget(slot.key)
@@ -231,6 +241,9 @@ class DeviceTables:
         dropped (the sync waited for the work that read or wrote it)."""
         if not self.owned:
             return
+        if self.rt.device.type != "cpu":  # graph calls on any stream wrote the tables and
+            # read the slots, whose events are dropped below
+            torch.get_device_module(self.rt.device.type).synchronize(self.rt.device)
         self.pull_counts()
         key_of = self.key_of.tolist()
         stamp = self.stamp.tolist()
@@ -260,6 +273,15 @@ class DeviceTables:
             c.h2d_bytes += (misses + prefetched) * self.rt.layout.layers[li].expert_bytes
         with torch.inference_mode(False), torch.no_grad():
             self.counts.zero_()
+
+    def forget(self) -> None:
+        """Empty the map (every expert a miss from now on): a call that raised between its
+        update of the tables and the queueing of its copies left slots named for bytes never
+        written (Note: [Routed experts in a CUDA graph])."""
+        with torch.inference_mode(False), torch.no_grad():
+            self.slot_of.fill_(-1)
+            self.key_of.fill_(-1)
+            self.used.fill_(self.cache_slots)
 
     # -- one block call -------------------------------------------------------------------------
 
@@ -517,12 +539,18 @@ def graphed_forward(
         )
     with torch.no_grad():
         experts, place = top_k_index[0].sort()
-        plan = tables.route(li, experts)
-        copied = tables.copies.copy(li, *plan)
-        if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
-            predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
-            if predicted is not None:
-                tables.prefetch(li + 1, predicted)
+        try:
+            plan = tables.route(li, experts)
+            copied = tables.copies.copy(li, *plan)
+            if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
+                predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
+                if predicted is not None:
+                    tables.prefetch(li + 1, predicted)
+        except BaseException:  # run eagerly, the map may name slots never written: emptied
+            # (a capture ran nothing: its tables are as they were)
+            if not (tables.copies.cuda and torch.cuda.is_current_stream_capturing()):
+                tables.forget()
+            raise
     valid = plan[1]
     impl = check_grouped(module, layer.name)
     if impl != "eager":  # Note: [Grouped experts, one group at a time]

@@ -90,7 +90,7 @@ class ExpertStats:
     # them, and such calls run without a graph (each signature's first; every one on the CPU)
     block_replays: int = 0
     block_captures: int = 0
-    block_unreplayed: int = 0
+    block_eager_calls: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -194,7 +194,7 @@ class ExpertStreamHandle:
                 staged=sum(c.staged for c in cs),
                 block_replays=0 if graphs is None else graphs.replays,
                 block_captures=0 if graphs is None else graphs.captures,
-                block_unreplayed=0 if graphs is None else graphs.warm_ups,
+                block_eager_calls=0 if graphs is None else graphs.warm_ups,
             )
 
     def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:
