@@ -201,6 +201,11 @@ def main() -> None:
         f"{st.tokens} tokens (prompt included), {size(st.h2d_bytes)} in all{link}; "
         f"{st.cached} of {st.slots} cache slots used"
     )
+    if st.block_replays or st.block_eager_calls:  # one-token calls replayed per layer (GPU)
+        print(
+            f"block graphs: {st.block_replays} one-token block calls replayed, "
+            f"{st.block_captures} captured, {st.block_eager_calls} run without a graph"
+        )
     if expected is not None:
         print(f"tokens identical to the resident run: {torch.equal(expected, got)}")
     handle.remove()  # every expert back in the model, as it was
