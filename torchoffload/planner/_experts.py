@@ -7,7 +7,10 @@ built dry (no cache storage, no host store, nothing copied), driven by ``begin``
 / ``enter`` / ``exit`` / ``end`` in the order the entry points drive the real one. The cache's
 choices depend on that order alone, never on timing (a slot is pinned from its route to its
 exit, on the host), so a replay of a recorded profile gives the hits, misses, evictions and
-bytes that `stream_experts` counts for that run at that cache size and policy, on any device.
+bytes that `stream_experts` counts for that run at that cache size and policy, on any device,
+where its calls route on the host. One-token calls on the device tables (block graphs, the
+default on a GPU, and `cuda_graph`) compute from a stage of ``top_k`` slots taken from the
+cache: their cache holds ``top_k`` fewer experts, which this replay does not model.
 Time is a bound, per token: the missed experts cross the link while the resident model
 computes, ``ms = max(bytes per token / link rate, resident ms per token)``: the copies
 overlap all of the compute and nothing else waits. A block's experts cannot be copied before
@@ -15,8 +18,10 @@ its router has run, so a run is slower than the bound; ``benchmarks/moe.py`` pri
 ratio. Without overlap it would be the sum (``no_overlap_ms``), the other side of the range.
 Measured (H200, Qwen3-30B-A3B shape, 2026-11-28): decode replayed by ``cuda_graph`` without
 prefetch ran at 1.00-1.03x the sum (its copies wait for the router, the next block for them),
-with prefetch between the two ends; eager decode is host-bound (0.99-3.0x the resident ms
-across leases), which this does not model.
+with prefetch between the two ends; eager decode routed on the host is host-bound (0.99-3.0x
+the resident ms across leases), which this does not model; with block graphs it took
+0.82-0.96x the resident model's (host-bound) eager step, 107-116 ms at the least cache
+(session 34).
 A prefill after the profile's steps (``prefill_bytes``, fused grouped_mm experts, a call large
 enough to stage every layer: at least 2 routed rows per expert) copies each layer's experts
 not cached outside the staging regions, whatever its routing; the prediction walks the layers
