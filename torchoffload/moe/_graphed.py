@@ -241,9 +241,8 @@ class DeviceTables:
         dropped (the sync waited for the work that read or wrote it)."""
         if not self.owned:
             return
-        if self.rt.device.type != "cpu":  # graph calls on any stream wrote the tables and
-            # read the slots, whose events are dropped below
-            torch.get_device_module(self.rt.device.type).synchronize(self.rt.device)
+        self.rt._sync()  # graph calls on any stream wrote the tables and read the slots,
+        # whose events are dropped below
         self.pull_counts()
         key_of = self.key_of.tolist()
         stamp = self.stamp.tolist()

@@ -215,17 +215,14 @@ class BlockGraphs:
             return entry.output.clone()
 
     def _capture(self, entry: _Signature, li: int, module: Any, inputs: tuple) -> None:
-        from torchoffload.weights._graph import _capture_once
+        from torchoffload.weights._graph import _capture_once, _static_like
 
         rt = self.rt
         if self._stream is None:
             self._stream = torch.cuda.Stream(rt.device)
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode(False), torch.no_grad():
-            statics = tuple(
-                torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
-                for x in inputs
-            )
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors: written anywhere
+            statics = tuple(_static_like(x) for x in inputs)
 
         def block(h: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return graphed_forward(rt, li, module, h, index, weights, prefetch=False)
