@@ -1490,7 +1490,20 @@ class ExpertGraph(Experts):
             self.eager, graphs = True, self.BLOCKS
         if graphs is not None and self.ENGINE != "expert_host":
             self.kw["block_graphs"] = graphs
+        # grouped_mm experts in a graph call compute in their slots where those are in the
+        # grouped GEMM's window of the last 1023 slots, else from the stage: a window of every
+        # slot here, or so few that some are outside (Note: [Experts computed in their slots])
+        from torchoffload.moe import _graphed
+
+        self.group_limit = _graphed.GROUP_LIMIT
+        _graphed.GROUP_LIMIT = data.draw(st.sampled_from([1023, 2, 3]), label="group_limit")
         self.start()
+
+    def teardown(self):
+        from torchoffload.moe import _graphed
+
+        _graphed.GROUP_LIMIT = getattr(self, "group_limit", _graphed.GROUP_LIMIT)
+        super().teardown()
 
     def apply(self):
         self.handle = to.stream_experts(self.off, DEVICE, pin_memory=on_gpu(), **self.kw)

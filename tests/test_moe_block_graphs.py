@@ -176,11 +176,11 @@ def test_a_call_interrupted_after_the_tables_update_leaves_no_false_hit():
     copy = _graphed.Stage.copy
     calls = []
 
-    def interrupted(self, li, *plan):
+    def interrupted(self, li, *plan, **how):
         calls.append(li)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return copy(self, li, *plan)
+        return copy(self, li, *plan, **how)
 
     _graphed.Stage.copy = interrupted
     try:

@@ -377,12 +377,15 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
     h.remove()
 
 
-def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[bool, int]:
+def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str = "eager",
+                wait: bool = True) -> tuple[bool, int]:  # fmt: skip
     """A graphed decode with prefetch at ``slots`` cache slots beside the stage, the copy
     stream ``slow`` ("link": misses and prefetches; "near": the hits' stage copies) spinning
     before each of its copies (Note: [Two copy streams]); without ``pin``, a prefetch may take
-    the slots the call before it used. Whether every step's logits are the resident model's,
-    and the experts prefetched."""
+    the slots the call before it used; ``impl`` "grouped_mm": bf16 experts computed in their
+    slots (Note: [Experts computed in their slots]), where without ``wait`` the compute stream
+    does not wait for the copies. Whether every step's logits are the resident model's, and
+    the experts prefetched."""
     from test_moe_graph import decode
 
     from torchoffload.moe import _graphed, _kernels
@@ -402,8 +405,9 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[b
 
     prompt = torch.randint(1, 512, (1, 9), generator=torch.Generator().manual_seed(2)).cuda()
     want, got = [], []
-    decode(qwen3(torch.float32), prompt, 16, wrap=logged(want))
-    model = qwen3(torch.float32)
+    dtype = torch.bfloat16 if impl == "grouped_mm" else torch.float32
+    decode(qwen3(dtype, impl=impl), prompt, 16, wrap=logged(want))
+    model = qwen3(dtype, impl=impl)
     least = to.minimum_cache_bytes(model)
     h = stream_experts(model, "cuda", cache_bytes=least + slots * least // 4, policy=policy,
                        prefetch=True)  # fmt: skip
@@ -420,9 +424,19 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[b
         self.used.fill_(self.cache_slots)
         return out
 
+    stage_copy = _graphed.Stage.copy
+
+    def unwaited(self, *plan, **k):  # the plan's tensors kept for the copies' streams, as
+        stage_copy(self, *plan, **k)  # the compute stream's waits would keep them
+        for t in plan[1:]:  # (the window holds every slot here: nothing on ``near``)
+            t.record_stream(self.side)
+        return None
+
     _kernels.copy_routed = slowed
     if not pin:
         _graphed.DeviceTables.route = unpinned
+    if not wait:
+        _graphed.Stage.copy = unwaited
     try:
         decode(model, prompt, 16, wrap=logged(got, h.cuda_graph))
         torch.cuda.synchronize()
@@ -431,6 +445,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True) -> tuple[b
     finally:
         _kernels.copy_routed = copy
         _graphed.DeviceTables.route = route
+        _graphed.Stage.copy = stage_copy
         h.remove()
 
 
@@ -454,6 +469,35 @@ def test_graphed_prefetch_race_is_caught_without_the_pin(policy):
     its call had just used 22 times in 43)."""
     same, prefetched = _graph_race("near", policy, 6, pin=False)
     assert prefetched > 0 and not same
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", [6, 8])
+def test_graphed_grouped_mm_in_their_slots_bitwise_with_the_link_slowed(policy, slots):
+    """grouped_mm experts computed in their cache slots (Note: [Experts computed in their
+    slots]): a hit brought by the block before's prefetch (slowed on the link's stream) is
+    read only once it landed, and the prefetch never overwrites a slot the call reads."""
+    same, prefetched = _graph_race("link", policy, slots, impl="grouped_mm")
+    assert same and prefetched > 0
+
+
+def test_graphed_grouped_mm_race_is_caught_without_the_wait():
+    """The check above can fail: with the compute stream not waiting for the copies (the link
+    slowed), experts compute on slots the copies have not written yet."""
+    same, _ = _graph_race("link", "lru", 6, impl="grouped_mm", wait=False)
+    assert not same
+
+
+@pytest.mark.parametrize("limit", [3, 1023])
+@pytest.mark.parametrize("slots", ["least", "middle", "all"])
+def test_graphed_grouped_mm_window_of_slots_bitwise(limit, slots, monkeypatch):
+    """The grouped GEMM's window of the last ``GROUP_LIMIT`` slots (3 here: most experts
+    outside it, staged from their slots or from the host) on torch's CUDA kernel: tokens
+    bitwise the resident model's, with the copies slowed."""
+    from torchoffload.moe import _graphed
+
+    monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)
+    _graphed_decode(slots, "lru", torch.bfloat16, True, "grouped_mm")
 
 
 def test_a_captured_block_that_ends_after_its_prefetch():

@@ -144,6 +144,46 @@ def test_graphed_kernels_decode_is_bitwise(slots, dtype, prefetch, impl):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("limit", [2, 3, 5, 1023])
+@pytest.mark.parametrize("slots", [2, 7, 18])
+def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, monkeypatch):
+    """grouped_mm experts in a graph call compute in the slots they are in where those are
+    among the last ``GROUP_LIMIT`` slots (the grouped GEMM's window: 1023 on CUDA; smaller
+    here, so some hits and misses are outside it and go through the stage): every step's
+    logits bitwise the resident model's, and with the window holding every slot the stage is
+    never written (Note: [Experts computed in their slots])."""
+    from torchoffload.moe import _graphed
+
+    monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)
+    ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
+    want_logits, got_logits = [], []
+
+    def recording(into, wrap=None):
+        def outer(step):
+            f = step if wrap is None else wrap(step)
+            return lambda *a: into.append(f(*a).clone()) or into[-1]
+
+        return outer
+
+    want, _ = decode(ref, prompt(seed=3), 12, wrap=recording(want_logits))
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, pin_memory=False,
+                          prefetch=slots > 2)  # fmt: skip
+    stage = h._runtime.cache.data[-2 * h._runtime.cache.slot_bytes :]
+    stage.fill_(0)
+    got, _ = decode(model, prompt(seed=3), 12, wrap=recording(got_logits, h.cuda_graph))
+    assert torch.equal(got, want)
+    assert len(got_logits) == 11 and all(map(torch.equal, got_logits, want_logits))
+    assert h._runtime.tables.copies.window() == max(0, slots - limit)
+    if slots == 18:  # every expert has a slot: only a slot outside the window is staged
+        assert stage.any() == (limit < slots)
+    st = h.stats()
+    assert (st.hits > 0) == (slots > 2)
+    assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
+    h.remove()
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_a_graph_is_captured_again_when_the_experts_implementation_changes():
     """transformers' generate() switches grouped_mm to batched_mm for decoding on a GPU: a graph
     captured under one implementation is captured again under the other (the handle's graph
@@ -219,7 +259,7 @@ def test_device_policy_chooses_as_the_host_policy(policy, slots):
     for routed in calls:
         before = int(tables.counts[0, 2])
         plan = tables.route(0, torch.tensor(sorted(routed)))
-        tables.copies.copy(0, *plan)
+        tables.copies.copy(0, *plan[:5])
         got.append(int(tables.counts[0, 2]) - before)
     # 8 experts, top 2: the cache is capped at 8 + 2 slots, of which 2 are the graph's stage
     want, cached = reference_policy(calls, min(slots, 8 + 2) - 2, policy == "lfu")
@@ -247,9 +287,9 @@ def test_lfu_never_gives_a_hit_slot_to_a_miss_after_millions_of_uses(order):
     hit, miss = (0, 5) if order == "hit first" else (5, 0)
     other = 1 if order == "hit first" else 6
     with torch.no_grad():
-        tables.copies.copy(0, *tables.route(0, torch.tensor(sorted([hit, other]))))
+        tables.copies.copy(0, *tables.route(0, torch.tensor(sorted([hit, other])))[:5])
         tables.uses[:-1] += 1 << 22  # a long run: every expert used 4M times
-        src, valid, missed, dst, write = tables.route(0, torch.tensor(sorted([hit, miss])))
+        src, valid, missed, dst, write, _ = tables.route(0, torch.tensor(sorted([hit, miss])))
     place = sorted([hit, miss]).index(hit)
     assert not missed[place] and missed[1 - place] and write[1 - place]
     assert int(tables.slot_of[hit]) >= 0 and int(tables.slot_of[other]) == -1  # LFU ties: LRU
@@ -362,9 +402,9 @@ def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
     tables.push()
     with torch.no_grad():
         for routed in ([0, 1], [2, 3]):  # the cache holds 1, 2, 3
-            tables.copies.copy(0, *tables.route(0, torch.tensor(routed)))
+            tables.copies.copy(0, *tables.route(0, torch.tensor(routed))[:5])
         two = int(tables.slot_of[2])
-        tables.copies.copy(0, *tables.route(0, torch.tensor([2, 5])))  # 2 hits, 5 misses
+        tables.copies.copy(0, *tables.route(0, torch.tensor([2, 5]))[:5])  # 2 hits, 5 misses
         five = int(tables.slot_of[5])
         assert two >= 0 and five >= 0 and int(tables.slot_of[2]) == two
         tables.prefetch(0, torch.tensor([6, 7]))

@@ -20,14 +20,16 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   slot scores 2**62 and the LFU score counts uses up to 2**22 - 1 (``_USES_CAP``; past it,
   ties go by the stamp), so no unpinned score reaches it: a miss never takes the slot of an
   expert its call hits, whose stage copy reads it.
-- One copy kernel then fills the stage: a hit from its cache slot (device to device), a miss
-  from the host store, read by the kernel through its mapped address (pinned host memory is
-  addressable from the device under unified addressing), and written to its new cache slot as
-  well. A miss left without a slot is copied to the stage only. The copies run on two side
-  streams, ordered against the compute stream by events (Note: [Two copy streams]): the stage
-  is written after the previous block's compute read it and read after it was written, in
-  every replay. Copies over the link that the kernel drives run at 47-50 GB/s (H200), against
-  54 GB/s for the copy engine (Note: [How many programs copy over the link] in _kernels.py).
+- One copy kernel then fills the stage (grouped_mm experts instead compute in the slots they
+  are in: Note: [Experts computed in their slots]): a hit from its cache slot (device to
+  device), a miss from the host store, read by the kernel through its mapped address (pinned
+  host memory is addressable from the device under unified addressing), and written to its
+  new cache slot as well. A miss left without a slot is copied to the stage only. The copies
+  run on two side streams, ordered against the compute stream by events
+  (Note: [Two copy streams]): the stage is written after the previous block's compute read it
+  and read after it was written, in every replay. Copies over the link that the kernel drives
+  run at 47-50 GB/s (H200), against 54 GB/s for the copy engine
+  (Note: [How many programs copy over the link] in _kernels.py).
 - The experts then compute with the resident loop's operations, in its order, on the stage's
   bytes, whose addresses keep the resident slices' alignment modulo 512 (every member's size is
   a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
@@ -104,7 +106,43 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 #   prefetch (one block captured alone) has both streams joined at the capture's end
 #   (`ExpertGraphs.finish_capture`).
 # With one stream, a hit's stage copy (about 9.4 MB at 545 GB/s, Qwen3-30B-A3B) queued between
-# the link's copies, so the link idled for every hit.
+# the link's copies, so the link idled for every hit. grouped_mm experts copy only the hits
+# outside the grouped GEMM's window (Note: [Experts computed in their slots]).
+
+# Note: [Experts computed in their slots]
+# transformers' grouped_mm experts (its default) compute in a graph call from the slots the
+# routed experts are in, not from the stage. A grouped GEMM takes every group's weights as one
+# tensor, the groups on its leading dimension, and sends rows to groups by offsets it reads on
+# the device: over a member's view of a window of slots (one slot's bytes apart), with the
+# token's rows sorted by slot and the offsets counted from the slots (`torch.searchsorted`), it
+# computes each routed expert where it is, with no host decision and no copy. torch's CUDA
+# kernel takes at most 1023 groups (`GROUP_LIMIT`), so the window is the cache's last 1023
+# slots (`Stage.window`), the stage among them. A place whose expert is in the window computes
+# there: a hit is not copied, a miss is copied into the cache slot it got, or into its stage
+# place where it got none. A place outside the window (a cache of more slots) computes from its
+# stage place as before: a hit is copied there from its slot (on ``near``), a miss there and
+# to its cache slot. Invariants:
+# - Bitwise: a grouped GEMM's row depends on its group's weights alone, whatever the group count
+#   (Note: [Grouped experts, one group at a time]), and every slot's member keeps the resident
+#   slice's address modulo 512 (graph mode's member sizes are multiples of 512).
+# - Ordering, as Note: [Two copy streams]: one launch per stream for every place, the compute
+#   stream waiting on both events before the GEMMs. The link's event is recorded after this
+#   call's misses and before the next block's prefetch, so after any earlier prefetch that
+#   brought a hit; ``near`` waits for ``side`` before this call's misses. No copy overwrites a
+#   slot this call reads before it read it: a miss never takes a slot its call hits, the
+#   prefetch after the call pins every slot the call used (`DeviceTables.used`), and a later
+#   call's copies wait on the compute stream.
+# One GEMM per window of 1023 slots was measured slower beyond about 4 windows: each window's
+# pair of grouped GEMMs costs about as much as the resident call (57-65 us), against about 17
+# us for a hit's device copy to the stage (below).
+# batched_mm and the eager loop still compute from the stage: they index the weights or call
+# F.linear on one expert's tensor, at addresses fixed at capture.
+# Measured (H200, torch 2.11, 2026-11-29, benchmarks/moe_in_slots.py, 8 Qwen3-30B-A3B experts
+# in bf16, replayed): one layer call took 77-81 us computed in 16 or 600 slots, against 339-341
+# us copied to the stage first (8 device copies of 64 programs, then 16 grouped GEMMs of one
+# group) and 60-61 us for the resident call over 128 experts; every row bitwise the resident
+# call's either way. Windows of 1023 slots, one GEMM pair each: 143 us over 1800 slots (2
+# windows), 247 us over 3600 (4).
 
 __all__ = ["DeviceTables", "ExpertGraphs", "check_graphable", "graphed_forward", "tables_of"]
 
@@ -112,6 +150,9 @@ _STAMP_BITS = 40  # LFU score: uses above the stamp (stamps stay below 2**40)
 # Uses counted in the LFU score: below 2**62 (a pinned slot's score) with any stamp, so an
 # unpinned slot always scores below a pinned one (Note: [Routed experts in a CUDA graph])
 _USES_CAP = (1 << (62 - _STAMP_BITS)) - 1
+# The most groups one grouped GEMM takes (torch 2.11's CUDA kernel checks ``group_count < 1024``:
+# "Can't process more than 1024 groups"); Note: [Experts computed in their slots]
+GROUP_LIMIT = 1023
 
 
 def tables_of(rt: Any) -> DeviceTables:
@@ -328,11 +369,15 @@ class DeviceTables:
     def route(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The tables' update for one token routed to ``experts`` (sorted, ``k`` of them; the
         layer's expert count marks none) and the copy plan: per place, its source addresses,
-        whether it is copied, the cache addresses a miss is written to and whether it is."""
+        whether it is valid, whether it is a miss, the cache addresses a miss is written to,
+        whether it is, and the slot the place's expert is in once copied (a hit's, a written
+        miss's, else the stage's place: Note: [Experts computed in their slots])."""
         n = self.rt.layout.layers[li].experts
         sc = self.cache_slots
         key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts)
+        at = sc + self.order
         if sc:
+            at = torch.where(hit, slot, torch.where(write, vslot, at))
             used = torch.where(hit, slot, torch.where(write, vslot, sc))
             self.stamp.index_put_((used,), self.clock + self.order)
             self.clock.add_(self.k)
@@ -349,7 +394,7 @@ class DeviceTables:
         counts[:2] += 1  # a call of one token
         counts[2] += (valid & hit).sum()
         counts[3] += miss.sum()
-        return src, valid, miss, dst, write
+        return src, valid, miss, dst, write, at
 
     def prefetch(self, li: int, experts: torch.Tensor) -> None:
         """Copy into the cache, on the link's stream after this call's misses, the predicted
@@ -401,8 +446,10 @@ class Stage:
                 rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
                 self.host.append(torch.tensor(rows, **i64))
         self.start = cache_slots * slot_bytes  # the stage's first byte
+        self.cache_slots = cache_slots
+        self._slot_views: dict = {}
         self.warm = False
-        self.forked = False  # whether this capture queued work on ``side`` or ``near``
+        self.forked: set = set()  # the copy streams this capture queued work on
         if self.cuda:  # the copies over the link, a hit's stage copies; an event per place each
             self.side = torch.cuda.Stream(dev)
             self.near = torch.cuda.Stream(dev)
@@ -426,50 +473,77 @@ class Stage:
         self.warm = True
 
     def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
-             dst: torch.Tensor, write: torch.Tensor) -> list | None:  # fmt: skip
+             dst: torch.Tensor, write: torch.Tensor, *,
+             inside: torch.Tensor | None = None) -> list | None:  # fmt: skip
         """Fill the stage (and a miss's cache slot) for layer ``li``'s call; on CUDA, the
-        events after each place's copy (the compute stream waits on each before its
-        expert)."""
+        events after each place's copy (the compute stream waits on each before its expert).
+        ``inside``: per place, whether its expert computes in its own slot (Note: [Experts
+        computed in their slots]); such a hit is not copied and such a miss is copied into its
+        cache slot only; one launch per stream, and their events for every place."""
         stage = self.stage[li]
+        linked = valid & miss
+        held = valid & ~miss
+        first, also = stage, write  # a copy's place, and whether it goes to ``dst`` too
+        if inside is not None:
+            first = torch.where((inside & write).unsqueeze(1), dst, stage)
+            also = write & ~inside
+            held = held & ~inside
         if self.cuda:
-            from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
-
-            # Note: [Two copy streams]. Per place a launch for a miss on the link's stream and
-            # one for a hit on the other, with their own program counts (Note: [How many
-            # programs copy over the link] in _kernels.py; one of the two copies nothing), then
-            # an event on each: place r computes while r + 1... are copied (the plan's tensors
-            # live until the caller's compute stream waited on every event: no block of theirs
-            # is reused before these copies read it; the two masks made here are recorded on
-            # their streams)
-            compute = torch.cuda.current_stream(self.rt.device)
-            linked, held = valid & miss, valid & ~miss
-            self.forked = True
-            self.near.wait_stream(self.side)
-            self.near.wait_stream(compute)
-            self.side.wait_stream(compute)
-            for r, (over, near) in enumerate(self.events):
-                p = slice(r, r + 1)
-                with torch.cuda.stream(self.side):
-                    copy_routed(src[p], stage[p], linked[p], dst[p], write[p], self.sizes[li])
-                    over.record(self.side)
-                with torch.cuda.stream(self.near):
-                    copy_routed(src[p], stage[p], held[p], dst[p], self.no_write[p],
-                                self.sizes[li], DEVICE_PROGRAMS)  # fmt: skip
-                    near.record(self.near)
-            linked.record_stream(self.side)
-            held.record_stream(self.near)
-            return self.events
+            return self._queue(li, src, first, dst, linked, held, also, inside is not None)
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
+        copied = (linked | held).unsqueeze(1)
         for m, nbytes in enumerate(self.sizes[li]):
             span = torch.arange(nbytes, dtype=torch.int64)
             from_host = host[(torch.where(miss, src[:, m], 0)).unsqueeze(1) + span]
             from_cache = cache[(torch.where(miss, 0, src[:, m])).unsqueeze(1) + span]
             x = torch.where(miss.unsqueeze(1), from_host, from_cache)
-            to_stage = stage[:, m]
-            cache.index_put_((to_stage.unsqueeze(1) + span,), x)
-            cache.index_put_((torch.where(write, dst[:, m], to_stage).unsqueeze(1) + span,), x)
+            to = first[:, m].unsqueeze(1) + span  # a place not copied writes back its bytes
+            cache.index_put_((to,), torch.where(copied, x, cache[to]))
+            to = torch.where(also, dst[:, m], first[:, m]).unsqueeze(1) + span
+            cache.index_put_((to,), torch.where(also.unsqueeze(1), x, cache[to]))
         return None
+
+    def _queue(self, li: int, src: torch.Tensor, first: torch.Tensor, dst: torch.Tensor,
+               linked: torch.Tensor, held: torch.Tensor, also: torch.Tensor,
+               together: bool) -> list:  # fmt: skip
+        """`copy`'s launches on CUDA: misses over the link on ``side``, staged hits on
+        ``near``; per place (its events) or, ``together``, one launch per stream."""
+        from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
+
+        # Note: [Two copy streams]. Per place a launch for a miss on the link's stream and one
+        # for a hit on the other, with their own program counts (Note: [How many programs copy
+        # over the link] in _kernels.py; one of the two copies nothing), then an event on each:
+        # place r computes while r + 1... are copied (the plan's tensors live until the
+        # caller's compute stream waited on every event: no block of theirs is reused before
+        # these copies read it; the tensors made here are recorded on their streams)
+        compute = torch.cuda.current_stream(self.rt.device)
+        near = not together or self.window() > 0  # a hit may be staged
+        self.forked.add(self.side)
+        if near:
+            self.forked.add(self.near)
+            self.near.wait_stream(self.side)  # before this call's misses
+            self.near.wait_stream(compute)
+        self.side.wait_stream(compute)
+        sizes = self.sizes[li]
+        places = [slice(0, self.k)] if together else [slice(r, r + 1) for r in range(self.k)]
+        for p, (over, hit) in zip(places, self.events, strict=False):
+            with torch.cuda.stream(self.side):
+                copy_routed(src[p], first[p], linked[p], dst[p], also[p], sizes)
+                over.record(self.side)
+            if near:
+                with torch.cuda.stream(self.near):
+                    copy_routed(src[p], first[p], held[p], dst[p], self.no_write[p], sizes,
+                                DEVICE_PROGRAMS)  # fmt: skip
+                    hit.record(self.near)
+        for t in (first, linked, also):
+            t.record_stream(self.side)
+        if near:
+            for t in (first, held):
+                t.record_stream(self.near)
+        if together:
+            return [self.events[0] if near else self.events[0][:1]]
+        return self.events
 
     def copy_ahead(self, li: int, src: torch.Tensor, dst: torch.Tensor,
                    write: torch.Tensor) -> None:  # fmt: skip
@@ -479,7 +553,7 @@ class Stage:
             from torchoffload.moe._kernels import copy_routed
 
             self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
-            self.forked = True
+            self.forked.add(self.side)
             with torch.cuda.stream(self.side):
                 copy_routed(src, dst, write, dst, self.no_write, self.sizes[li])
             # made on the compute stream and read by this copy after the caller drops them:
@@ -495,6 +569,28 @@ class Stage:
                 at = dst[r, m] + span
                 x = torch.where(write[r], host[src[r, m] + span], cache[at])
                 cache.index_put_((at,), x)
+
+    def window(self) -> int:
+        """The first slot of the grouped GEMMs' window: the last ``GROUP_LIMIT`` slots, the
+        stage's among them (Note: [Experts computed in their slots])."""
+        return max(0, self.cache_slots - max(GROUP_LIMIT - self.k, 0))
+
+    def slot_views(self, li: int, first: int, slots: int) -> list[torch.Tensor]:
+        """Layer ``li``'s members in ``slots`` slots from slot ``first`` (the stage's places
+        are the last slots), each as one tensor with the slots on its leading dimension."""
+        key = (li, first, slots)
+        out = self._slot_views.get(key)
+        if out is None:
+            storage = self.rt.cache.storage
+            sb = self.rt.cache.slot_bytes
+            out = []
+            for m in self.rt.layout.layers[li].members:
+                t = torch.empty(0, dtype=m.dtype, device=self.rt.device)
+                size = t.element_size()
+                out.append(t.set_(storage, (first * sb + m.region) // size, (slots, *m.size),
+                                  (sb // size, *m.stride)))  # fmt: skip
+            self._slot_views[key] = out
+        return out
 
     def views(self, li: int, r: int) -> list[torch.Tensor]:
         """The members of the expert at place ``r`` in the stage."""
@@ -536,11 +632,16 @@ def graphed_forward(
             "needs every expert layer to route the same number of experts per token (top_k). "
             "Call the model without cuda_graph (the eager path serves it)"
         )
+    impl = check_grouped(module, layer.name)
+    direct = impl == "grouped_mm"  # Note: [Experts computed in their slots]
     with torch.no_grad():
         experts, place = top_k_index[0].sort()
         try:
             plan = tables.route(li, experts)
-            copied = tables.copies.copy(li, *plan)
+            # the places computed in their own slots: those in the window (Note: [Experts
+            # computed in their slots]); the others from the stage
+            inside = plan[5] >= tables.copies.window() if direct else None
+            copied = tables.copies.copy(li, *plan[:5], inside=inside)
             if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
                 predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
                 if predicted is not None:
@@ -551,10 +652,11 @@ def graphed_forward(
                 tables.forget()
             raise
     valid = plan[1]
-    impl = check_grouped(module, layer.name)
     if impl != "eager":  # Note: [Grouped experts, one group at a time]
+        stage = tables.cache_slots + tables.order
+        at = None if inside is None else torch.where(inside, plan[5], stage)
         return _graphed_kernels(impl, tables, li, module, hidden_states, top_k_weights, place,
-                                valid, copied)  # fmt: skip
+                                valid, copied, at)  # fmt: skip
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
                         device=hidden_states.device)  # fmt: skip
     trash = tables.token + 1
@@ -578,14 +680,16 @@ def graphed_forward(
 
 def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
                      hidden_states: torch.Tensor, top_k_weights: torch.Tensor, place: torch.Tensor,
-                     valid: torch.Tensor, copied: Any) -> torch.Tensor:  # fmt: skip
+                     valid: torch.Tensor, copied: Any,
+                     at: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """`graphed_forward`'s computation for experts running transformers' ``grouped_mm`` or
     ``batched_mm`` (Note: [Grouped experts, one group at a time]). grouped_mm: the token's row
-    through each staged expert as a group of one, in the order of the experts (``place`` is
-    the resident's sort permutation), then the resident's weighting, reordering and sum over
-    the top-k. batched_mm: the staged experts' weights stacked in the token's top-k order (the
-    resident's gather), its batched products and sum. An expert index outside the layer
-    (``valid`` false; transformers leaves, masks or clamps it) adds zeros."""
+    through each routed expert in the slot it is in (``at``; Note: [Experts computed in their
+    slots]), in the order of the experts (``place`` is the resident's sort permutation), then
+    the resident's weighting, reordering and sum over the top-k. batched_mm: the staged
+    experts' weights stacked in the token's top-k order (the resident's gather), its batched
+    products and sum. An expert index outside the layer (``valid`` false; transformers leaves,
+    masks or clamps it) adds zeros."""
     from transformers.integrations.moe import _batched_linear
 
     dtype = tables.rt.layout.layers[li].members[0].dtype
@@ -597,16 +701,14 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
             "bfloat16 experts, or experts_implementation='batched_mm' or 'eager' for the graph"
         )
     k = tables.k
-    views = []
-    for r in range(k):
-        if copied is not None:
-            compute = torch.cuda.current_stream(hidden_states.device)
-            for event in copied[r]:
-                compute.wait_event(event)
-        views.append(tables.copies.views(li, r))
+    for events in copied or ():
+        compute = torch.cuda.current_stream(hidden_states.device)
+        for event in events:
+            compute.wait_event(event)
     inv_perm = torch.empty_like(place)
     inv_perm[place] = torch.arange(k, device=place.device)
     if impl == "batched_mm":
+        views = [tables.copies.views(li, r) for r in range(k)]
         rows = hidden_states.repeat_interleave(k, dim=0)
         weights = torch.stack([gu for gu, _ in views])[inv_perm]
         proj = module._apply_gate(
@@ -617,16 +719,34 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
         proj_out = proj_out.masked_fill_(~valid[:k, None][inv_perm], 0)
         weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
     else:
-        one = torch.ones(1, dtype=torch.int32, device=hidden_states.device)
-        outs = []
-        for gate_up_proj, down_proj in views:
-            proj = module._apply_gate(grouped_linear(hidden_states, gate_up_proj, one, module))
-            outs.append(grouped_linear(proj, down_proj, one, module))
-        proj_out = torch.cat(outs).masked_fill_(~valid[:k, None], 0)
+        proj_out = _in_slots(tables, li, module, hidden_states, at)
+        proj_out = proj_out.masked_fill_(~valid[:k, None], 0)
         weighted_out = proj_out * top_k_weights.reshape(-1)[place].unsqueeze(-1)
         weighted_out = weighted_out[inv_perm]
     final = weighted_out.view(1, k, hidden_states.shape[1]).sum(dim=1)
     return final.to(hidden_states.dtype)
+
+
+def _in_slots(tables: DeviceTables, li: int, module: Any, hidden_states: torch.Tensor,
+              at: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The token's row through the expert of each place, read in slot ``at[place]`` (each in
+    the window): transformers' two grouped GEMMs and gate over the window's views, the rows
+    sorted by slot and the groups' offsets counted on the device (Note: [Experts computed in
+    their slots]). Rows in place order."""
+    k = tables.k
+    dev = hidden_states.device
+    by_slot, order = torch.sort(at)
+    rows = hidden_states.expand(k, hidden_states.shape[1]).contiguous()
+    first = tables.copies.window()
+    slots = tables.cache_slots + k - first
+    gate_up_proj, down_proj = tables.copies.slot_views(li, first, slots)
+    ends = torch.arange(first, first + slots, device=dev)
+    offs = torch.searchsorted(by_slot, ends, right=True).to(torch.int32)
+    proj = module._apply_gate(grouped_linear(rows, gate_up_proj, offs, module))
+    out = grouped_linear(proj, down_proj, offs, module)
+    back = torch.empty_like(order)
+    back[order] = torch.arange(k, device=dev)
+    return out[back]
 
 
 def _idle(rt: Any, what: str) -> None:
@@ -700,21 +820,21 @@ class ExpertGraphs:
             tables.copies.warm_up()
 
     def start_capture(self, engine: Any, primes: tuple = ()) -> None:
-        tables_of(self.rt).copies.forked = False
+        tables_of(self.rt).copies.forked.clear()
         self.rt.graphing = True
 
     def finish_capture(self) -> tuple:
         """The copy streams joined to the capture's stream: a captured function that ends
         after a block's prefetch (before the next block, whose stage copies would wait on it)
         leaves the prefetch's copies on ``side`` only, and a capture ends with every stream it
-        forked joined."""
+        forked joined (only those: waiting on a stream the capture did not fork is an error)."""
         self.rt.graphing = False
         copies = tables_of(self.rt).copies
-        if copies.forked:
-            compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(copies.side)
-            compute.wait_stream(copies.near)
-            copies.forked = False
+        compute = torch.cuda.current_stream(self.device) if copies.forked else None
+        for stream in (copies.side, copies.near) if compute is not None else ():
+            if stream in copies.forked:
+                compute.wait_stream(stream)
+        copies.forked.clear()
         return ()
 
     def end_capture(self, keep: tuple = ()) -> Any:
