@@ -1492,11 +1492,13 @@ class ExpertGraph(Experts):
             self.kw["block_graphs"] = graphs
         # grouped_mm experts in a graph call compute in their slots where those are in the
         # grouped GEMM's window of the last 1023 slots, else from the stage: a window of every
-        # slot here, or so few that some are outside (Note: [Experts computed in their slots])
+        # slot here, or of the stage alone or one slot more, so that some are outside (Note:
+        # [Experts computed in their slots])
         from torchoffload.moe import _graphed
 
         self.group_limit = _graphed.GROUP_LIMIT
-        _graphed.GROUP_LIMIT = data.draw(st.sampled_from([1023, 2, 3]), label="group_limit")
+        k = dims["top_k"]
+        _graphed.GROUP_LIMIT = data.draw(st.sampled_from([1023, k, k + 1]), label="group_limit")
         self.start()
 
     def teardown(self):

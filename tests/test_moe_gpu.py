@@ -475,8 +475,10 @@ def test_graphed_prefetch_race_is_caught_without_the_pin(policy):
 @pytest.mark.parametrize("slots", [6, 8])
 def test_graphed_grouped_mm_in_their_slots_bitwise_with_the_link_slowed(policy, slots):
     """grouped_mm experts computed in their cache slots (Note: [Experts computed in their
-    slots]): a hit brought by the block before's prefetch (slowed on the link's stream) is
-    read only once it landed, and the prefetch never overwrites a slot the call reads."""
+    slots]): a hit brought by the block before's prefetch, and every miss (slowed on the
+    link's stream), is read only once it landed. (That the prefetch after a call never takes
+    a slot the call reads is checked on the CPU, where the copies land at once:
+    tests/test_moe_graph.py; the slowed link here delays the prefetch past the call's GEMMs.)"""
     same, prefetched = _graph_race("link", policy, slots, impl="grouped_mm")
     assert same and prefetched > 0
 
@@ -493,7 +495,8 @@ def test_graphed_grouped_mm_race_is_caught_without_the_wait():
 def test_graphed_grouped_mm_window_of_slots_bitwise(limit, slots, monkeypatch):
     """The grouped GEMM's window of the last ``GROUP_LIMIT`` slots (3 here: most experts
     outside it, staged from their slots or from the host) on torch's CUDA kernel: tokens
-    bitwise the resident model's, with the copies slowed."""
+    bitwise the resident model's, with the prefill's eager copies slowed (the graph's own
+    copies are not)."""
     from torchoffload.moe import _graphed
 
     monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)

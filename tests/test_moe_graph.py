@@ -144,17 +144,28 @@ def test_graphed_kernels_decode_is_bitwise(slots, dtype, prefetch, impl):
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
-@pytest.mark.parametrize("limit", [2, 3, 5, 1023])
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("limit", [2, 3, 1023])
 @pytest.mark.parametrize("slots", [2, 7, 18])
-def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, monkeypatch):
+def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, policy,
+                                                                   monkeypatch):  # fmt: skip
     """grouped_mm experts in a graph call compute in the slots they are in where those are
     among the last ``GROUP_LIMIT`` slots (the grouped GEMM's window: 1023 on CUDA; smaller
-    here, so some hits and misses are outside it and go through the stage): every step's
-    logits bitwise the resident model's, and with the window holding every slot the stage is
-    never written (Note: [Experts computed in their slots])."""
+    here, so some hits and misses are outside it and go through the stage), no grouped GEMM
+    takes more groups, and the prefetch after a call never takes a slot the call reads (LFU
+    would pick them): every step's logits bitwise the resident model's, and with the window
+    holding every slot the stage is never written (Note: [Experts computed in their slots])."""
     from torchoffload.moe import _graphed
 
     monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)
+    groups = []
+    linear = _graphed.grouped_linear
+
+    def counted(rows, weight, offs, module):
+        groups.append(offs.numel())
+        return linear(rows, weight, offs, module)
+
+    monkeypatch.setattr(_graphed, "grouped_linear", counted)
     ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
     want_logits, got_logits = [], []
 
@@ -168,13 +179,14 @@ def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, 
     want, _ = decode(ref, prompt(seed=3), 12, wrap=recording(want_logits))
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, pin_memory=False,
-                          prefetch=slots > 2)  # fmt: skip
+                          prefetch=slots > 2, policy=policy)  # fmt: skip
     stage = h._runtime.cache.data[-2 * h._runtime.cache.slot_bytes :]
     stage.fill_(0)
     got, _ = decode(model, prompt(seed=3), 12, wrap=recording(got_logits, h.cuda_graph))
     assert torch.equal(got, want)
     assert len(got_logits) == 11 and all(map(torch.equal, got_logits, want_logits))
     assert h._runtime.tables.copies.window() == max(0, slots - limit)
+    assert groups and max(groups) == min(slots, limit)
     if slots == 18:  # every expert has a slot: only a slot outside the window is staged
         assert stage.any() == (limit < slots)
     st = h.stats()

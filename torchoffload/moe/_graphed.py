@@ -12,7 +12,9 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   every update has a fixed shape and no host decision.
 - Graph mode keeps the cache's last ``top_k`` slots as the *stage*: the routed expert at place
   r (routed experts in ascending order, as the resident loop visits them) is computed from
-  stage slot r, at an address fixed at capture. The others (``cache slots``) cache experts.
+  stage slot r, at an address fixed at capture (grouped_mm experts: from their own slots where
+  those are in the grouped GEMM's window, see below). The others (``cache slots``) cache
+  experts.
 - One block call of one token (``top_k`` routed experts): the routed experts are sorted; a hit
   is an expert with a slot; each miss takes, in order, the unpinned slot of least score (LRU:
   the stamp; LFU: uses, then the stamp; an empty slot first; a slot hit by this call is pinned)
@@ -31,9 +33,9 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   run at 47-50 GB/s (H200), against 54 GB/s for the copy engine
   (Note: [How many programs copy over the link] in _kernels.py).
 - The experts then compute with the resident loop's operations, in its order, on the stage's
-  bytes, whose addresses keep the resident slices' alignment modulo 512 (every member's size is
-  a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one token's output is bitwise
-  the resident model's.
+  bytes (or their slots'), whose addresses keep the resident slices' alignment modulo 512
+  (every member's size is a multiple of 512 bytes in graph mode, checked at `cuda_graph`): one
+  token's output is bitwise the resident model's.
 - With ``prefetch=True``, see Note: [Prefetch by the next router].
 A call run eagerly on this path (a block graph's warm-up, any such call on the CPU) that
 raises after the tables' update and before its copies are queued (an interrupt, out of memory)

@@ -41,6 +41,8 @@ device across blocks.
   prefetch of the next block's experts would hold the next block's attention behind it.
 - Each routed expert is copied to the stage, a hit from its cache slot (device to device):
   device time a host-routed call does not spend, small beside the host time it saves.
+  grouped_mm experts compute in their slots instead where those are in the grouped GEMM's
+  window (in _graphed.py, Note: [Experts computed in their slots]).
 Outputs are bitwise the resident model's, as a graph call's. On the CPU no graph is captured:
 every such call runs the device-routed path with the tables' updates and copies as tensor
 operations, so the bookkeeping (map ownership both ways, counters, the stage) is tested
