@@ -353,7 +353,8 @@ def predicted(handle, routing: Routing, resident_ms: float, bw: float, args) -> 
     plan = plan_experts(handle, profile, link_bytes_per_s=link,
                         resident_ms_per_token=resident_ms, warmup_steps=args.warmup,
                         cache_bytes=[handle.stats().cache_bytes],
-                        policy=handle._runtime.config.policy.value)  # fmt: skip
+                        policy=handle._runtime.config.policy.value,
+                        device_routed=handle._runtime.block_graphs is not None)  # fmt: skip
     (p,) = plan.predictions
     prefill = None if p.prefill_bytes is None else round(p.prefill_bytes / MIB, 1)
     return dict(pred_ms=round(p.ms_per_token, 2) if bw == bw else None,

@@ -10,7 +10,10 @@ exit, on the host), so a replay of a recorded profile gives the hits, misses, ev
 bytes that `stream_experts` counts for that run at that cache size and policy, on any device,
 where its calls route on the host. One-token calls on the device tables (block graphs, the
 default on a GPU, and `cuda_graph`) compute from a stage of ``top_k`` slots taken from the
-cache: their cache holds ``top_k`` fewer experts, which this replay does not model.
+cache, and choose victims on the device: with ``device_routed=True`` the replay sends such
+calls through the same tables (`DeviceTables`, run as tensor operations on the CPU, no copy),
+the map moving between host and device at each switch as in a run, so the counts are again
+the run's (a test compares them). Prefetch is not replayed.
 Time is a bound, per token: the missed experts cross the link while the resident model
 computes, ``ms = max(bytes per token / link rate, resident ms per token)``: the copies
 overlap all of the compute and nothing else waits. A block's experts cannot be copied before
@@ -41,6 +44,7 @@ from torch import nn
 
 from torchoffload._validate import check_int, check_number
 from torchoffload.moe._cache import CachePolicy
+from torchoffload.moe._graphed import DeviceTables
 from torchoffload.moe._handle import ExpertStreamHandle, expert_layout
 from torchoffload.moe._layout import ExpertLayout, LayoutKind, shape_layout
 from torchoffload.moe._routing import RoutingProfile
@@ -167,6 +171,7 @@ class ExpertPlan:
     predictions: tuple[ExpertPrediction, ...]
     target_ms_per_token: float | None = None
     target: ExpertPrediction | None = None  # the least cache reaching it (None: none does)
+    device_routed: bool = False  # one-token calls routed on the device (block graphs)
 
     def reaching(self, ms_per_token: float) -> ExpertPrediction | None:
         """The least cache among ``predictions`` predicted at or under ``ms_per_token``."""
@@ -188,6 +193,7 @@ def plan_experts(
     policy: str = "lru",
     warmup_steps: int = 0,
     target_ms_per_token: float | None = None,
+    device_routed: bool = False,
 ) -> ExpertPlan:
     """Predict decode ms per token of `stream_experts` at each cache size.
 
@@ -205,6 +211,10 @@ def plan_experts(
             calls ``reset_stats()`` after them).
         target_ms_per_token: also find the least cache predicted to reach it (a bisection on
             the slot count: it takes more slots never to predict more bytes per token).
+        device_routed: one-token calls routed on the device, as `stream_experts` runs them
+            with block graphs (the default on a GPU) and in `cuda_graph`: their cache is the
+            device tables', with the stage's ``top_k`` slots taken from it. ``False``: every
+            call routed on the host (``block_graphs=False``, the CPU). Fused experts only.
 
     Returns an `ExpertPlan` (``print`` it for the table). See Note: [Predicting expert
     streaming] for what the prediction assumes.
@@ -227,6 +237,13 @@ def plan_experts(
     if profile.steps <= warmup_steps:
         raise ValueError(f"the profile has {profile.steps} steps: none is left after "
                          f"warmup_steps={warmup_steps}")  # fmt: skip
+    if device_routed:
+        listed = [layer.name for layer in layout.layers if layer.kind is not LayoutKind.FUSED]
+        if listed:
+            raise ValueError(
+                f"device_routed=True: the experts {listed[0]!r} are a list of modules; only "
+                "fused experts route on the device (block graphs, cuda_graph)"
+            )
     least = layout.least_cache_bytes()
     every = layout.total_experts * layout.slot_bytes
     if cache_bytes is None:
@@ -243,7 +260,7 @@ def plan_experts(
 
     def predict(slots: int) -> ExpertPrediction:
         return _predict(layout, profile, slots, pol, warmup_steps, link_bytes_per_s,
-                        resident_ms_per_token)  # fmt: skip
+                        resident_ms_per_token, device_routed)  # fmt: skip
 
     found: dict[int, ExpertPrediction] = {}
     for b in cache_bytes:
@@ -270,16 +287,20 @@ def plan_experts(
         predictions=tuple(found[s] for s in sorted(found)),
         target_ms_per_token=target_ms_per_token,
         target=target,
+        device_routed=device_routed,
     )
 
 
 def replay(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: CachePolicy,
-           warmup_steps: int = 0) -> ExpertRuntime:  # fmt: skip
+           warmup_steps: int = 0, device_routed: bool = False) -> ExpertRuntime:  # fmt: skip
     """A dry runtime of ``slots`` slots after the profile's block calls (its counters reset
-    after ``warmup_steps`` steps). See Note: [Predicting expert streaming]."""
+    after ``warmup_steps`` steps); ``device_routed``: one-token calls of ``top_k`` experts
+    through the device tables, as block graphs and `cuda_graph` route them. See Note:
+    [Predicting expert streaming]."""
     config = ExpertConfig(torch.device("cpu"), slots * layout.slot_bytes, policy,
                           use_streams=False, pin_memory=False, dry=True)  # fmt: skip
     rt = ExpertRuntime(layout, config)
+    tables = rt.tables = DeviceTables(rt) if device_routed else None
     step = 0
     with torch.no_grad():
         for call in profile.calls:
@@ -288,7 +309,11 @@ def replay(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: Ca
                 step += 1
                 if step == warmup_steps + 1:
                     rt.reset()
-            rt.begin(li, call.tokens)
+            if tables is not None and call.tokens == 1 and len(call.experts) == tables.k:
+                tables.push()  # the map to the device, as before a block graph
+                tables.route(li, torch.tensor(sorted(call.experts), dtype=torch.int64))
+                continue
+            rt.begin(li, call.tokens)  # (the map back to the host first, as in a run)
             try:
                 if call.routed is not None:
                     rt.route(li, list(call.routed))
@@ -297,12 +322,15 @@ def replay(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: Ca
                     rt.exit(li, e)
             finally:
                 rt.end(li)
+    if tables is not None:
+        tables.pull()  # the map and the counters
     return rt
 
 
 def _predict(layout: ExpertLayout, profile: RoutingProfile, slots: int, policy: CachePolicy,
-             warmup_steps: int, link: float, resident_ms: float) -> ExpertPrediction:  # fmt: skip
-    rt = replay(layout, profile, slots, policy, warmup_steps)
+             warmup_steps: int, link: float, resident_ms: float,
+             device_routed: bool = False) -> ExpertPrediction:  # fmt: skip
+    rt = replay(layout, profile, slots, policy, warmup_steps, device_routed)
     cs = rt.counters
     tokens = cs[0].tokens
     h2d = sum(c.h2d_bytes for c in cs)

@@ -172,6 +172,8 @@ def describe_experts(plan: ExpertPlan) -> str:
     big = max(p.cache_bytes for p in plan.predictions) >= 2**30
     unit, scale = ("GiB", 2**30) if big else ("MiB", 2**20)
     warm = f", the first {plan.warmup_steps} steps not counted" if plan.warmup_steps else ""
+    if plan.device_routed:
+        warm += "; one-token calls routed on the device (block graphs, cuda_graph)"
     lines = [
         f"torchoffload expert plan: {plan.model}",
         f"routing: {plan.profile}, policy {plan.policy}{warm}",
