@@ -447,7 +447,6 @@ class Stage:
                     rows.append(row)
                 rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
                 self.host.append(torch.tensor(rows, **i64))
-        self.start = cache_slots * slot_bytes  # the stage's first byte
         self.cache_slots = cache_slots
         self._slot_views: dict = {}
         self.warm = False
@@ -596,14 +595,7 @@ class Stage:
 
     def views(self, li: int, r: int) -> list[torch.Tensor]:
         """The members of the expert at place ``r`` in the stage."""
-        layer = self.rt.layout.layers[li]
-        storage = self.rt.cache.storage
-        out = []
-        start = self.start + r * self.rt.cache.slot_bytes
-        for m in layer.members:
-            t = torch.empty(0, dtype=m.dtype, device=self.rt.device)
-            out.append(t.set_(storage, (start + m.region) // t.element_size(), m.size, m.stride))
-        return out
+        return [t[0] for t in self.slot_views(li, self.cache_slots + r, 1)]
 
 
 def graphed_forward(
@@ -655,8 +647,11 @@ def graphed_forward(
             raise
     valid = plan[1]
     if impl != "eager":  # Note: [Grouped experts, one group at a time]
-        stage = tables.cache_slots + tables.order
-        at = None if inside is None else torch.where(inside, plan[5], stage)
+        at = (
+            None
+            if inside is None
+            else torch.where(inside, plan[5], tables.cache_slots + tables.order)
+        )
         return _graphed_kernels(impl, tables, li, module, hidden_states, top_k_weights, place,
                                 valid, copied, at)  # fmt: skip
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
