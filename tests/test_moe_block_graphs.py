@@ -173,21 +173,21 @@ def test_a_call_interrupted_after_the_tables_update_leaves_no_false_hit():
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=6 * slot_bytes, pin_memory=False,
                           block_graphs=True)  # fmt: skip
-    copy = _graphed.Stage.copy
+    apply = _graphed.Stage.apply
     calls = []
 
-    def interrupted(self, li, *plan, **how):
+    def interrupted(self, li, plan):
         calls.append(li)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return copy(self, li, *plan, **how)
+        return apply(self, li, plan)
 
-    _graphed.Stage.copy = interrupted
+    _graphed.Stage.apply = interrupted
     try:
         with pytest.raises(KeyboardInterrupt):
             decode_logits(model, prompt(), 6)
     finally:
-        _graphed.Stage.copy = copy
+        _graphed.Stage.apply = apply
     assert same(decode_logits(model, prompt(), 6), want)
     h.remove()
 

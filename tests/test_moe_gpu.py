@@ -411,7 +411,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
     least = to.minimum_cache_bytes(model)
     h = stream_experts(model, "cuda", cache_bytes=least + slots * least // 4, policy=policy,
                        prefetch=True)  # fmt: skip
-    copy, route = _kernels.copy_routed, _graphed.DeviceTables.route
+    copy, call = _kernels.copy_routed, _graphed.DeviceTables.call
     spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
 
     def slowed(src, stage, what, dst, write, sizes, programs=_kernels.LINK_PROGRAMS):
@@ -419,24 +419,24 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
             torch.cuda._sleep(20_000_000)  # on the stream the copy is queued on
         copy(src, stage, what, dst, write, sizes, programs)
 
-    def unpinned(self, li, experts):
-        out = route(self, li, experts)
+    def unpinned(self, li, index, direct):
+        out = call(self, li, index, direct)
         self.used.fill_(self.cache_slots)
         return out
 
-    stage_copy = _graphed.Stage.copy
+    stage_apply = _graphed.Stage.apply
 
-    def unwaited(self, *plan, **k):  # the plan's tensors kept for the copies' streams, as
-        stage_copy(self, *plan, **k)  # the compute stream's waits would keep them
-        for t in plan[1:]:  # (the window holds every slot here: nothing on ``near``)
-            t.record_stream(self.side)
+    def unwaited(self, li, plan):  # the plan's tensors kept for the copies' streams, as the
+        stage_apply(self, li, plan)  # compute stream's waits would keep them
+        for t in (plan.src, plan.first, plan.dst, plan.miss, plan.held, plan.also):
+            t.record_stream(self.side)  # (the window holds every slot here: nothing on near)
         return None
 
     _kernels.copy_routed = slowed
     if not pin:
-        _graphed.DeviceTables.route = unpinned
+        _graphed.DeviceTables.call = unpinned
     if not wait:
-        _graphed.Stage.copy = unwaited
+        _graphed.Stage.apply = unwaited
     try:
         decode(model, prompt, 16, wrap=logged(got, h.cuda_graph))
         torch.cuda.synchronize()
@@ -444,8 +444,8 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
         return same, h.stats().prefetched
     finally:
         _kernels.copy_routed = copy
-        _graphed.DeviceTables.route = route
-        _graphed.Stage.copy = stage_copy
+        _graphed.DeviceTables.call = call
+        _graphed.Stage.apply = stage_apply
         h.remove()
 
 
@@ -520,6 +520,77 @@ def test_a_captured_block_that_ends_after_its_prefetch():
     torch.cuda.synchronize()
     assert h.stats().prefetched > 0
     assert any(".layers.1." in name for name, _ in h.cached())
+    h.remove()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+@pytest.mark.parametrize("slots", [0, 2, 9, 40, 64])
+@pytest.mark.parametrize("block", [16, 4096])
+def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(policy, slots, block,
+                                                                       monkeypatch):  # fmt: skip
+    """Note: [One routing kernel per call]: on a random walk of calls (routed and prefetched,
+    the window of 6 slots or 1023, a hot set of experts, some "none" experts, uses past the
+    LFU cap), the kernel leaves the tables as the tensor operations do and returns the same
+    plan, element for element; ``block`` 16 scores the cache in chunks."""
+    from torchoffload.moe import _graphed, _kernels
+
+    monkeypatch.setattr(_kernels, "ROUTE_BLOCK", block)
+    model = qwen3(impl="grouped_mm")
+    least = to.minimum_cache_bytes(model)  # the stage: top_k slots
+    h = stream_experts(model, "cuda", cache_bytes=least + slots * (least // 4), policy=policy)
+    tables = _graphed.DeviceTables(h._runtime)
+    tables.push()
+    sc, k, n = tables.cache_slots, tables.k, 16
+    assert sc == slots
+    names = ("slot_of", "key_of", "stamp", "uses", "clock", "counts", "used")
+    g = torch.Generator().manual_seed(slots * 7 + block)
+    hot = torch.randperm(n, generator=g)[:6].tolist()
+    fields = ("place", "inv", "valid", "miss", "held", "also", "write", "inside", "src", "first",
+              "back", "offs")  # fmt: skip
+    done = {"call": 0, "prefetch": 0, "written": 0}
+    with torch.no_grad():
+        for step in range(90):
+            li = int(torch.randint(4, (1,), generator=g))
+            pool = hot if step % 3 else list(range(n))
+            pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[:k].tolist()]
+            if step % 11 == 5:
+                pick[-1] = n  # none
+            if step % 17 == 8:
+                pick[-2:] = [n, n]
+            if step == 45:
+                tables.uses[:-1] += 1 << 22  # past the LFU cap
+            monkeypatch.setattr(_graphed, "GROUP_LIMIT", 6 if step % 2 else 1023)
+            kind = "prefetch" if step % 4 == 3 and sc else "call"
+            direct = bool(step % 5)
+            index = torch.tensor(pick, device="cuda")
+            before = {name: getattr(tables, name).clone() for name in names}
+            outs = {}
+            for fused in (False, True):
+                for name in names:
+                    getattr(tables, name).copy_(before[name])
+                monkeypatch.setattr(_graphed, "FUSED_ROUTING", fused)
+                if kind == "call":
+                    plan = tables.call(li, index, direct)
+                    got = {f: getattr(plan, f) for f in fields} | {"dst": plan.dst}
+                else:
+                    src, dst, write = tables.plan_prefetch(li, index.sort().values)
+                    got = {"src": src, "dst": dst, "write": write}
+                got = {f: v.clone() for f, v in got.items() if v is not None}
+                got |= {name: getattr(tables, name).clone() for name in names}
+                outs[fused] = got
+            ref, out = outs[False], outs[True]
+            assert ref.keys() == out.keys()
+            for name in ref:
+                a, b = ref[name], out[name]
+                if name in ("stamp", "key_of"):  # their trash entries (at ``sc``) aside
+                    a, b = a[:sc], b[:sc]
+                elif name == "dst":  # written only where a slot was taken
+                    a, b = a[ref["write"]], b[ref["write"]]
+                assert torch.equal(a, b), (step, kind, name, a, b)
+            done[kind] += 1
+            done["written"] += int(ref["write"].sum())
+    assert done["call"] > 40 and (done["prefetch"] > 10 or not sc)
+    assert done["written"] > 0 or not sc
     h.remove()
 
 

@@ -15,7 +15,8 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   stage slot r, at an address fixed at capture (grouped_mm experts: from their own slots where
   those are in the grouped GEMM's window, see below). The others (``cache slots``) cache
   experts.
-- One block call of one token (``top_k`` routed experts): the routed experts are sorted; a hit
+- One block call of one token (``top_k`` routed experts; on CUDA in one kernel, see
+  _kernels.py's Note: [One routing kernel per call]): the routed experts are sorted; a hit
   is an expert with a slot; each miss takes, in order, the unpinned slot of least score (LRU:
   the stamp; LFU: uses, then the stamp; an empty slot first; a slot hit by this call is pinned)
   while there are unpinned slots; the tables are updated through the trash entries. A pinned
@@ -56,6 +57,7 @@ GPU.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any
 
 import torch
@@ -152,9 +154,39 @@ _STAMP_BITS = 40  # LFU score: uses above the stamp (stamps stay below 2**40)
 # Uses counted in the LFU score: below 2**62 (a pinned slot's score) with any stamp, so an
 # unpinned slot always scores below a pinned one (Note: [Routed experts in a CUDA graph])
 _USES_CAP = (1 << (62 - _STAMP_BITS)) - 1
+_PINNED = 1 << 62  # a pinned slot's score
+# Graph calls on CUDA route in one kernel (Note: [One routing kernel per call] in _kernels.py);
+# False runs the tensor operations there too (the reference the GPU tests compare it with)
+FUSED_ROUTING = True
 # The most groups one grouped GEMM takes (torch 2.11's CUDA kernel checks ``group_count < 1024``:
 # "Can't process more than 1024 groups"); Note: [Experts computed in their slots]
 GROUP_LIMIT = 1023
+
+
+@dataclasses.dataclass
+class CallPlan:
+    """One graph call's plan, per place (the token's routed experts in ascending order): its
+    expert's place in the router's order (``place``) and the inverse (``inv``); whether it is
+    valid, a miss (copied over the link), a hit copied to the stage (``held``), a miss also
+    written to its cache slot (``also``), given a slot (``write``), computed in its own slot
+    (``inside``); per member, the source, first destination (its stage place, or its cache
+    slot) and cache destination addresses; for grouped_mm experts, each place's row among the
+    rows sorted by the slot it computes in (``back``) and the window's group offsets
+    (Note: [Experts computed in their slots]). Made by `DeviceTables.call`."""
+
+    place: torch.Tensor
+    inv: torch.Tensor
+    valid: torch.Tensor
+    miss: torch.Tensor
+    held: torch.Tensor
+    also: torch.Tensor
+    write: torch.Tensor
+    inside: torch.Tensor | None
+    src: torch.Tensor
+    first: torch.Tensor
+    dst: torch.Tensor
+    back: torch.Tensor | None = None
+    offs: torch.Tensor | None = None
 
 
 def tables_of(rt: Any) -> DeviceTables:
@@ -230,13 +262,14 @@ class DeviceTables:
             self.order = torch.arange(self.k, **i64)
             self.before = torch.ones(self.k, self.k, dtype=torch.bool, device=dev).tril()
             self.token = torch.zeros(1, **i64)
-            self.big = torch.full((1,), 1 << 62, **i64)
+            self.big = torch.full((1,), _PINNED, **i64)
             self.none = torch.full((1,), -1, **i64)
             self.used = torch.full((self.k,), self.cache_slots, **i64)  # the last call's slots
         self.copies = Stage(rt, self.cache_slots, self.k)
         c = self.copies
         self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
         self.owned = False  # the device's map is the one in force
+        self.warm = False  # the routing kernel compiled
 
     # -- the map between host and device --------------------------------------------------------
 
@@ -398,6 +431,32 @@ class DeviceTables:
         counts[3] += miss.sum()
         return src, valid, miss, dst, write, at
 
+    @property
+    def fused(self) -> bool:
+        """Whether calls route in one kernel (on CUDA: Note: [One routing kernel per call] in
+        _kernels.py) rather than as tensor operations (the CPU's path, and the reference)."""
+        return self.copies.cuda and FUSED_ROUTING
+
+    def call(self, li: int, index: torch.Tensor, direct: bool) -> CallPlan:
+        """Route one token's experts ``index`` (the router's order; the layer's expert count
+        marks none) and plan its copies (`CallPlan`): the tables updated as `route` does, in
+        one kernel where `fused`. ``direct``: grouped_mm experts, computed in the slots of the
+        window (Note: [Experts computed in their slots])."""
+        if self.fused:
+            return _fused(self, li, index, direct=direct)
+        experts, place = index.sort(stable=True)
+        inv = torch.empty_like(place)
+        inv[place] = self.order
+        src, valid, miss, dst, write, at = self.route(li, experts)
+        c = self.copies
+        inside = at >= c.window() if direct else None
+        first, held, also = c.derive(li, valid, miss, dst, write, inside)
+        plan = CallPlan(place, inv, valid, miss, held, also, write, inside, src, first, dst)
+        if direct:
+            plan.back, plan.offs = _by_slot(self, torch.where(inside, at, self.cache_slots +
+                                                              self.order))  # fmt: skip
+        return plan
+
     def prefetch(self, li: int, experts: torch.Tensor) -> None:
         """Copy into the cache, on the link's stream after this call's misses, the predicted
         ``experts`` of layer ``li`` that it lacks, never into a slot the call before it used
@@ -405,14 +464,77 @@ class DeviceTables:
         now (LRU) and not as uses (LFU)."""
         if not self.cache_slots:
             return
+        self.copies.copy_ahead(li, *self.plan_prefetch(li, experts))
+
+    def plan_prefetch(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`prefetch`'s routing (the tables updated): per place, the host addresses of its
+        expert, the cache addresses it is written to, and whether it is."""
+        if self.fused:  # Note: [One routing kernel per call] in _kernels.py
+            plan = _fused(self, li, experts, prefetch=True)
+            return plan.src, plan.dst, plan.write
         n = self.rt.layout.layers[li].experts
         key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used)
         self.stamp.index_put_((torch.where(write, vslot, self.cache_slots),),
                               self.clock + self.order)  # fmt: skip
         self.clock.add_(self.k)
         self.counts[li, 4] += write.sum()
-        host = self.host[li][torch.where(valid, experts, n)]
-        self.copies.copy_ahead(li, host, dst, write)
+        return self.host[li][torch.where(valid, experts, n)], dst, write
+
+
+def _by_slot(tables: DeviceTables, computed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each place's row among the rows sorted by the slot it computes in (``computed``), and the
+    window's group offsets (Note: [Experts computed in their slots])."""
+    by_slot, order = torch.sort(computed)
+    ends = torch.arange(tables.copies.window(), tables.cache_slots + tables.k,
+                        device=computed.device)  # fmt: skip
+    back = torch.empty_like(order)
+    back[order] = tables.order
+    return back, torch.searchsorted(by_slot, ends, right=True).to(torch.int32)
+
+
+def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool = False,
+           prefetch: bool = False, on: tuple | None = None) -> CallPlan:  # fmt: skip
+    """`DeviceTables.call` (or `plan_prefetch`'s routing) in one kernel (Note: [One routing
+    kernel per call] in _kernels.py), on the tables ``on`` (default: ``tables``')."""
+    from torchoffload.moe._kernels import route_call
+
+    c = tables.copies
+    if on is None:
+        on = (tables.slot_of, tables.key_of, tables.stamp, tables.uses, tables.clock,
+              tables.counts, tables.used)  # fmt: skip
+    if index.dtype != torch.int64:
+        index = index.to(torch.int64)
+    flags, addrs, perms, offs = route_call(
+        index.contiguous(), on, c.host[li], c.region[li], c.stage[li],
+        first_key=tables.first[li], experts=tables.rt.layout.layers[li].experts,
+        slots=tables.cache_slots, cache_base=c.base, slot_bytes=tables.rt.cache.slot_bytes,
+        window=c.window(), layer=li, big=_PINNED, cap=_USES_CAP, lfu=tables.lfu,
+        prefetch=prefetch, direct=direct,
+    )  # fmt: skip
+    valid, miss, held, also, write, inside = flags
+    src, first, dst = addrs
+    place, inv, back = perms
+    return CallPlan(place, inv, valid, miss, held, also, write, inside if direct else None,
+                    src, first, dst, back if direct else None, offs)  # fmt: skip
+
+
+def warm_routing(tables: DeviceTables) -> None:
+    """Compile the routing kernel for every layer's calls and prefetches (outside a capture),
+    on copies of the tables: nothing changes."""
+    if not tables.fused or tables.warm:
+        tables.warm = True
+        return
+    with torch.inference_mode(False), torch.no_grad():
+        on = tuple(t.clone() for t in (tables.slot_of, tables.key_of, tables.stamp, tables.uses,
+                                       tables.clock, tables.counts, tables.used))  # fmt: skip
+        for li, layer in enumerate(tables.rt.layout.layers):
+            none = torch.full((tables.k,), layer.experts, dtype=torch.int64,
+                              device=tables.rt.device)  # fmt: skip
+            for direct in (False, True):
+                _fused(tables, li, none, direct=direct, on=on)
+            if tables.prefetches and tables.cache_slots:
+                _fused(tables, li, none, prefetch=True, on=on)
+    tables.warm = True
 
 
 class Stage:
@@ -473,32 +595,53 @@ class Stage:
                                 self.sizes[li], programs)  # fmt: skip
         self.warm = True
 
-    def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
-             dst: torch.Tensor, write: torch.Tensor, *,
-             inside: torch.Tensor | None = None) -> list | None:  # fmt: skip
-        """Fill the stage (and a miss's cache slot) for layer ``li``'s call; on CUDA, the
-        events after each place's copy (the compute stream waits on each before its expert).
-        ``inside``: per place, whether its expert computes in its own slot (Note: [Experts
-        computed in their slots]); such a hit is not copied and such a miss is copied into its
-        cache slot only; one launch per stream, and their events for every place."""
+    def derive(self, li: int, valid: torch.Tensor, miss: torch.Tensor, dst: torch.Tensor,
+               write: torch.Tensor,
+               inside: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """Per place, where its copy goes first (its stage place, or its cache slot where it
+        computes there), whether it is a hit copied to the stage, and whether a miss is also
+        written to its cache slot. ``inside``: per place, whether its expert computes in its
+        own slot (Note: [Experts computed in their slots]); such a hit is not copied and such a
+        miss is copied into its cache slot only."""
         stage = self.stage[li]
-        linked = valid & miss
         held = valid & ~miss
-        first, also = stage, write  # a copy's place, and whether it goes to ``dst`` too
+        first, also = stage, write
         if inside is not None:
             first = torch.where((inside & write).unsqueeze(1), dst, stage)
             also = write & ~inside
             held = held & ~inside
+        return first, held, also
+
+    def copy(self, li: int, src: torch.Tensor, valid: torch.Tensor, miss: torch.Tensor,
+             dst: torch.Tensor, write: torch.Tensor, *,
+             inside: torch.Tensor | None = None) -> list | None:  # fmt: skip
+        """Fill the stage (and a miss's cache slot) for layer ``li``'s call routed by `route`
+        (`derive`'s plan); on CUDA, the events after each place's copy (the compute stream
+        waits on each before its expert)."""
+        first, held, also = self.derive(li, valid, miss, dst, write, inside)
+        return self._launch(li, src, first, dst, valid & miss, held, also, inside is not None)
+
+    def apply(self, li: int, plan: CallPlan) -> list | None:
+        """`copy` of a `DeviceTables.call` plan."""
+        return self._launch(li, plan.src, plan.first, plan.dst, plan.miss, plan.held, plan.also,
+                            plan.inside is not None)  # fmt: skip
+
+    def _launch(self, li: int, src: torch.Tensor, first: torch.Tensor, dst: torch.Tensor,
+                linked: torch.Tensor, held: torch.Tensor, also: torch.Tensor,
+                together: bool) -> list | None:  # fmt: skip
+        """The copies of a plan: each place copied (a miss from the host, a held hit from its
+        slot) to ``first``, and to ``dst`` where ``also``; on CUDA queued by `_queue`, whose
+        events it returns, on the CPU done."""
         if self.cuda:
-            return self._queue(li, src, first, dst, linked, held, also, inside is not None)
+            return self._queue(li, src, first, dst, linked, held, also, together)
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
         copied = (linked | held).unsqueeze(1)
         for m, nbytes in enumerate(self.sizes[li]):
             span = torch.arange(nbytes, dtype=torch.int64)
-            from_host = host[(torch.where(miss, src[:, m], 0)).unsqueeze(1) + span]
-            from_cache = cache[(torch.where(miss, 0, src[:, m])).unsqueeze(1) + span]
-            x = torch.where(miss.unsqueeze(1), from_host, from_cache)
+            from_host = host[(torch.where(linked, src[:, m], 0)).unsqueeze(1) + span]
+            from_cache = cache[(torch.where(linked, 0, src[:, m])).unsqueeze(1) + span]
+            x = torch.where(linked.unsqueeze(1), from_host, from_cache)
             to = first[:, m].unsqueeze(1) + span  # a place not copied writes back its bytes
             cache.index_put_((to,), torch.where(copied, x, cache[to]))
             to = torch.where(also, dst[:, m], first[:, m]).unsqueeze(1) + span
@@ -629,13 +772,9 @@ def graphed_forward(
     impl = check_grouped(module, layer.name)
     direct = impl == "grouped_mm"  # Note: [Experts computed in their slots]
     with torch.no_grad():
-        experts, place = top_k_index[0].sort()
         try:
-            plan = tables.route(li, experts)
-            # the places computed in their own slots: those in the window (Note: [Experts
-            # computed in their slots]); the others from the stage
-            inside = plan[5] >= tables.copies.window() if direct else None
-            copied = tables.copies.copy(li, *plan[:5], inside=inside)
+            plan = tables.call(li, top_k_index[0], direct)
+            copied = tables.copies.apply(li, plan)
             if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
                 predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
                 if predicted is not None:
@@ -645,15 +784,10 @@ def graphed_forward(
             if not (tables.copies.cuda and torch.cuda.is_current_stream_capturing()):
                 tables.forget()
             raise
-    valid = plan[1]
+    place, valid = plan.place, plan.valid
     if impl != "eager":  # Note: [Grouped experts, one group at a time]
-        at = (
-            None
-            if inside is None
-            else torch.where(inside, plan[5], tables.cache_slots + tables.order)
-        )
-        return _graphed_kernels(impl, tables, li, module, hidden_states, top_k_weights, place,
-                                valid, copied, at)  # fmt: skip
+        return _graphed_kernels(impl, tables, li, module, hidden_states, top_k_weights, plan,
+                                copied)  # fmt: skip
     final = torch.zeros((2, hidden_states.shape[1]), dtype=hidden_states.dtype,
                         device=hidden_states.device)  # fmt: skip
     trash = tables.token + 1
@@ -676,14 +810,13 @@ def graphed_forward(
 
 
 def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
-                     hidden_states: torch.Tensor, top_k_weights: torch.Tensor, place: torch.Tensor,
-                     valid: torch.Tensor, copied: Any,
-                     at: torch.Tensor) -> torch.Tensor:  # fmt: skip
+                     hidden_states: torch.Tensor, top_k_weights: torch.Tensor, plan: CallPlan,
+                     copied: Any) -> torch.Tensor:  # fmt: skip
     """`graphed_forward`'s computation for experts running transformers' ``grouped_mm`` or
     ``batched_mm`` (Note: [Grouped experts, one group at a time]). grouped_mm: the token's row
-    through each routed expert in the slot it is in (``at``; Note: [Experts computed in their
-    slots]), in the order of the experts (``place`` is the resident's sort permutation), then
-    the resident's weighting, reordering and sum over the top-k. batched_mm: the staged
+    through each routed expert in the slot it computes in (Note: [Experts computed in their
+    slots]), in the order of the experts (``plan.place`` is the resident's sort permutation),
+    then the resident's weighting, reordering and sum over the top-k. batched_mm: the staged
     experts' weights stacked in the token's top-k order (the resident's gather), its batched
     products and sum. An expert index outside the layer (``valid`` false; transformers leaves,
     masks or clamps it) adds zeros."""
@@ -702,8 +835,7 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
         compute = torch.cuda.current_stream(hidden_states.device)
         for event in events:
             compute.wait_event(event)
-    inv_perm = torch.empty_like(place)
-    inv_perm[place] = torch.arange(k, device=place.device)
+    valid, inv_perm = plan.valid, plan.inv
     if impl == "batched_mm":
         views = [tables.copies.views(li, r) for r in range(k)]
         rows = hidden_states.repeat_interleave(k, dim=0)
@@ -716,34 +848,28 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
         proj_out = proj_out.masked_fill_(~valid[:k, None][inv_perm], 0)
         weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
     else:
-        proj_out = _in_slots(tables, li, module, hidden_states, at)
+        proj_out = _in_slots(tables, li, module, hidden_states, plan)
         proj_out = proj_out.masked_fill_(~valid[:k, None], 0)
-        weighted_out = proj_out * top_k_weights.reshape(-1)[place].unsqueeze(-1)
+        weighted_out = proj_out * top_k_weights.reshape(-1)[plan.place].unsqueeze(-1)
         weighted_out = weighted_out[inv_perm]
     final = weighted_out.view(1, k, hidden_states.shape[1]).sum(dim=1)
     return final.to(hidden_states.dtype)
 
 
 def _in_slots(tables: DeviceTables, li: int, module: Any, hidden_states: torch.Tensor,
-              at: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    """The token's row through the expert of each place, read in slot ``at[place]`` (each in
-    the window): transformers' two grouped GEMMs and gate over the window's views, the rows
-    sorted by slot and the groups' offsets counted on the device (Note: [Experts computed in
-    their slots]). Rows in place order."""
+              plan: CallPlan) -> torch.Tensor:  # fmt: skip
+    """The token's row through the expert of each place, read in the slot it computes in (each
+    in the window): transformers' two grouped GEMMs and gate over the window's views, the rows
+    sorted by slot and the groups' offsets counted on the device (``plan.offs``, ``plan.back``;
+    Note: [Experts computed in their slots]). Rows in place order."""
     k = tables.k
-    dev = hidden_states.device
-    by_slot, order = torch.sort(at)
     rows = hidden_states.expand(k, hidden_states.shape[1]).contiguous()
     first = tables.copies.window()
     slots = tables.cache_slots + k - first
     gate_up_proj, down_proj = tables.copies.slot_views(li, first, slots)
-    ends = torch.arange(first, first + slots, device=dev)
-    offs = torch.searchsorted(by_slot, ends, right=True).to(torch.int32)
-    proj = module._apply_gate(grouped_linear(rows, gate_up_proj, offs, module))
-    out = grouped_linear(proj, down_proj, offs, module)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(k, device=dev)
-    return out[back]
+    proj = module._apply_gate(grouped_linear(rows, gate_up_proj, plan.offs, module))
+    out = grouped_linear(proj, down_proj, plan.offs, module)
+    return out[plan.back]
 
 
 def _idle(rt: Any, what: str) -> None:
@@ -815,6 +941,7 @@ class ExpertGraphs:
             tables = tables_of(rt)
             tables.push()
             tables.copies.warm_up()
+            warm_routing(tables)
 
     def start_capture(self, engine: Any, primes: tuple = ()) -> None:
         tables_of(self.rt).copies.forked.clear()

@@ -1,7 +1,8 @@
-"""The copy kernel of routed experts in a CUDA graph (Note: [Routed experts in a CUDA graph] in
-_graphed.py): a Triton kernel that copies each routed expert's members from addresses it reads
-on the device (the host store through its mapped address, or a cache slot) into the stage, and
-a miss into its cache slot too. Imported only on CUDA.
+"""The Triton kernels of routed experts in a CUDA graph (Note: [Routed experts in a CUDA graph]
+in _graphed.py): `copy_routed` copies each routed expert's members from addresses it reads on
+the device (the host store through its mapped address, or a cache slot) into the stage, and a
+miss into its cache slot too; `route_call` routes a call and plans its copies
+(Note: [One routing kernel per call]). Imported only on CUDA.
 
 Note: [How many programs copy over the link]
 A kernel that reads mapped host memory holds its SMs for the whole copy (each load waits on a
@@ -28,11 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["DEVICE_PROGRAMS", "LINK_PROGRAMS", "copy_routed"]
+__all__ = ["DEVICE_PROGRAMS", "LINK_PROGRAMS", "copy_routed", "route_call"]
 
 _BLOCK = 4096  # 32-bit words a program copies per step (16 KiB)
 LINK_PROGRAMS = 32
 DEVICE_PROGRAMS = 64
+ROUTE_BLOCK = 4096  # cache slots `_route` scores at a time (Note: [One routing kernel per call])
 
 
 @triton.jit
@@ -75,3 +77,201 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
     places, members = src.shape
     _copy_routed[(programs,)](src, stage, copy, dst, write, words, places * members, members,
                               programs, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
+
+
+# Note: [One routing kernel per call]
+# A graph call's routing (`DeviceTables._admit` and `route`, or `plan_prefetch`), its copy plan
+# (`Stage.derive`) and the grouped GEMM's row order and group offsets (`DeviceTables.call`) take
+# about 90 tensor operations of a few elements each, each a kernel node the graph runs one
+# after the other (1-3 us each). `_route` does the same in one program of one kernel: the same
+# tables, updated the same way, and the same plan, element for element (a GPU test runs both
+# on a random walk of calls and compares them). Invariants:
+# - Every table is read before any is written (a barrier between): a call's hits, victims and
+#   misses come from the map as the call found it, as in the tensor version.
+# - Victims: the ``K`` unpinned slots of least score, found one minimum at a time over chunks
+#   of ``ROUTE_BLOCK`` slots merged with the best so far. Unpinned scores are unique (stamps
+#   are), so they are `torch.topk`'s victims. A pinned slot (score ``BIG``) is never given to
+#   a miss (``rank < free``), so ties among pinned slots change nothing.
+# - A table entry is read and written by one thread of the one program (Triton stores each
+#   element from the thread that owns it), so the counters' read-add-write is not a race.
+# Measured (H200, torch 2.11, 2026-11-29, Qwen3-30B-A3B shape, every expert cached, decode
+# replayed in a graph; benchmarks/log/2026-11-29-moe-routing-kernel.md): 8 layers, 1615
+# kernels a step with the tensor operations against 727 with the kernel (839 for the resident
+# model captured in a graph of its own), 6.78-7.16 ms a step against 5.26-5.28 in one process;
+# 48 layers (`benchmarks/moe.py`), 20.82 / 20.35 ms a step against 31.11 / 30.02 on another
+# lease the day before. The kernel took 12.4 us a call under the profiler.
+
+
+@triton.jit
+def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG, PAD, CAP,
+             K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+             LFU: tl.constexpr):  # fmt: skip
+    """The ``K`` unpinned slots of least score, ascending (Note: [One routing kernel per
+    call]), and the count of pinned slots (those in ``held_slot`` or ``pinned``)."""
+    kk = tl.arange(0, KP)
+    best = tl.full((KP,), PAD, tl.int64)
+    best_at = tl.full((KP,), 0, tl.int64)
+    npinned = tl.sum(tl.zeros((KP,), tl.int32), 0)
+    for c in range(0, SC, BLOCK):
+        s = c + tl.arange(0, BLOCK)
+        sm = s < SC
+        score = tl.load(stamp_ptr + s, mask=sm, other=0)
+        if LFU:
+            owner = tl.load(key_of_ptr + s, mask=sm, other=-1)
+            uses = tl.load(uses_ptr + owner, mask=sm & (owner >= 0), other=0)
+            score = tl.where(owner >= 0, tl.minimum(uses, CAP) * (1 << 40) + score, score)
+        is_pinned = tl.sum(((s[:, None] == held_slot[None, :]) | (s[:, None] == pinned[None, :]))
+                           .to(tl.int32), 1) > 0  # fmt: skip
+        npinned += tl.sum((is_pinned & sm).to(tl.int32), 0)
+        score = tl.where(is_pinned, BIG, score)
+        score = tl.where(sm, score, PAD)
+        new = tl.full((KP,), PAD, tl.int64)
+        new_at = tl.full((KP,), 0, tl.int64)
+        bb = tl.arange(0, BLOCK)
+        for t in tl.static_range(K):  # the least of the chunk and the best so far, K times
+            m1, p1 = tl.min(score, 0, return_indices=True)
+            m2, p2 = tl.min(best, 0, return_indices=True)
+            from_chunk = m1 < m2
+            at2 = tl.sum(tl.where(kk == p2, best_at, 0), 0)
+            new = tl.where(kk == t, tl.minimum(m1, m2), new)
+            new_at = tl.where(kk == t, tl.where(from_chunk, c + p1.to(tl.int64), at2), new_at)
+            score = tl.where((bb == p1) & from_chunk, PAD, score)
+            best = tl.where((kk == p2) & ~from_chunk, PAD, best)
+        best = new
+        best_at = new_at
+    return best_at, npinned
+
+
+@triton.jit(do_not_specialize=["FIRST_KEY", "N", "SC", "CACHE_BASE", "WINDOW", "WSLOTS", "LI"])
+def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, counts_ptr,
+           used_ptr, host_ptr, region_ptr, stage_ptr, flags_ptr, addrs_ptr, perms_ptr, offs_ptr,
+           FIRST_KEY, N, SC, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG, PAD, CAP,
+           K: tl.constexpr, KP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+           BLOCK: tl.constexpr, WBLOCK: tl.constexpr, LFU: tl.constexpr,
+           PREFETCH: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+    j = tl.arange(0, KP)  # a place, in the sorted order of its expert
+    jm = j < K
+    # the token's experts sorted, with their places in the router's order (stable)
+    raw = tl.load(index_ptr + j, mask=jm, other=0)
+    keyed = tl.sort(tl.where(jm, raw * KP + j, PAD), 0)
+    expert = keyed // KP
+    place = keyed % KP
+    valid = jm & (expert >= 0) & (expert < N)
+    key = tl.where(valid, expert + FIRST_KEY, 0)
+    slot = tl.where(valid, tl.load(slot_of_ptr + key, mask=valid, other=-1), -1)
+    hit = slot >= 0
+    miss = valid & ~hit
+    rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # misses before each place, itself too, less 1
+    if PREFETCH:  # noqa: SIM108 (a constexpr branch, for Triton)
+        pinned = tl.load(used_ptr + j, mask=jm, other=-1)
+    else:
+        pinned = tl.full((KP,), -1, tl.int64)
+    held_slot = tl.where(hit, slot, -1)
+    best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG, PAD,
+                                CAP, K, KP, BLOCK, LFU)  # fmt: skip
+    kk = tl.arange(0, KP)
+    nv = tl.minimum(SC, K)
+    free = tl.minimum(SC - npinned, nv)
+    write = miss & (rank < free)
+    rk = tl.minimum(tl.maximum(rank, 0), tl.maximum(nv - 1, 0))
+    vslot = tl.sum(tl.where(rk[:, None] == kk[None, :], best_at[None, :], 0), 1)
+    old = tl.load(key_of_ptr + vslot, mask=write, other=-1)
+    clock = tl.load(clock_ptr)
+    tl.debug_barrier()  # every table read before any write
+    tl.store(slot_of_ptr + old, tl.full((KP,), -1, tl.int64), mask=write & (old >= 0))
+    tl.store(slot_of_ptr + key, vslot, mask=write)
+    tl.store(key_of_ptr + vslot, key, mask=write)
+    jj = j.to(tl.int64)
+    if PREFETCH:
+        tl.store(stamp_ptr + vslot, clock + jj, mask=write)
+        tl.store(counts_ptr + LI * 5 + 4,
+                 tl.load(counts_ptr + LI * 5 + 4) + tl.sum(write.to(tl.int64), 0))  # fmt: skip
+        tl.store(clock_ptr, clock + K)
+    else:
+        used = tl.where(hit, slot, tl.where(write, vslot, SC))
+        if SC > 0:  # no cache slot: no clock (as the tensor version)
+            tl.store(stamp_ptr + used, clock + jj, mask=jm & (used < SC))
+            tl.store(used_ptr + j, used, mask=jm)
+            tl.store(clock_ptr, clock + K)
+        u = tl.load(uses_ptr + key, mask=valid, other=0)
+        tl.store(uses_ptr + key, u + 1, mask=valid)
+        row = counts_ptr + LI * 5
+        tl.store(row, tl.load(row) + 1)
+        tl.store(row + 1, tl.load(row + 1) + 1)
+        tl.store(row + 2, tl.load(row + 2) + tl.sum((valid & hit).to(tl.int64), 0))
+        tl.store(row + 3, tl.load(row + 3) + tl.sum(miss.to(tl.int64), 0))
+    # the plan: per place and member, source, first destination, cache destination
+    mm = tl.arange(0, MP)
+    pm = jm[:, None] & (mm < M)[None, :]
+    region = tl.load(region_ptr + mm, mask=mm < M, other=0)
+    hrow = tl.where(valid, expert, N)
+    host = tl.load(host_ptr + hrow[:, None] * M + mm[None, :], mask=pm, other=0)
+    stage = tl.load(stage_ptr + j[:, None] * M + mm[None, :], mask=pm, other=0)
+    cached = CACHE_BASE + tl.maximum(slot, 0)[:, None] * SLOT_BYTES + region[None, :]
+    dst = CACHE_BASE + vslot[:, None] * SLOT_BYTES + region[None, :]
+    src = tl.where(miss[:, None], host, cached)
+    if PREFETCH:
+        src = host
+    at = tl.where(hit, slot, tl.where(write, vslot, SC + jj))
+    if DIRECT:  # noqa: SIM108 (a constexpr branch, for Triton)
+        inside = at >= WINDOW
+    else:
+        inside = tl.zeros((KP,), tl.int1)
+    first = tl.where((inside & write)[:, None], dst, stage)
+    also = write & ~inside
+    held = valid & ~miss & ~inside
+    a = addrs_ptr + j[:, None] * M + mm[None, :]
+    tl.store(a, src, mask=pm)
+    tl.store(a + K * M, first, mask=pm)
+    tl.store(a + 2 * K * M, dst, mask=pm)
+    tl.store(flags_ptr + j, valid, mask=jm)
+    tl.store(flags_ptr + K + j, miss, mask=jm)
+    tl.store(flags_ptr + 2 * K + j, held, mask=jm)
+    tl.store(flags_ptr + 3 * K + j, also, mask=jm)
+    tl.store(flags_ptr + 4 * K + j, write, mask=jm)
+    tl.store(flags_ptr + 5 * K + j, inside, mask=jm)
+    # permutations: the sort's (``place``), its inverse, and each place's row among the rows
+    # sorted by the slot it computes in (``back``); the window's group offsets
+    tl.store(perms_ptr + j, place, mask=jm)
+    tl.store(perms_ptr + K + place, jj, mask=jm)
+    if DIRECT:
+        comp = tl.where(inside, at, SC + jj)
+        comp_m = tl.where(jm, comp, PAD)
+        back = tl.sum(((comp_m[None, :] < comp[:, None]) & jm[None, :]).to(tl.int64), 1)
+        tl.store(perms_ptr + 2 * K + j, back, mask=jm)
+        for w0 in range(0, WSLOTS, WBLOCK):
+            w = w0 + tl.arange(0, WBLOCK)
+            n_le = tl.sum(((comp_m[None, :] <= WINDOW + w[:, None]) & jm[None, :])
+                          .to(tl.int32), 1)  # fmt: skip
+            tl.store(offs_ptr + w, n_le, mask=w < WSLOTS)
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, triton.next_power_of_2(max(n, 1)))
+
+
+def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: torch.Tensor,
+               stage: torch.Tensor, *, first_key: int, experts: int, slots: int, cache_base: int,
+               slot_bytes: int, window: int, layer: int, big: int, cap: int, lfu: bool,
+               prefetch: bool, direct: bool) -> tuple:  # fmt: skip
+    """One graph call's routing, table updates and plan in one kernel (Note: [One routing
+    kernel per call]); ``tables``: (slot_of, key_of, stamp, uses, clock, counts, used).
+    Returns flags (6, K) bool: valid, miss, held, also, write, inside; addresses (3, K, M)
+    int64: source, first destination, cache destination; permutations (3, K) int64: the sort's,
+    its inverse, each place's row among those sorted by slot (``direct``); the window's group
+    offsets (int32, ``direct``). Queued on the current stream."""
+    k = index.numel()
+    m = region.numel()
+    dev = index.device
+    flags = torch.empty(6, k, dtype=torch.bool, device=dev)
+    addrs = torch.empty(3, k, m, dtype=torch.int64, device=dev)
+    perms = torch.empty(3, k, dtype=torch.int64, device=dev)
+    wslots = slots + k - window if direct else 0
+    offs = torch.empty(max(wslots, 1), dtype=torch.int32, device=dev)
+    block = min(ROUTE_BLOCK, _pow2(slots))
+    _route[(1,)](index, *tables, host, region, stage, flags, addrs, perms, offs, first_key,
+                 experts, slots, cache_base, slot_bytes, window, wslots, layer, big,
+                 (1 << 63) - 1, cap, K=k, KP=_pow2(k, 2), M=m, MP=_pow2(m, 2), BLOCK=block,
+                 WBLOCK=min(1024, _pow2(wslots)), LFU=lfu, PREFETCH=prefetch, DIRECT=direct,
+                 num_warps=8 if block >= 2048 else 4)  # fmt: skip
+    return flags, addrs, perms, offs[:wslots] if direct else None
