@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._grouped import grouped_linear
-from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held
+from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held, implementation
 
 # Note: [Prefetch by the next router]
 # A block's experts can be copied only after its router ran, so in a graph call the link idles
@@ -915,6 +915,7 @@ class ExpertGraphs:
         self.rt = rt
         self.device = rt.device
         self.engine = rt.engine
+        self._held_at = -1  # module registrations counted at the last `check_held` of a replay
 
     @property
     def removed(self) -> bool:
@@ -925,9 +926,21 @@ class ExpertGraphs:
 
     def graph_state(self) -> Any:
         """The fused layers' experts implementations: a graph captured under others is
-        captured again (transformers' generate() switches them between prefill and decode)."""
-        return tuple(check_grouped(layer.container, layer.name) for layer in
-                     self.rt.layout.layers if layer.kind is LayoutKind.FUSED)  # fmt: skip
+        captured again (transformers' generate() switches them between prefill and decode).
+        Read at every call of the graphed function, so once per module class and config
+        (the layers share them: `check_grouped` over 48 layers took about 0.6-1.4 ms of
+        Python a step); a capture's block calls check the rest (`graphed_forward`)."""
+        seen: dict = {}
+        out = []
+        for layer in self.rt.layout.layers:
+            if layer.kind is LayoutKind.FUSED:
+                m = layer.container
+                key = (type(m), id(getattr(m, "config", None)))
+                impl = seen.get(key)
+                if impl is None:
+                    impl = seen[key] = implementation(m, layer.name)
+                out.append(impl)
+        return tuple(out)
 
     def primes(self) -> tuple:
         return ()
@@ -973,7 +986,15 @@ class ExpertGraphs:
         with rt._lock:
             rt._check_live()
             _idle(rt, "a graph replay")
-            check_held(rt.layout)
+            from torchoffload.weights._graph import _registrations
+
+            # a streamed tensor replaced on its module is a registration (see
+            # weights/_graph.py's Note: [The model a graph was captured with]): checked again
+            # only after one
+            seen = _registrations()
+            if seen != self._held_at:
+                check_held(rt.layout)
+                self._held_at = seen
             tables_of(rt).push()
             yield _Replay()
 

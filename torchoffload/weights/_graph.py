@@ -228,7 +228,7 @@ class _Bindings:
     """What every module of ``model`` holds at a capture (Note: [The model a graph was captured
     with]); `held()` says whether it still does."""
 
-    __slots__ = ("slots", "plain", "seen")
+    __slots__ = ("slots", "plain", "ptrs", "seen")
 
     def __init__(self, model: Any) -> None:
         from torchoffload._hosted import HOSTED
@@ -236,7 +236,8 @@ class _Bindings:
 
         self.seen = _registrations()
         self.slots: list[tuple[dict, str, Any]] = []
-        self.plain: list[tuple[torch.Tensor, int]] = []
+        self.plain: list[torch.Tensor] = []
+        self.ptrs: list[int] = []
         if model is None:
             return
         for m in model.modules():
@@ -246,7 +247,8 @@ class _Bindings:
                     # an engine's tensor is bound to other bytes at each call, and its storage
                     # cannot be set (Note: [Placeholders never answer]): its identity only
                     if type(x) in _PLAIN and x not in STREAMED and x not in HOSTED:
-                        self.plain.append((x, x.data_ptr()))
+                        self.plain.append(x)
+        self.ptrs = list(map(torch.Tensor.data_ptr, self.plain))
 
     def held(self) -> bool:
         now = _REGISTRATIONS[0]
@@ -255,7 +257,9 @@ class _Bindings:
                 if held.get(name) is not x:
                     return False
             self.seen = now
-        return all(x.data_ptr() == ptr for x, ptr in self.plain)
+        # every replay reads it: one list compare (437 tensors of a 48-layer model: ~40 us
+        # against ~110 for a generator of comparisons)
+        return list(map(torch.Tensor.data_ptr, self.plain)) == self.ptrs
 
 
 class _Captured:
