@@ -10,6 +10,11 @@ device expert cache of a few sizes; eagerly and replayed as CUDA graphs) and acc
 Rows, in this order (``ROWS``: a builder per kind of row), each under every routing, decode
 then prefill:
 - ``resident``: every tensor on the device (the eager experts loop of transformers).
+- ``resident graph`` (CUDA, ``--impl grouped_mm``): the same, each decode step replayed in a
+  CUDA graph of its own (`ResidentGraph`: the first step eager, the second captured): the
+  compute term of the graph rows' bound. transformers' eager experts loop reads the routing on
+  the host and cannot be captured: with ``--impl eager`` the row is skipped and the ``graph all
+  cached`` row is that term, as before.
 - ``stream_experts least``: routed-only, the least cache (one token's top-k of one block), so
   every routed expert is copied; then ``stream_experts C GiB`` for each ``--caches`` size (the
   issue's 8, 16 and 32 GiB by default), per ``--policies``.
@@ -34,12 +39,12 @@ device per step, the cache's hit rate, the bound, ``x bound`` (the row's ms over
 at the bound, larger is slower), peak device GiB, and whether its logits are bitwise the
 resident model's (every decode step's). The bound is ``max(compute, bytes / bw)`` with bytes the
 row's copies (missed experts, for ``stream_experts``), bw the pinned host-to-device bandwidth
-measured in this run and compute the resident model's ms (eager rows) or the ``graph all
-cached`` row's (graph rows: the resident loop of transformers reads the routing on the host and
-cannot be captured). ``x serial`` (graph decode rows): the row's ms over compute plus
-bytes / bw, the bound where nothing overlaps the copies: a block's experts are known only after
-its router ran and the next block's attention needs their output, so routed loading without
-a prediction (``prefetch``) copies and computes one after the other.
+measured in this run and compute the resident model's ms (eager rows) or the ``resident
+graph`` row's (graph rows; ``graph all cached``'s where there is none). ``x serial`` (graph
+decode rows): the row's ms over compute plus bytes / bw, the bound where nothing overlaps the
+copies: a block's experts are known only after its router ran and the next block's attention
+needs their output, so routed loading without a prediction (``prefetch``) copies and computes
+one after the other.
 
 Decoding is teacher-forced: each step's input token is drawn at random (a greedy decode of a
 random model repeats its tokens, and so its routing), over a static KV cache. Routing: each
@@ -457,6 +462,61 @@ def resident_rows(b: Bench) -> Iterator[Row]:
     yield Row("resident")
 
 
+class CaptureFailed(RuntimeError):
+    """The resident model's step could not be captured: its row is skipped."""
+
+
+class ResidentGraph:
+    """A handle-like object whose ``cuda_graph(step)`` replays the resident model's decode step
+    in a CUDA graph of its own: the first call runs eagerly, the second is captured (running
+    nothing) and replayed, later calls replay. A capture runs no kernel, so transformers'
+    StaticCache (which writes at a counter it advances on the device, whatever
+    ``cache_position`` says) advances once per step, as in the eager steps: logits comparable
+    bitwise. No stats."""
+
+    def cuda_graph(self, fn):
+        state = {}
+
+        def call(*args):
+            if not state:
+                state["eager"] = True
+                return fn(*args)
+            if "graph" not in state:
+                state["inputs"] = [a.clone() for a in args]
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        state["out"] = fn(*state["inputs"])
+                except Exception as e:
+                    raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+                state["graph"] = graph
+            else:
+                for static, a in zip(state["inputs"], args, strict=True):
+                    static.copy_(a)
+            state["graph"].replay()
+            return state["out"]
+
+        return call
+
+    def reset_stats(self) -> None:
+        pass
+
+    def stats(self) -> None:
+        return None
+
+
+def resident_graph_rows(b: Bench) -> Iterator[Row]:
+    """The resident model's decode steps replayed in a CUDA graph of its own (CUDA and
+    grouped_mm experts only): the compute term of the graph rows' bound."""
+    if b.args.no_graph or b.device.type != "cuda":
+        return
+    if b.args.impl != "grouped_mm":
+        print("# resident graph skipped: transformers' eager experts read the routing on the "
+              "host (the graph rows' compute term: graph all cached)", flush=True)  # fmt: skip
+        return
+    yield Row("resident graph", ResidentGraph(), graph=True)
+
+
 def stream_experts_rows(b: Bench) -> Iterator[Row]:
     """stream_experts, eager: routed-only and each cache size, per --policies."""
     if b.args.no_eager:
@@ -532,8 +592,8 @@ def accelerate_rows(b: Bench) -> Iterator[Row]:
 
 
 # In this order (the module doc says why).
-ROWS = [resident_rows, stream_experts_rows, host_compute_rows, graph_rows, stream_weights_rows,
-        accelerate_rows]  # fmt: skip
+ROWS = [resident_rows, resident_graph_rows, stream_experts_rows, host_compute_rows, graph_rows,
+        stream_weights_rows, accelerate_rows]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -621,9 +681,14 @@ def main(argv=None) -> int:
             if row.fill:  # eager forwards of --fill tokens route to every expert of every layer
                 fill(model, fill_ids, routing, fill_chunk, row.handle)
             # the same prompt and the first warmup + n of the resident row's steps
-            times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
-                                       routing, row.handle, row.graph,
-                                       cache_len=ids.shape[1] + 1)  # fmt: skip
+            try:
+                times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
+                                           routing, row.handle, row.graph,
+                                           cache_len=ids.shape[1] + 1)  # fmt: skip
+            except CaptureFailed as e:
+                print(f"# {row.name} ({kind}) skipped: its capture failed ({e})", flush=True)
+                routing.stop()
+                continue
             per, hit = moved(st, n, weight_bytes)
             add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
             guess = None
@@ -642,7 +707,8 @@ def main(argv=None) -> int:
         key = (kind, phase)
         if row.name == "resident":
             resident[key] = (ms, logits)
-        if row.name.endswith("graph all cached"):
+        if row.name == "resident graph" or (row.name.endswith("graph all cached")
+                                            and (kind, "graph") not in resident):  # fmt: skip
             resident[(kind, "graph")] = (ms, None)
         link = per / (bw * 1e9) * 1e3 if bw == bw else 0.0
         floor = resident.get((kind, "graph"), (math.nan,))[0] if row.graph else resident[key][0]
