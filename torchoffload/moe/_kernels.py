@@ -99,7 +99,7 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
 # kernels a step with the tensor operations against 727 with the kernel (839 for the resident
 # model captured in a graph of its own), 6.78-7.16 ms a step against 5.26-5.28 in one process;
 # 48 layers (`benchmarks/moe.py`), 20.82 / 20.35 ms a step against 31.11 / 30.02 on another
-# lease the day before. The kernel took 12.4 us a call under the profiler.
+# lease earlier that day. The kernel took 12.4 us a call under the profiler.
 
 
 @triton.jit
