@@ -270,8 +270,7 @@ def test_device_policy_chooses_as_the_host_policy(policy, slots):
     got = []
     for routed in calls:
         before = int(tables.counts[0, 2])
-        plan = tables.route(0, torch.tensor(sorted(routed)))
-        tables.copies.copy(0, *plan[:5])
+        tables.copies.apply(0, tables.call(0, torch.tensor(sorted(routed)), False))
         got.append(int(tables.counts[0, 2]) - before)
     # 8 experts, top 2: the cache is capped at 8 + 2 slots, of which 2 are the graph's stage
     want, cached = reference_policy(calls, min(slots, 8 + 2) - 2, policy == "lfu")
@@ -299,7 +298,7 @@ def test_lfu_never_gives_a_hit_slot_to_a_miss_after_millions_of_uses(order):
     hit, miss = (0, 5) if order == "hit first" else (5, 0)
     other = 1 if order == "hit first" else 6
     with torch.no_grad():
-        tables.copies.copy(0, *tables.route(0, torch.tensor(sorted([hit, other])))[:5])
+        tables.copies.apply(0, tables.call(0, torch.tensor(sorted([hit, other])), False))
         tables.uses[:-1] += 1 << 22  # a long run: every expert used 4M times
         src, valid, missed, dst, write, _ = tables.route(0, torch.tensor(sorted([hit, miss])))
     place = sorted([hit, miss]).index(hit)
@@ -414,9 +413,9 @@ def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
     tables.push()
     with torch.no_grad():
         for routed in ([0, 1], [2, 3]):  # the cache holds 1, 2, 3
-            tables.copies.copy(0, *tables.route(0, torch.tensor(routed))[:5])
+            tables.copies.apply(0, tables.call(0, torch.tensor(routed), False))
         two = int(tables.slot_of[2])
-        tables.copies.copy(0, *tables.route(0, torch.tensor([2, 5]))[:5])  # 2 hits, 5 misses
+        tables.copies.apply(0, tables.call(0, torch.tensor([2, 5]), False))  # 2 hits, 5 misses
         five = int(tables.slot_of[5])
         assert two >= 0 and five >= 0 and int(tables.slot_of[2]) == two
         tables.prefetch(0, torch.tensor([6, 7]))
