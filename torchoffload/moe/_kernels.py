@@ -18,10 +18,17 @@ slow that compute 1.07x, 32 at 47.6 GB/s and 1.16x, 64 at 47.2 and 1.35x, 128 at
 1-17% slower than without prefetch to 2-14% faster. So a launch copies over the link with
 ``LINK_PROGRAMS`` programs whatever its size (each program loops over every row's chunks), the
 fewest that keep the link's rate, and between device addresses (a hit's stage copy, bound by
-device memory) with ``DEVICE_PROGRAMS``. Hopper's bulk tensor copies (TMA, through Triton 3.6's
-tensor descriptors) read the link no faster: 48-51 GB/s for tiles of 16-64 x 128-256 words,
-2 or 4 stages, 32-132 programs, against 51 for these loads and 53.8 for the copy engine, on
-another H200 lease (a probe, 2026-11-28, benchmarks/log/2026-11-28-moe-grouped-mm.md)."""
+device memory) with ``DEVICE_PROGRAMS``: the compute stream waits for those copies before the
+block's experts, so they are on a step's critical path. In a replayed decode step of 48 layers
+at the Qwen3-30B-A3B shape with every expert cached (6152 slots, so about 5 of 6 hits are
+staged: Note: [Experts computed in their slots] in _graphed.py), a step took 17.5 ms with 64
+programs and 16.6 with 128 in one process (the resident model in a graph of its own: 12.7);
+in another, 256 and 512 took no less than 128 (18.1 ms each, before the routing kernel skipped
+the victim search of a call without a miss; H200, torch 2.11, 2026-11-29). Hopper's bulk
+tensor copies (TMA, through Triton 3.6's tensor descriptors) read the link no faster: 48-51
+GB/s for tiles of 16-64 x 128-256 words, 2 or 4 stages, 32-132 programs, against 51 for these
+loads and 53.8 for the copy engine, on another H200 lease (a probe, 2026-11-28,
+benchmarks/log/2026-11-28-moe-grouped-mm.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +40,7 @@ __all__ = ["DEVICE_PROGRAMS", "LINK_PROGRAMS", "copy_routed", "route_call"]
 
 _BLOCK = 4096  # 32-bit words a program copies per step (16 KiB)
 LINK_PROGRAMS = 32
-DEVICE_PROGRAMS = 64
+DEVICE_PROGRAMS = 128
 ROUTE_BLOCK = 4096  # cache slots `_route` scores at a time (Note: [One routing kernel per call])
 
 
@@ -91,7 +98,8 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
 # - Victims: the ``K`` unpinned slots of least score, found one minimum at a time over chunks
 #   of ``ROUTE_BLOCK`` slots merged with the best so far. Unpinned scores are unique (stamps
 #   are), so they are `torch.topk`'s victims. A pinned slot (score ``BIG``) is never given to
-#   a miss (``rank < free``), so ties among pinned slots change nothing.
+#   a miss (``rank < free``), so ties among pinned slots change nothing. A call without a miss
+#   takes no victim and does not search: the search reads every slot, the rest ``K`` entries.
 # - A table entry is read and written by one thread of the one program (Triton stores each
 #   element from the thread that owns it), so the counters' read-add-write is not a race.
 # Measured (H200, torch 2.11, 2026-11-29, Qwen3-30B-A3B shape, every expert cached, decode
@@ -167,8 +175,12 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     else:
         pinned = tl.full((KP,), -1, tl.int64)
     held_slot = tl.where(hit, slot, -1)
-    best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG, PAD,
-                                CAP, K, KP, BLOCK, LFU)  # fmt: skip
+    # victims only for a call with a miss: the search reads every slot, the rest reads K
+    best_at = tl.full((KP,), 0, tl.int64)
+    npinned = tl.sum(tl.zeros((KP,), tl.int32), 0)
+    if tl.sum(miss.to(tl.int32), 0) > 0:
+        best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG,
+                                    PAD, CAP, K, KP, BLOCK, LFU)  # fmt: skip
     kk = tl.arange(0, KP)
     nv = tl.minimum(SC, K)
     free = tl.minimum(SC - npinned, nv)
