@@ -92,6 +92,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import json
 import math
@@ -274,12 +275,16 @@ def _noisy(router, routing: Routing, li: int):
 
 
 def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, handle,
-           graph: bool = False, cache_len: int | None = None):  # fmt: skip
+           graph: bool = False, cache_len: int | None = None,
+           after_prompt=None):  # fmt: skip
     """Teacher-forced decode after a prompt (``ids[0]``), one token a step (``ids[1 + i]``)
     over a static cache of ``cache_len`` positions (default: room for ``ids``), the step
     replayed by ``handle.cuda_graph`` when ``graph``: ms of each timed step, every step's
     logits, and the handle's stats over the timed steps. Rows compared bitwise need one
-    ``cache_len``: attention over a longer cache rounds differently on the CPU."""
+    ``cache_len``: attention over a longer cache rounds differently on the CPU.
+    ``after_prompt``: called after the prompt's forward (the ``graph all cached`` row's fill:
+    a prompt of ``STAGE_ROWS`` rows or more per expert stages its layers whole, which leaves
+    the staging slots' experts uncached)."""
     from transformers import StaticCache
 
     device = ids.device
@@ -299,6 +304,8 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
         routing.at(positions[:n])
         model(input_ids=prompt, cache_position=positions[:n], past_key_values=cache,
               use_cache=True)  # fmt: skip
+        if after_prompt is not None:
+            after_prompt()
         for i in range(warmup + steps):
             if i == warmup and handle is not None:
                 handle.reset_stats()
@@ -334,11 +341,10 @@ def prefill(model, x: torch.Tensor, routing: Routing, handle, runs: int = 2):
 
 def fill(model, x: torch.Tensor, routing: Routing, chunk: int, handle) -> None:
     """Untimed forwards of ``x``, ``chunk`` tokens each: the ``graph all cached`` row's cache is
-    filled before its warm-up, so that its timed steps copy nothing (they are the graph rows'
-    compute term). Each chunk is below the rows at which a grouped_mm call stages its whole
-    layer (Note: [Whole layers for large calls]): a staged call copies a layer into a region
-    of the cache's storage and leaves no expert cached there, so one long forward would fill
-    nothing."""
+    filled after its prompt and before its warm-up, so that its timed steps copy nothing. Each
+    chunk is below the rows at which a grouped_mm call stages its whole layer (Note: [Whole
+    layers for large calls]): a staged call copies a layer into a region of the cache's
+    storage and leaves no expert cached there, so one long forward would fill nothing."""
     with torch.inference_mode():
         for start in range(0, x.shape[1], chunk):
             routing.at(torch.arange(start, min(start + chunk, x.shape[1]), device=x.device))
@@ -601,7 +607,9 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     for name in ("layers", "experts", "top-k"):
         p.add_argument(f"--{name}", type=int, default=None, help="override the shape's")
-    p.add_argument("--caches", default=None, help="expert cache sizes in GiB, comma-separated")
+    p.add_argument(
+        "--caches", default=None, help="expert cache sizes in GiB, comma-separated ('' for none)"
+    )
     p.add_argument("--stream-weights", default=None, help="budgets in GiB ('' for none)")
     p.add_argument("--policies", default="lru", help="cache policies: lru, lfu or both")
     p.add_argument("--routing", default="uniform,zipf")
@@ -639,7 +647,8 @@ def main(argv=None) -> int:
     for key in ("layers", "experts", "top_k"):
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
-    caches = [float(c) for c in (args.caches or shape["caches"]).split(",") if c]
+    caches = [float(c) for c in (shape["caches"] if args.caches is None else args.caches)
+              .split(",") if c]  # fmt: skip
     sw = args.stream_weights if args.stream_weights is not None else shape["stream_weights"]
     budgets = [float(b) for b in sw.split(",") if b]
     policies = args.policies.split(",")
@@ -678,13 +687,17 @@ def main(argv=None) -> int:
             routing.start()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            if row.fill:  # eager forwards of --fill tokens route to every expert of every layer
-                fill(model, fill_ids, routing, fill_chunk, row.handle)
+            # eager forwards of --fill tokens route to every expert of every layer: after the
+            # prompt (see `decode`)
+            filled = None
+            if row.fill:
+                filled = functools.partial(fill, model, fill_ids, routing, fill_chunk, row.handle)
             # the same prompt and the first warmup + n of the resident row's steps
             try:
                 times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
                                            routing, row.handle, row.graph,
-                                           cache_len=ids.shape[1] + 1)  # fmt: skip
+                                           cache_len=ids.shape[1] + 1,
+                                           after_prompt=filled)  # fmt: skip
             except CaptureFailed as e:
                 print(f"# {row.name} ({kind}) skipped: its capture failed ({e})", flush=True)
                 routing.stop()
