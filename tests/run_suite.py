@@ -30,8 +30,9 @@ examples run it on one thread.
 AOTInductor's C++ wrapper (the glue that allocates buffers and calls the kernels; the kernels
 keep -O3) is compiled at -O0 here rather than torch's -O1
 (``AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL``, unless set): gcc spent 8 s instead of 10-12 on
-each wrapper, and the suite builds about 20 packages (the test_compile_package fixture's two:
-55 s instead of 63, one process on this machine, 2026-11-29). The GPU machine's runs
+each wrapper, and the suite builds many (29 calls of `save_streamed_package` or
+`aoti_compile_and_package` in the files it runs; the test_compile_package fixture's two
+packages: 55 s instead of 63, one process on this machine, 2026-11-29). The GPU machine's runs
 (``pytest -m gpu``) keep torch's default.
 
 It takes no arguments: for a subset of the tests or other options, call pytest itself. The
