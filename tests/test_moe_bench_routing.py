@@ -80,3 +80,37 @@ def test_a_forward_reads_the_noise_and_a_prediction_most_of_it(bench, kind):
                 shares.setdefault(unseen, []).append(share)
     assert all(s > 0.95 for s in shares[0.0]), shares  # the hidden states differ a little
     assert all(0.6 < s < 0.95 for s in shares[0.17]), shares  # 0.75-0.79 simulated
+
+
+def test_the_all_cached_row_fills_its_cache_after_the_prompt(bench):
+    """A grouped_mm prompt of at least ``STAGE_ROWS`` rows per expert stages each layer whole,
+    which leaves the staging slots' experts uncached: filled before the prompt, the decode
+    steps after it miss; filled after it (`decode`'s ``after_prompt``, as the ``graph all
+    cached`` row does), they hit every routed expert."""
+    import torchoffload as to
+
+    shape = dict(bench.SHAPES["small"], layers=3, hidden=128, width=64, heads=2, vocab=512)
+    model = bench.build(shape, torch.device("cpu"), "grouped_mm")
+    top_k, experts = shape["top_k"], shape["experts"]
+    prompt = bench.STAGE_ROWS * experts // top_k  # the fewest tokens that stage a layer
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab"], (1, prompt + 1 + 4), generator=g)
+    fill_ids = torch.randint(0, shape["vocab"], (1, 256), generator=g)
+    chunk = (bench.STAGE_ROWS * experts - 1) // top_k
+    routing = bench.Routing(model, "uniform", 1.0, 8, 8.0, fill_ids.shape[1], unseen=0.17)
+    h = to.stream_experts(model, "cpu", cache_bytes=1 << 30, pin_memory=False)
+    rates = {}
+    try:
+        routing.start()
+        for when in ("before", "after"):
+            fill = lambda: bench.fill(model, fill_ids, routing, chunk, h)  # noqa: E731
+            if when == "before":
+                fill()
+            _, _, st = bench.decode(model, ids, 1, 4, routing, h,
+                                    after_prompt=fill if when == "after" else None)  # fmt: skip
+            rates[when] = (st.hits, st.misses)
+    finally:
+        routing.stop()
+        h.remove()
+    assert rates["after"][1] == 0 and rates["after"][0] == 4 * 3 * top_k, rates
+    assert rates["before"][1] > 0, rates
