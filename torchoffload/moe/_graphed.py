@@ -614,19 +614,14 @@ class Stage:
 
     def apply(self, li: int, plan: CallPlan) -> list | None:
         """Fill the stage (and a miss's cache slot) for layer ``li``'s call, as its
-        `DeviceTables.call` plan says; on CUDA, the events after each place's copy (the compute
-        stream waits on each before its expert)."""
-        return self._launch(li, plan.src, plan.first, plan.dst, plan.miss, plan.held, plan.also,
-                            plan.inside is not None)  # fmt: skip
-
-    def _launch(self, li: int, src: torch.Tensor, first: torch.Tensor, dst: torch.Tensor,
-                linked: torch.Tensor, held: torch.Tensor, also: torch.Tensor,
-                together: bool) -> list | None:  # fmt: skip
-        """The copies of a plan: each place copied (a miss from the host, a held hit from its
-        slot) to ``first``, and to ``dst`` where ``also``; on CUDA queued by `_queue`, whose
-        events it returns, on the CPU done."""
+        `DeviceTables.call` plan says: each place copied (a miss from the host, a held hit from
+        its slot) to ``plan.first``, and to ``plan.dst`` where ``plan.also``; on CUDA queued by
+        `_queue`, whose events it returns (the compute stream waits on each before its
+        expert), on the CPU done."""
+        src, first, dst, linked, held, also = (plan.src, plan.first, plan.dst, plan.miss,
+                                               plan.held, plan.also)  # fmt: skip
         if self.cuda:
-            return self._queue(li, src, first, dst, linked, held, also, together)
+            return self._queue(li, src, first, dst, linked, held, also, plan.inside is not None)
         host = self.rt.store.hosts[li]
         cache = self.rt.cache.data
         copied = (linked | held).unsqueeze(1)
@@ -644,7 +639,7 @@ class Stage:
     def _queue(self, li: int, src: torch.Tensor, first: torch.Tensor, dst: torch.Tensor,
                linked: torch.Tensor, held: torch.Tensor, also: torch.Tensor,
                together: bool) -> list:  # fmt: skip
-        """`_launch`'s launches on CUDA: misses over the link on ``side``, staged hits on
+        """`apply`'s launches on CUDA: misses over the link on ``side``, staged hits on
         ``near``; per place (its events) or, ``together``, one launch per stream."""
         from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
 
