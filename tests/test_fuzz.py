@@ -1490,21 +1490,21 @@ class ExpertGraph(Experts):
             self.eager, graphs = True, self.BLOCKS
         if graphs is not None and self.ENGINE != "expert_host":
             self.kw["block_graphs"] = graphs
-        # grouped_mm experts in a graph call compute in their slots where those are in the
-        # grouped GEMM's window of the last 1023 slots, else from the stage: a window of every
-        # slot here, or of the stage alone or one slot more, so that some are outside (Note:
-        # [Experts computed in their slots])
-        from torchoffload.moe import _graphed
+        # the cache cut into parts of at most GROUP_LIMIT slots (the grouped GEMM's groups,
+        # 1023 on CUDA), each its layers' window with its own stage (Note: [Parts of the
+        # cache]): one part here, or parts of the stage alone, one slot more or k + 1 more
+        from torchoffload.moe import _layout
 
-        self.group_limit = _graphed.GROUP_LIMIT
+        self.group_limit = _layout.GROUP_LIMIT
         k = dims["top_k"]
-        _graphed.GROUP_LIMIT = data.draw(st.sampled_from([1023, k, k + 1]), label="group_limit")
+        _layout.GROUP_LIMIT = data.draw(st.sampled_from([1023, k, k + 1, 2 * k + 1]),
+                                        label="group_limit")  # fmt: skip
         self.start()
 
     def teardown(self):
-        from torchoffload.moe import _graphed
+        from torchoffload.moe import _layout
 
-        _graphed.GROUP_LIMIT = getattr(self, "group_limit", _graphed.GROUP_LIMIT)
+        _layout.GROUP_LIMIT = getattr(self, "group_limit", _layout.GROUP_LIMIT)
         super().teardown()
 
     def apply(self):

@@ -739,7 +739,7 @@ def cache(slots, policy):
 def fill(c, key):
     slot = c.lookup(key)
     if slot is None:
-        slot = c.take(lambda k: False)
+        slot = c.take(key[0], lambda k: False)
         c.assign(slot, key, None)
     c.use(key)
     return slot
@@ -768,9 +768,60 @@ def test_pinned_and_spared_slots_are_not_evicted(policy):
     c = cache(2, policy)
     a, b = fill(c, (0, 0)), fill(c, (0, 1))
     a.pins = 1
-    assert c.take(lambda k: k == (0, 1)) is None  # 0 pinned, 1 spared
+    assert c.take(0, lambda k: k == (0, 1)) is None  # 0 pinned, 1 spared
     assert c.take_routed([(0, 1)]) is b and (0, 1) not in c.where
     a.pins = 0
+
+
+# -- parts of the cache (Note: [Parts of the cache]) ---------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [3, 5, 9, 12, 1023])
+@pytest.mark.parametrize("layers", [1, 3, 4])
+def test_the_cache_is_cut_into_parts_of_at_most_the_limit(limit, layers, monkeypatch):
+    """Parts are consecutive slots for consecutive layers, cover every slot the cache keeps,
+    hold ``top_k`` slots at least and at most the limit (where it allows a stage), one part
+    where the slots fit the limit; the largest cache gives each part its experts and a stage."""
+    from torchoffload.moe import _layout
+
+    monkeypatch.setattr(_layout, "GROUP_LIMIT", limit)
+    layout = _layout.find_experts(qwen3(layers=layers))
+    k, experts = layout.top_k, [layer.experts for layer in layout.layers]
+    top = layout.slots_for(1 << 40)
+    for slots in range(k, top + 1):
+        parts = layout.parts(layout.slots_for(slots * layout.slot_bytes))
+        assert parts[0].slots.start == 0 and parts[0].layers.start == 0
+        assert parts[-1].layers.stop == layers
+        for a, b in zip(parts, parts[1:], strict=False):
+            assert a.slots.stop == b.slots.start and a.layers.stop == b.layers.start
+        assert all(len(p.layers) and k <= len(p.slots) <= max(limit, k) for p in parts)
+        if slots <= limit:
+            assert len(parts) == 1 and len(parts[0].slots) == slots
+        assert parts[-1].slots.stop <= slots
+    for p in layout.parts(top):
+        held = sum(experts[i] for i in p.layers)
+        assert len(p.slots) == held + k or len(p.slots) == max(limit, k) < held + k
+
+
+def test_an_expert_is_cached_only_in_its_layers_part():
+    """Each part has its own free slots and policy: a layer's experts take and evict only its
+    part's slots, and the map goes out and back in (`policy_order`, `load_map`) unchanged."""
+    from torchoffload.moe._layout import Part
+
+    for policy in ("lru", "lfu"):
+        parts = (Part(range(0, 2), range(0, 3)), Part(range(2, 3), range(3, 5)))
+        c = ExpertCache(5, 64, torch.device("cpu"), CachePolicy(policy), parts=parts)
+        for key in [(2, 0), (2, 1), (2, 2), (0, 0), (1, 0), (2, 3), (0, 1), (1, 1)]:
+            slot = fill(c, key)
+            assert slot.index in (range(3, 5) if key[0] == 2 else range(0, 3))
+        assert sum(k[0] == 2 for k in c.where) == 2 and sum(k[0] < 2 for k in c.where) == 3
+        order, uses = c.policy_order(), c.policy_uses()
+        where = {k: s.index for k, s in c.where.items()}
+        c.load_map([(k, where[k]) for k in order], uses)
+        assert {k: s.index for k, s in c.where.items()} == where and c.policy_order() == order
+        assert fill(c, (0, 5)).index in range(0, 3) and fill(c, (2, 6)).index in range(3, 5)
+        with pytest.raises(ValueError, match="do not cover"):
+            ExpertCache(6, 64, torch.device("cpu"), CachePolicy(policy), parts=parts)
 
 
 # -- the stream protocol, recorded --------------------------------------------------------------

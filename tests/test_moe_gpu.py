@@ -421,7 +421,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
 
     def unpinned(self, li, index, direct):
         out = call(self, li, index, direct)
-        self.used.fill_(self.cache_slots)
+        self.used.fill_(self.trash)
         return out
 
     stage_apply = _graphed.Stage.apply
@@ -490,16 +490,16 @@ def test_graphed_grouped_mm_race_is_caught_without_the_wait():
     assert not same
 
 
-@pytest.mark.parametrize("limit", [3, 1023])
+@pytest.mark.parametrize("limit", [6, 1023])
 @pytest.mark.parametrize("slots", ["least", "middle", "all"])
 def test_graphed_grouped_mm_window_of_slots_bitwise(limit, slots, monkeypatch):
-    """The grouped GEMM's window of the last ``GROUP_LIMIT`` slots (3 here: most experts
-    outside it, staged from their slots or from the host) on torch's CUDA kernel: tokens
-    bitwise the resident model's, with the prefill's eager copies slowed (the graph's own
-    copies are not)."""
-    from torchoffload.moe import _graphed
+    """The cache cut into parts of at most ``GROUP_LIMIT`` slots (6 here: a part per layer, of
+    2 cache slots and a stage), each its layers' grouped GEMM window (Note: [Parts of the
+    cache]), on torch's CUDA kernel: tokens bitwise the resident model's, with the prefill's
+    eager copies slowed (the graph's own copies are not)."""
+    from torchoffload.moe import _layout
 
-    monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)
+    monkeypatch.setattr(_layout, "GROUP_LIMIT", limit)
     _graphed_decode(slots, "lru", torch.bfloat16, True, "grouped_mm")
 
 
@@ -526,22 +526,29 @@ def test_a_captured_block_that_ends_after_its_prefetch():
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("slots", [0, 2, 9, 40, 64])
 @pytest.mark.parametrize("block", [16, 4096])
-def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(policy, slots, block,
-                                                                       monkeypatch):  # fmt: skip
+@pytest.mark.parametrize("limit", [12, 1023])
+def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
+    policy, slots, block, limit, monkeypatch
+):
     """Note: [One routing kernel per call]: on a random walk of calls (routed and prefetched,
-    the window of 6 slots or 1023, a hot set of experts, some "none" experts, uses past the
-    LFU cap), the kernel leaves the tables as the tensor operations do and returns the same
-    plan, element for element; ``block`` 16 scores the cache in chunks."""
-    from torchoffload.moe import _graphed, _kernels
+    in one part of the cache or in parts of at most 12 slots (Note: [Parts of the cache]), a
+    hot set of experts, some "none" experts, uses past the LFU cap), the kernel leaves the
+    tables as the tensor operations do and returns the same plan, element for element;
+    ``block`` 16 scores a part in chunks."""
+    from torchoffload.moe import _graphed, _kernels, _layout
 
     monkeypatch.setattr(_kernels, "ROUTE_BLOCK", block)
+    monkeypatch.setattr(_layout, "GROUP_LIMIT", limit)
     model = qwen3(impl="grouped_mm")
     least = to.minimum_cache_bytes(model)  # the stage: top_k slots
     h = stream_experts(model, "cuda", cache_bytes=least + slots * (least // 4), policy=policy)
     tables = _graphed.DeviceTables(h._runtime)
     tables.push()
-    sc, k, n = tables.cache_slots, tables.k, 16
-    assert sc == slots
+    k, n = tables.k, 16
+    parts = set(zip(tables.lo, tables.hi, strict=True))  # each part's cache slots
+    sc = sum(hi - lo for lo, hi in parts)
+    small = {0: (1, 0), 2: (1, 2), 9: (2, 5), 40: (4, 28), 64: (4, 32)}  # parts, cache slots
+    assert (len(parts), sc) == ((1, slots) if limit == 1023 else small[slots])
     names = ("slot_of", "key_of", "stamp", "uses", "clock", "counts", "used")
     g = torch.Generator().manual_seed(slots * 7 + block)
     hot = torch.randperm(n, generator=g)[:6].tolist()
@@ -559,7 +566,6 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(policy, sl
                 pick[-2:] = [n, n]
             if step == 45:
                 tables.uses[:-1] += 1 << 22  # past the LFU cap
-            monkeypatch.setattr(_graphed, "GROUP_LIMIT", 6 if step % 2 else 1023)
             kind = "prefetch" if step % 4 == 3 and sc else "call"
             direct = bool(step % 5)
             index = torch.tensor(pick, device="cuda")
@@ -582,8 +588,8 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(policy, sl
             assert ref.keys() == out.keys()
             for name in ref:
                 a, b = ref[name], out[name]
-                if name in ("stamp", "key_of"):  # their trash entries (at ``sc``) aside
-                    a, b = a[:sc], b[:sc]
+                if name in ("stamp", "key_of"):  # their trash entries aside
+                    a, b = a[: tables.trash], b[: tables.trash]
                 elif name == "dst":  # written only where a slot was taken
                     a, b = a[ref["write"]], b[ref["write"]]
                 assert torch.equal(a, b), (step, kind, name, a, b)

@@ -145,27 +145,33 @@ def test_graphed_kernels_decode_is_bitwise(slots, dtype, prefetch, impl):
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-@pytest.mark.parametrize("limit", [2, 3, 1023])
-@pytest.mark.parametrize("slots", [2, 7, 18])
-def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, policy,
-                                                                   monkeypatch):  # fmt: skip
-    """grouped_mm experts in a graph call compute in the slots they are in where those are
-    among the last ``GROUP_LIMIT`` slots (the grouped GEMM's window: 1023 on CUDA; smaller
-    here, so some hits and misses are outside it and go through the stage), no grouped GEMM
-    takes more groups, and the prefetch after a call never takes a slot the call reads (LFU
-    would pick them): every step's logits bitwise the resident model's, and with the window
-    holding every slot the stage is never written (Note: [Experts computed in their slots])."""
-    from torchoffload.moe import _graphed
+@pytest.mark.parametrize("limit", [2, 3, 10, 1023])
+@pytest.mark.parametrize("slots", [2, 7, 20])
+def test_grouped_experts_compute_in_their_slots(limit, slots, policy, monkeypatch):
+    """grouped_mm experts in a graph call compute in the slots they are in: the cache is cut
+    into parts of at most ``GROUP_LIMIT`` slots (the grouped GEMM's groups: 1023 on CUDA;
+    smaller here), each its layers' window with a stage of its own, so no hit is ever copied to
+    a stage and no grouped GEMM takes more groups than its layer's part has slots; the
+    prefetch after a call never takes a slot the call reads (LFU would pick them). Every
+    step's logits are bitwise the resident model's, and where every expert has a slot no stage
+    is written (Note: [Parts of the cache]; Note: [Experts computed in their slots])."""
+    from torchoffload.moe import _graphed, _layout
 
-    monkeypatch.setattr(_graphed, "GROUP_LIMIT", limit)
-    groups = []
+    monkeypatch.setattr(_layout, "GROUP_LIMIT", limit)
+    groups, staged = [], []
     linear = _graphed.grouped_linear
+    apply = _graphed.Stage.apply
 
     def counted(rows, weight, offs, module):
         groups.append(offs.numel())
         return linear(rows, weight, offs, module)
 
+    def watched(self, li, plan):
+        staged.append(plan.held.clone())  # read after the decode (no host read in a capture)
+        return apply(self, li, plan)
+
     monkeypatch.setattr(_graphed, "grouped_linear", counted)
+    monkeypatch.setattr(_graphed.Stage, "apply", watched)
     ref, model = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
     want_logits, got_logits = [], []
 
@@ -180,17 +186,26 @@ def test_grouped_experts_compute_in_their_slots_or_from_the_stage(limit, slots, 
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=slots * slot_bytes, pin_memory=False,
                           prefetch=slots > 2, policy=policy)  # fmt: skip
-    stage = h._runtime.cache.data[-2 * h._runtime.cache.slot_bytes :]
-    stage.fill_(0)
+    cache = h._runtime.cache
+    parts = [(p.slots[0].index, p.slots[-1].index + 1) for p in cache.parts]
+    sb = cache.slot_bytes
+    assert all(hi - lo <= max(limit, 2) for lo, hi in parts), parts
+    assert len(parts) == (1 if slots <= limit or limit >= 1023 else 2)
+    for _, hi in parts:  # each part's stage
+        cache.data[(hi - 2) * sb : hi * sb].fill_(0)
     got, _ = decode(model, prompt(seed=3), 12, wrap=recording(got_logits, h.cuda_graph))
     assert torch.equal(got, want)
     assert len(got_logits) == 11 and all(map(torch.equal, got_logits, want_logits))
-    assert h._runtime.tables.copies.window() == max(0, slots - limit)
-    assert groups and max(groups) == min(slots, limit)
-    if slots == 18:  # every expert has a slot: only a slot outside the window is staged
-        assert stage.any() == (limit < slots)
+    tables = h._runtime.tables
+    assert [tables.copies.window(li) for li in range(2)] == [parts[cache.layer_part[li]][0] if
+                                                             cache.layer_part else 0
+                                                             for li in range(2)]  # fmt: skip
+    assert groups and max(groups) == max(hi - lo for lo, hi in parts)
+    assert staged and not any(bool(held.any()) for held in staged)
+    if slots == 20 and limit >= 10:  # every expert has a slot: no stage is written
+        assert not any(cache.data[(hi - 2) * sb : hi * sb].any() for _, hi in parts)
     st = h.stats()
-    assert (st.hits > 0) == (slots > 2)
+    assert (st.hits > 0) == (slots > 2 and limit > 2)
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
     h.remove()
 

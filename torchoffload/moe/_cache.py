@@ -1,10 +1,13 @@
 """The device expert cache: equal slots in one device allocation, a map from (layer, expert) to
-the slot holding it, and a replacement policy. Bookkeeping only: the runtime queues the copies
+the slot holding it, and a replacement policy for each part of the cache (Note: [Parts of the
+cache] in _layout.py). Bookkeeping only: the runtime queues the copies
 and records the events it keeps on each slot.
 
 Note: [The expert cache]
 One cache for every layer (global, not per layer): slots of one size (the largest expert's),
-``cache_bytes // slot_bytes`` of them, at most one per expert of the model. A global cache
+``cache_bytes // slot_bytes`` of them, at most one per expert of the model (and one call's
+routed experts per part). A cache of more than 1023 slots is cut into parts, each a cache of
+its own for a run of layers (Note: [Parts of the cache] in _layout.py). A global cache
 gives the slots to the layers whose experts are used again: under skewed routing a layer with
 a few hot experts keeps only those, and one with uniform routing does not hold slots that
 another layer would hit in. Under uniform routing a global and a per-layer cache of the same
@@ -125,13 +128,26 @@ class _LFU:
         return found
 
 
+class _Part:
+    """One part's free slots and policy (Note: [Parts of the cache] in _layout.py)."""
+
+    __slots__ = ("slots", "free", "policy")
+
+    def __init__(self, slots: list[Slot], policy: CachePolicy):
+        self.slots = slots
+        self.free = list(reversed(slots))  # pop() takes its first slot first
+        self.policy: _LRU | _LFU = _LFU() if policy is CachePolicy.LFU else _LRU()
+
+
 class ExpertCache:
     """``slots`` slots of ``slot_bytes`` in one device allocation (made here, on the compute
-    stream, once). ``storage=False``: bookkeeping only, nothing allocated (``data`` and
-    ``storage`` are None), for a dry runtime (the planner's replay of a routing profile)."""
+    stream, once), cut into ``parts`` (`Part`s: consecutive slots for consecutive layers, Note:
+    [Parts of the cache] in _layout.py; default: one part for every layer). ``storage=False``:
+    bookkeeping only, nothing allocated (``data`` and ``storage`` are None), for a dry runtime
+    (the planner's replay of a routing profile)."""
 
     def __init__(self, slots: int, slot_bytes: int, device: torch.device, policy: CachePolicy,
-                 *, storage: bool = True):  # fmt: skip
+                 *, storage: bool = True, parts: tuple = ()):  # fmt: skip
         self.data: torch.Tensor | None = None
         self.storage: Any = None
         if storage:
@@ -143,10 +159,20 @@ class ExpertCache:
         self.spans: dict[tuple[int, int], torch.Tensor] = {}  # `span`s by (offset, bytes)
         self.slot_bytes = slot_bytes
         self.slots = [Slot(i, i * slot_bytes) for i in range(slots)]
-        self.free = list(reversed(self.slots))  # pop() takes slot 0 first
+        self.kind = policy
+        ranges = [p.slots for p in parts] or [range(slots)]
+        if ranges[0].start != 0 or ranges[-1].stop != slots or any(
+                a.stop != b.start for a, b in zip(ranges, ranges[1:], strict=False)):  # fmt: skip
+            raise ValueError(f"the cache's parts {ranges} do not cover its {slots} slots")
+        self.parts = [_Part(self.slots[r.start : r.stop], policy) for r in ranges]
+        # each layer's part (none given: every layer in the one part)
+        self.layer_part = [i for i, p in enumerate(parts) for _ in p.layers]
         self.where: dict[Key, Slot] = {}
-        self.policy = _LFU() if policy is CachePolicy.LFU else _LRU()
         self.evictions = 0
+
+    def part(self, layer: int) -> _Part:
+        """The part caching layer ``layer``'s experts."""
+        return self.parts[self.layer_part[layer]] if self.layer_part else self.parts[0]
 
     def span(self, start: int, nbytes: int) -> torch.Tensor:
         """Bytes [start, start + nbytes) of the storage (uint8), made once and kept (a copy
@@ -161,18 +187,20 @@ class ExpertCache:
     def lookup(self, key: Key) -> Slot | None:
         return self.where.get(key)
 
-    def take(self, spare: Callable[[Key], bool]) -> Slot | None:
-        """An empty slot to copy into: a free one, else the policy's choice among unpinned
-        experts for which ``spare`` is false (evicted). None when there is none."""
-        if self.free:
-            return self.free.pop()
+    def take(self, layer: int, spare: Callable[[Key], bool]) -> Slot | None:
+        """An empty slot of layer ``layer``'s part to copy into: a free one, else the part's
+        policy's choice among unpinned experts for which ``spare`` is false (evicted). None
+        when there is none."""
+        part = self.part(layer)
+        if part.free:
+            return part.free.pop()
         where = self.where
-        key = self.policy.victim(lambda k: where[k].pins == 0 and not spare(k))
+        key = part.policy.victim(lambda k: where[k].pins == 0 and not spare(k))
         return None if key is None else self._evict(key)
 
     def take_routed(self, later: list[Key]) -> Slot | None:
         """An empty slot when only experts routed later are left to evict: the one routed
-        last (``later`` in routing order)."""
+        last (``later`` in routing order, of one layer: its part's)."""
         for key in reversed(later):
             slot = self.where.get(key)
             if slot is not None and slot.pins == 0:
@@ -181,7 +209,7 @@ class ExpertCache:
 
     def _evict(self, key: Key) -> Slot:
         slot = self.where.pop(key)
-        self.policy.remove(key)
+        self.part(key[0]).policy.remove(key)
         slot.key = None
         self.evictions += 1
         return slot
@@ -193,42 +221,53 @@ class ExpertCache:
         slot.waited = set()
         slot.done = {}  # the copy waited on them: later copies are ordered after it
         self.where[key] = slot
-        self.policy.add(key)
+        self.part(key[0]).policy.add(key)
 
     def use(self, key: Key) -> None:
-        self.policy.use(key)
+        self.part(key[0]).policy.use(key)
 
     def forget(self, key: Key) -> None:
         """The cached copy of ``key`` is stale: its slot is free (its done events kept)."""
         slot = self.where.pop(key, None)
         if slot is None:
             return
-        self.policy.remove(key)
+        part = self.part(key[0])
+        part.policy.remove(key)
         slot.key = None
         slot.ready = None
-        self.free.append(slot)
+        part.free.append(slot)
 
     def policy_order(self) -> list[Key]:
-        """The cached experts, the policy's first victim first among equal uses (LRU: least
-        recently used first; LFU: by its ticks)."""
-        if isinstance(self.policy, _LRU):
-            return list(self.policy.order)
-        current = self.policy.current
-        return sorted(current, key=lambda k: current[k][1])
+        """The cached experts, part by part, each part's first victim first among equal uses
+        (LRU: least recently used first; LFU: by its ticks)."""
+        out: list[Key] = []
+        for part in self.parts:
+            policy = part.policy
+            if isinstance(policy, _LRU):
+                out += policy.order
+            else:
+                out += sorted(policy.current, key=lambda k, c=policy.current: c[k][1])
+        return out
 
     def policy_uses(self) -> dict[Key, int]:
         """Uses since setup (LFU's counts; empty for LRU)."""
-        return dict(self.policy.uses) if isinstance(self.policy, _LFU) else {}
+        out: dict[Key, int] = {}
+        for part in self.parts:
+            if isinstance(part.policy, _LFU):
+                out |= part.policy.uses
+        return out
 
     def load_map(self, located: list[tuple[Key, int]], uses: dict[Key, int]) -> None:
         """Replace the map: ``located`` (key, slot index) in the policy's order, first victim
         first; ``uses`` (LFU's counts since setup). Every slot's events are dropped: the
         caller synchronized with the work that read or wrote them."""
-        lfu = isinstance(self.policy, _LFU)
         self.where = {}
-        self.policy = _LFU() if lfu else _LRU()
-        if lfu:
-            self.policy.uses = dict(uses)
+        for part in self.parts:
+            part.policy = _LFU() if self.kind is CachePolicy.LFU else _LRU()
+        for key, n in uses.items():
+            policy = self.part(key[0]).policy
+            if isinstance(policy, _LFU):
+                policy.uses[key] = n
         for slot in self.slots:
             slot.key = None
             slot.ready = None
@@ -238,8 +277,9 @@ class ExpertCache:
             slot = self.slots[index]
             slot.key = key
             self.where[key] = slot
-            self.policy.add(key)
-        self.free = [s for s in reversed(self.slots) if s.key is None]
+            self.part(key[0]).policy.add(key)
+        for part in self.parts:
+            part.free = [s for s in reversed(part.slots) if s.key is None]
 
     def clear(self) -> None:
         for key in list(self.where):

@@ -10,11 +10,11 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   when it was last used); ``uses[key]`` (uses since setup, for "lfu"); a ``clock``. Each table
   has one spare entry at its end (the *trash*): a write that must not happen is sent there, so
   every update has a fixed shape and no host decision.
-- Graph mode keeps the cache's last ``top_k`` slots as the *stage*: the routed expert at place
-  r (routed experts in ascending order, as the resident loop visits them) is computed from
-  stage slot r, at an address fixed at capture (grouped_mm experts: from their own slots where
-  those are in the grouped GEMM's window, see below). The others (``cache slots``) cache
-  experts.
+- Graph mode keeps the last ``top_k`` slots of each part of the cache (Note: [Parts of the
+  cache] in _layout.py) as its *stage*: the routed expert at place r (routed experts in
+  ascending order, as the resident loop visits them) is computed from stage slot r of its
+  layer's part, at an address fixed at capture (grouped_mm experts: from their own slots, see
+  below). The others (``cache slots``, [lo, hi) of the layer's part) cache its experts.
 - One block call of one token (``top_k`` routed experts; on CUDA in one kernel, see
   _kernels.py's Note: [One routing kernel per call]): the routed experts are sorted; a hit
   is an expert with a slot; each miss takes, in order, the unpinned slot of least score (LRU:
@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -110,8 +112,8 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 #   prefetch (one block captured alone) has both streams joined at the capture's end
 #   (`ExpertGraphs.finish_capture`).
 # With one stream, a hit's stage copy (about 9.4 MB at 545 GB/s, Qwen3-30B-A3B) queued between
-# the link's copies, so the link idled for every hit. grouped_mm experts copy only the hits
-# outside the grouped GEMM's window (Note: [Experts computed in their slots]).
+# the link's copies, so the link idled for every hit. grouped_mm experts copy no hit (Note:
+# [Experts computed in their slots]), and their calls queue nothing on ``near``.
 
 # Note: [Experts computed in their slots]
 # transformers' grouped_mm experts (its default) compute in a graph call from the slots the
@@ -120,12 +122,11 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 # the device: over a member's view of a window of slots (one slot's bytes apart), with the
 # token's rows sorted by slot and the offsets counted from the slots (`torch.searchsorted`), it
 # computes each routed expert where it is, with no host decision and no copy. torch's CUDA
-# kernel takes at most 1023 groups (`GROUP_LIMIT`), so the window is the cache's last 1023
-# slots (`Stage.window`), the stage among them. A place whose expert is in the window computes
-# there: a hit is not copied, a miss is copied into the cache slot it got, or into its stage
-# place where it got none. A place outside the window (a cache of more slots) computes from its
-# stage place as before: a hit is copied there from its slot (on ``near``), a miss there and
-# to its cache slot. Invariants:
+# kernel takes at most 1023 groups (`GROUP_LIMIT`), so the window is the layer's part of the
+# cache (`Stage.window`; Note: [Parts of the cache] in _layout.py), its stage among them. Every
+# place computes there: a hit is not copied, a miss is copied into the cache slot it got, or
+# into its stage place where it got none. (The plan's ``inside`` flags say so per place; every
+# place is inside since the cache has parts.) Invariants:
 # - Bitwise: a grouped GEMM's row depends on its group's weights alone, whatever the group count
 #   (Note: [Grouped experts, one group at a time]), and every slot's member keeps the resident
 #   slice's address modulo 512 (graph mode's member sizes are multiples of 512).
@@ -136,9 +137,11 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 #   slot this call reads before it read it: a miss never takes a slot its call hits, the
 #   prefetch after the call pins every slot the call used (`DeviceTables.used`), and a later
 #   call's copies wait on the compute stream.
-# One GEMM per window of 1023 slots was measured slower beyond about 4 windows: each window's
-# pair of grouped GEMMs costs about as much as the resident call (57-65 us), against about 17
-# us for a hit's device copy to the stage (below).
+# A layer's window is its part, not several windows of 1023 slots each with a GEMM pair: that
+# was measured slower beyond about 4 windows, each window's pair costing about as much as the
+# resident call (57-65 us, below). Before the cache had parts, the window was the cache's last
+# 1023 slots and a hit before it was copied to the stage (about 17 us, on ``near``): at every
+# expert cached (6152 slots at the Qwen3-30B-A3B shape) about 5 of 6 hits were.
 # batched_mm and the eager loop still compute from the stage: they index the weights or call
 # F.linear on one expert's tensor, at addresses fixed at capture.
 # Measured (H200, torch 2.11, 2026-11-29, benchmarks/moe_in_slots.py, 8 Qwen3-30B-A3B experts
@@ -158,9 +161,6 @@ _PINNED = 1 << 62  # a pinned slot's score
 # Graph calls on CUDA route in one kernel (Note: [One routing kernel per call] in _kernels.py);
 # False runs the tensor operations there too (the reference the GPU tests compare it with)
 FUSED_ROUTING = True
-# The most groups one grouped GEMM takes (torch 2.11's CUDA kernel checks ``group_count < 1024``:
-# "Can't process more than 1024 groups"); Note: [Experts computed in their slots]
-GROUP_LIMIT = 1023
 
 
 @dataclasses.dataclass
@@ -215,7 +215,7 @@ def check_graphable(rt: Any) -> None:
                     f"then the same for every expert); {layer.name}.{m.name} has {m.nbytes}. "
                     "Call the model without cuda_graph"
                 )
-    if len(rt.cache.slots) < layout.top_k:
+    if min(len(p.slots) for p in rt.cache.parts) < layout.top_k:
         raise ValueError("the cache holds fewer slots than one token's routed experts")
     if rt.device.type == "cuda":
         if not rt.store.pinned:
@@ -237,24 +237,25 @@ class DeviceTables:
         layout = rt.layout
         dev = rt.device
         self.rt = rt
-        self.k = layout.top_k
-        self.cache_slots = len(rt.cache.slots) - self.k  # the rest is the stage
-        # a cache of no more slots than a call uses has none left for a prefetch (a call of
-        # ``k`` experts pins them all; one routed partly to the layer's "none" expert may leave
-        # some, and its prefetch is skipped too): the next router is not run
-        self.prefetches = rt.config.prefetch and self.cache_slots > self.k
+        self.k = k = layout.top_k
+        self.trash = len(rt.cache.slots)  # the slot tables' spare entry
+        # per layer, its part's cache slots [lo, hi); its stage: slots [hi, hi + k) (Note:
+        # [Parts of the cache] in _layout.py)
+        self.lo = [rt.cache.part(li).slots[0].index for li in range(len(layout.layers))]
+        self.hi = [rt.cache.part(li).slots[-1].index + 1 - k for li in range(len(layout.layers))]
+        # a part of no more cache slots than a call uses has none left for a prefetch (a call
+        # of ``k`` experts pins them all; one routed partly to the layer's "none" expert may
+        # leave some, and its prefetch is skipped too): the next router is not run
+        self.prefetches = rt.config.prefetch and min(map(operator.sub, self.hi, self.lo)) > k
         self.keys = layout.total_experts
-        self.first = []  # each layer's first key
-        n = 0
-        for layer in layout.layers:
-            self.first.append(n)
-            n += layer.experts
+        # each layer's first key
+        self.first = [0, *itertools.accumulate(layer.experts for layer in layout.layers)][:-1]
         self.lfu = rt.config.policy is CachePolicy.LFU
         i64 = dict(dtype=torch.int64, device=dev)
         with torch.inference_mode(False), torch.no_grad():
             self.slot_of = torch.full((self.keys + 1,), -1, **i64)
-            self.key_of = torch.full((self.cache_slots + 1,), -1, **i64)
-            self.stamp = torch.zeros(self.cache_slots + 1, **i64)
+            self.key_of = torch.full((self.trash + 1,), -1, **i64)
+            self.stamp = torch.zeros(self.trash + 1, **i64)
             self.uses = torch.zeros(self.keys + 1, **i64)
             self.clock = torch.zeros(1, **i64)
             # per layer: calls, tokens, hits, misses, prefetched
@@ -264,8 +265,8 @@ class DeviceTables:
             self.token = torch.zeros(1, **i64)
             self.big = torch.full((1,), _PINNED, **i64)
             self.none = torch.full((1,), -1, **i64)
-            self.used = torch.full((self.k,), self.cache_slots, **i64)  # the last call's slots
-        self.copies = Stage(rt, self.cache_slots, self.k)
+            self.used = torch.full((self.k,), self.trash, **i64)  # the last call's slots
+        self.copies = Stage(rt, self.lo, self.hi, self.k)
         c = self.copies
         self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
         self.owned = False  # the device's map is the one in force
@@ -279,9 +280,7 @@ class DeviceTables:
         a staged call's into its regions too."""
         if self.owned:
             return
-        cache = self.rt.cache
-        engine = self.rt.engine
-        waited: set[int] = set()
+        cache, engine, waited = self.rt.cache, self.rt.engine, set()
         for slot in cache.slots:
             # the copies in flight into a slot, and every read of it (an eager call's, on any
             # compute stream; a staged call's copy out of it, REGION_COPY): a graph call may
@@ -290,11 +289,11 @@ class DeviceTables:
                 if event is not None and id(event) not in waited:
                     waited.add(id(event))
                     engine.wait(event)
-        for slot in cache.slots[self.cache_slots :]:  # the stage: emptied
-            if slot.key is not None:
+        for slot in (cache.slots[s] for hi in set(self.hi) for s in range(hi, hi + self.k)):
+            if slot.key is not None:  # every part's stage: emptied
                 cache.forget(slot.key)
-        key_of = [-1] * (self.cache_slots + 1)
-        stamp = [-1 - i for i in range(self.cache_slots + 1)]  # empty slots first, slot 0 first
+        key_of = [-1] * (self.trash + 1)
+        stamp = [-1 - i for i in range(self.trash + 1)]  # empty slots first
         slot_of = [-1] * (self.keys + 1)
         order = cache.policy_order()  # keys, least recently used first
         for t, key in enumerate(order):
@@ -323,11 +322,9 @@ class DeviceTables:
         key_of = self.key_of.tolist()
         stamp = self.stamp.tolist()
         uses = self.uses.tolist()
-        located = sorted((stamp[s], s) for s in range(self.cache_slots) if key_of[s] >= 0)
-        keys = {}
-        for first_li, first in enumerate(self.first):
-            for e in range(self.rt.layout.layers[first_li].experts):
-                keys[first + e] = (first_li, e)
+        located = sorted((stamp[s], s) for s in range(self.trash) if key_of[s] >= 0)
+        keys = {first + e: (li, e) for li, first in enumerate(self.first)
+                for e in range(self.rt.layout.layers[li].experts)}  # fmt: skip
         self.rt.cache.load_map([(keys[key_of[s]], s) for _, s in located],
                                {keys[i]: u for i, u in enumerate(uses[:-1]) if u})  # fmt: skip
         self.owned = False
@@ -356,7 +353,7 @@ class DeviceTables:
         with torch.inference_mode(False), torch.no_grad():
             self.slot_of.fill_(-1)
             self.key_of.fill_(-1)
-            self.used.fill_(self.cache_slots)
+            self.used.fill_(self.trash)
 
     # -- one block call -------------------------------------------------------------------------
 
@@ -365,7 +362,8 @@ class DeviceTables:
         """Find ``experts`` (sorted; the layer's expert count marks none) in the cache and
         give each miss, in order, a slot while unpinned slots last (a slot hit by these
         experts is pinned, and the slots in ``pinned``, the cache's slot count marking none);
-        the map updated. Returns key, valid, slot, hit, miss, write (got a slot), vslot (that
+        the map updated; victims are cache slots of the layer's part (Note: [Parts of the cache]
+        in _layout.py). Returns key, valid, slot, hit, miss, write (got a slot), vslot (that
         slot) and its cache addresses."""
         n = self.rt.layout.layers[li].experts
         trash_key = self.keys
@@ -376,27 +374,30 @@ class DeviceTables:
         miss = valid & ~hit
         before = (self.before & miss.unsqueeze(0)).sum(1)  # misses before each place, itself too
         rank = before - 1
-        sc = self.cache_slots
+        lo, hi = self.lo[li], self.hi[li]
+        sc = hi - lo
         if not sc:
             return key, valid, slot, hit, miss, torch.zeros_like(miss), None, self.stage[li]
-        score = self.stamp[:sc]
+        score = self.stamp[lo:hi]
+        owner = self.key_of[lo:hi]
         if self.lfu:
-            owner = torch.where(self.key_of[:sc] >= 0, self.key_of[:sc], trash_key)
-            score = self.uses[owner].clamp(max=_USES_CAP) * (1 << _STAMP_BITS) + score
-            score = torch.where(self.key_of[:sc] >= 0, score, self.stamp[:sc])
-        score = torch.cat([score, self.big])
-        score.index_put_((torch.where(hit, slot, sc),), self.big)  # pinned: the hits
+            scored = self.uses[torch.where(owner >= 0, owner, trash_key)]
+            score = scored.clamp(max=_USES_CAP) * (1 << _STAMP_BITS) + score
+            score = torch.where(owner >= 0, score, self.stamp[lo:hi])
+        score = torch.cat([score, self.big])  # a pin outside the part goes to its end
+        score.index_put_((torch.where(hit, slot - lo, sc),), self.big)  # pinned: the hits
         if pinned is not None:
-            score.index_put_((pinned,), self.big)
+            inside = (pinned >= lo) & (pinned < hi)
+            score.index_put_((torch.where(inside, pinned - lo, sc),), self.big)
         nv = min(self.k, sc)
-        victims = torch.topk(score[:sc], nv, largest=False).indices
+        victims = torch.topk(score[:sc], nv, largest=False).indices + lo
         free = torch.clamp(sc - (score[:sc] >= self.big).sum(), max=nv)  # unpinned slots
         write = miss & (rank < free)
         vslot = victims[rank.clamp(0, nv - 1)]
         old = self.key_of[vslot]
         self.slot_of.index_put_((torch.where(write & (old >= 0), old, trash_key),), self.none)
         self.slot_of.index_put_((torch.where(write, key, trash_key),), vslot)
-        self.key_of.index_put_((torch.where(write, vslot, sc),), key)
+        self.key_of.index_put_((torch.where(write, vslot, self.trash),), key)
         self.slot_of[trash_key:].fill_(-1)
         dst = self.cache_base + vslot.unsqueeze(1) * self.rt.cache.slot_bytes + self.region[li]
         return key, valid, slot, hit, miss, write, vslot, dst
@@ -408,12 +409,11 @@ class DeviceTables:
         whether it is, and the slot the place's expert is in once copied (a hit's, a written
         miss's, else the stage's place: Note: [Experts computed in their slots])."""
         n = self.rt.layout.layers[li].experts
-        sc = self.cache_slots
         key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts)
-        at = sc + self.order
-        if sc:
+        at = self.hi[li] + self.order  # the part's stage
+        if self.hi[li] > self.lo[li]:
             at = torch.where(hit, slot, torch.where(write, vslot, at))
-            used = torch.where(hit, slot, torch.where(write, vslot, sc))
+            used = torch.where(hit, slot, torch.where(write, vslot, self.trash))
             self.stamp.index_put_((used,), self.clock + self.order)
             self.clock.add_(self.k)
             # pinned by the next prefetch (Note: [Prefetch by the next router]); written in
@@ -449,12 +449,12 @@ class DeviceTables:
         inv[place] = self.order
         src, valid, miss, dst, write, at = self.route(li, experts)
         c = self.copies
-        inside = at >= c.window() if direct else None
+        inside = at >= c.window(li) if direct else None
         first, held, also = c.derive(li, valid, miss, dst, write, inside)
         plan = CallPlan(place, inv, valid, miss, held, also, write, inside, src, first, dst)
         if direct:
-            plan.back, plan.offs = _by_slot(self, torch.where(inside, at, self.cache_slots +
-                                                              self.order))  # fmt: skip
+            plan.back, plan.offs = _by_slot(self, li, torch.where(inside, at, self.hi[li] +
+                                                                  self.order))  # fmt: skip
         return plan
 
     def prefetch(self, li: int, experts: torch.Tensor) -> None:
@@ -462,7 +462,7 @@ class DeviceTables:
         ``experts`` of layer ``li`` that it lacks, never into a slot the call before it used
         (Note: [Two copy streams]; Note: [Prefetch by the next router]); they count as used
         now (LRU) and not as uses (LFU)."""
-        if not self.cache_slots:
+        if self.hi[li] == self.lo[li]:
             return
         self.copies.copy_ahead(li, *self.plan_prefetch(li, experts))
 
@@ -474,18 +474,19 @@ class DeviceTables:
             return plan.src, plan.dst, plan.write
         n = self.rt.layout.layers[li].experts
         key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used)
-        self.stamp.index_put_((torch.where(write, vslot, self.cache_slots),),
+        self.stamp.index_put_((torch.where(write, vslot, self.trash),),
                               self.clock + self.order)  # fmt: skip
         self.clock.add_(self.k)
         self.counts[li, 4] += write.sum()
         return self.host[li][torch.where(valid, experts, n)], dst, write
 
 
-def _by_slot(tables: DeviceTables, computed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _by_slot(tables: DeviceTables, li: int,
+             computed: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Each place's row among the rows sorted by the slot it computes in (``computed``), and the
     window's group offsets (Note: [Experts computed in their slots])."""
     by_slot, order = torch.sort(computed)
-    ends = torch.arange(tables.copies.window(), tables.cache_slots + tables.k,
+    ends = torch.arange(tables.copies.window(li), tables.hi[li] + tables.k,
                         device=computed.device)  # fmt: skip
     back = torch.empty_like(order)
     back[order] = tables.order
@@ -507,8 +508,9 @@ def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool =
     flags, addrs, perms, offs = route_call(
         index.contiguous(), on, c.host[li], c.region[li], c.stage[li],
         first_key=tables.first[li], experts=tables.rt.layout.layers[li].experts,
-        slots=tables.cache_slots, cache_base=c.base, slot_bytes=tables.rt.cache.slot_bytes,
-        window=c.window(), layer=li, big=_PINNED, cap=_USES_CAP, lfu=tables.lfu,
+        lo=tables.lo[li], hi=tables.hi[li], trash=tables.trash, cache_base=c.base,
+        slot_bytes=tables.rt.cache.slot_bytes, window=c.window(li), layer=li, big=_PINNED,
+        cap=_USES_CAP, lfu=tables.lfu,
         prefetch=prefetch, direct=direct,
     )  # fmt: skip
     valid, miss, held, also, write, inside = flags
@@ -532,16 +534,17 @@ def warm_routing(tables: DeviceTables) -> None:
                               device=tables.rt.device)  # fmt: skip
             for direct in (False, True):
                 _fused(tables, li, none, direct=direct, on=on)
-            if tables.prefetches and tables.cache_slots:
+            if tables.prefetches and tables.hi[li] > tables.lo[li]:
                 _fused(tables, li, none, prefetch=True, on=on)
     tables.warm = True
 
 
 class Stage:
-    """The stage (the cache's last ``k`` slots), the addresses the copy kernel reads, and the
-    copies (Note: [Routed experts in a CUDA graph])."""
+    """The stages (each part's last ``k`` slots, Note: [Parts of the cache] in _layout.py), the
+    addresses the copy kernel reads, and the copies (Note: [Routed experts in a CUDA graph]);
+    ``lo`` and ``hi``: per layer, its part's first slot and its stage's."""
 
-    def __init__(self, rt: Any, cache_slots: int, k: int):
+    def __init__(self, rt: Any, lo: list[int], hi: list[int], k: int):
         dev = rt.device
         self.rt = rt
         self.k = k
@@ -556,7 +559,7 @@ class Stage:
             for li, layer in enumerate(rt.layout.layers):
                 self.region.append(torch.tensor([m.region for m in layer.members], **i64))
                 self.sizes.append([m.nbytes for m in layer.members])
-                stage = [[base + (cache_slots + r) * slot_bytes + m.region
+                stage = [[base + (hi[li] + r) * slot_bytes + m.region
                           for m in layer.members] for r in range(k)]  # fmt: skip
                 self.stage.append(torch.tensor(stage, **i64))
                 hbase = rt.store.hosts[li].data_ptr() if self.cuda else 0
@@ -569,7 +572,7 @@ class Stage:
                     rows.append(row)
                 rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
                 self.host.append(torch.tensor(rows, **i64))
-        self.cache_slots = cache_slots
+        self.lo, self.hi = lo, hi
         self._slot_views: dict = {}
         self.warm = False
         self.forked: set = set()  # the copy streams this capture queued work on
@@ -650,7 +653,7 @@ class Stage:
         # caller's compute stream waited on every event: no block of theirs is reused before
         # these copies read it; the tensors made here are recorded on their streams)
         compute = torch.cuda.current_stream(self.rt.device)
-        near = not together or self.window() > 0  # a hit may be staged
+        near = not together  # a hit may be staged (in slots: never, Note: [Parts of the cache])
         self.forked.add(self.side)
         if near:
             self.forked.add(self.near)
@@ -702,10 +705,10 @@ class Stage:
                 x = torch.where(write[r], host[src[r, m] + span], cache[at])
                 cache.index_put_((at,), x)
 
-    def window(self) -> int:
-        """The first slot of the grouped GEMMs' window: the last ``GROUP_LIMIT`` slots, the
-        stage's among them (Note: [Experts computed in their slots])."""
-        return max(0, self.cache_slots - max(GROUP_LIMIT - self.k, 0))
+    def window(self, li: int) -> int:
+        """The first slot of layer ``li``'s grouped GEMMs' window: its part's first (Note:
+        [Experts computed in their slots]; Note: [Parts of the cache] in _layout.py)."""
+        return self.lo[li]
 
     def slot_views(self, li: int, first: int, slots: int) -> list[torch.Tensor]:
         """Layer ``li``'s members in ``slots`` slots from slot ``first`` (the stage's places
@@ -725,8 +728,8 @@ class Stage:
         return out
 
     def views(self, li: int, r: int) -> list[torch.Tensor]:
-        """The members of the expert at place ``r`` in the stage."""
-        return [t[0] for t in self.slot_views(li, self.cache_slots + r, 1)]
+        """The members of the expert at place ``r`` in layer ``li``'s stage."""
+        return [t[0] for t in self.slot_views(li, self.hi[li] + r, 1)]
 
 
 def graphed_forward(
@@ -852,8 +855,8 @@ def _in_slots(tables: DeviceTables, li: int, module: Any, hidden_states: torch.T
     Note: [Experts computed in their slots]). Rows in place order."""
     k = tables.k
     rows = hidden_states.expand(k, hidden_states.shape[1]).contiguous()
-    first = tables.copies.window()
-    slots = tables.cache_slots + k - first
+    first = tables.copies.window(li)
+    slots = tables.hi[li] + k - first
     gate_up_proj, down_proj = tables.copies.slot_views(li, first, slots)
     proj = module._apply_gate(grouped_linear(rows, gate_up_proj, plan.offs, module))
     out = grouped_linear(proj, down_proj, plan.offs, module)

@@ -111,18 +111,19 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
 
 
 @triton.jit
-def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG, PAD, CAP,
+def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI, BIG, PAD, CAP,
              K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
              LFU: tl.constexpr):  # fmt: skip
-    """The ``K`` unpinned slots of least score, ascending (Note: [One routing kernel per
-    call]), and the count of pinned slots (those in ``held_slot`` or ``pinned``)."""
+    """The ``K`` unpinned slots of least score in [LO, HI), ascending (Note: [One routing
+    kernel per call]), and the count of pinned slots there (those in ``held_slot`` or
+    ``pinned``)."""
     kk = tl.arange(0, KP)
     best = tl.full((KP,), PAD, tl.int64)
     best_at = tl.full((KP,), 0, tl.int64)
     npinned = tl.sum(tl.zeros((KP,), tl.int32), 0)
-    for c in range(0, SC, BLOCK):
+    for c in range(LO, HI, BLOCK):
         s = c + tl.arange(0, BLOCK)
-        sm = s < SC
+        sm = s < HI
         score = tl.load(stamp_ptr + s, mask=sm, other=0)
         if LFU:
             owner = tl.load(key_of_ptr + s, mask=sm, other=-1)
@@ -150,10 +151,11 @@ def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG, PAD, C
     return best_at, npinned
 
 
-@triton.jit(do_not_specialize=["FIRST_KEY", "N", "SC", "CACHE_BASE", "WINDOW", "WSLOTS", "LI"])
+@triton.jit(do_not_specialize=["FIRST_KEY", "N", "LO", "HI", "TRASH", "CACHE_BASE", "WINDOW",
+                               "WSLOTS", "LI"])  # fmt: skip
 def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, counts_ptr,
            used_ptr, host_ptr, region_ptr, stage_ptr, flags_ptr, addrs_ptr, perms_ptr, offs_ptr,
-           FIRST_KEY, N, SC, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG, PAD, CAP,
+           FIRST_KEY, N, LO, HI, TRASH, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG, PAD, CAP,
            K: tl.constexpr, KP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
            BLOCK: tl.constexpr, WBLOCK: tl.constexpr, LFU: tl.constexpr,
            PREFETCH: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
@@ -179,11 +181,11 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     best_at = tl.full((KP,), 0, tl.int64)
     npinned = tl.sum(tl.zeros((KP,), tl.int32), 0)
     if tl.sum(miss.to(tl.int32), 0) > 0:
-        best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, SC, BIG,
-                                    PAD, CAP, K, KP, BLOCK, LFU)  # fmt: skip
+        best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI,
+                                    BIG, PAD, CAP, K, KP, BLOCK, LFU)  # fmt: skip
     kk = tl.arange(0, KP)
-    nv = tl.minimum(SC, K)
-    free = tl.minimum(SC - npinned, nv)
+    nv = tl.minimum(HI - LO, K)
+    free = tl.minimum(HI - LO - npinned, nv)
     write = miss & (rank < free)
     rk = tl.minimum(tl.maximum(rank, 0), tl.maximum(nv - 1, 0))
     vslot = tl.sum(tl.where(rk[:, None] == kk[None, :], best_at[None, :], 0), 1)
@@ -200,9 +202,9 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
                  tl.load(counts_ptr + LI * 5 + 4) + tl.sum(write.to(tl.int64), 0))  # fmt: skip
         tl.store(clock_ptr, clock + K)
     else:
-        used = tl.where(hit, slot, tl.where(write, vslot, SC))
-        if SC > 0:  # no cache slot: no clock (as the tensor version)
-            tl.store(stamp_ptr + used, clock + jj, mask=jm & (used < SC))
+        used = tl.where(hit, slot, tl.where(write, vslot, TRASH))
+        if HI > LO:  # no cache slot: no clock (as the tensor version)
+            tl.store(stamp_ptr + used, clock + jj, mask=jm & (used < TRASH))
             tl.store(used_ptr + j, used, mask=jm)
             tl.store(clock_ptr, clock + K)
         u = tl.load(uses_ptr + key, mask=valid, other=0)
@@ -224,7 +226,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     src = tl.where(miss[:, None], host, cached)
     if PREFETCH:
         src = host
-    at = tl.where(hit, slot, tl.where(write, vslot, SC + jj))
+    at = tl.where(hit, slot, tl.where(write, vslot, HI + jj))  # the part's stage: from HI
     if DIRECT:  # noqa: SIM108 (a constexpr branch, for Triton)
         inside = at >= WINDOW
     else:
@@ -247,7 +249,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     tl.store(perms_ptr + j, place, mask=jm)
     tl.store(perms_ptr + K + place, jj, mask=jm)
     if DIRECT:
-        comp = tl.where(inside, at, SC + jj)
+        comp = tl.where(inside, at, HI + jj)
         comp_m = tl.where(jm, comp, PAD)
         back = tl.sum(((comp_m[None, :] < comp[:, None]) & jm[None, :]).to(tl.int64), 1)
         tl.store(perms_ptr + 2 * K + j, back, mask=jm)
@@ -263,11 +265,13 @@ def _pow2(n: int, least: int = 16) -> int:
 
 
 def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: torch.Tensor,
-               stage: torch.Tensor, *, first_key: int, experts: int, slots: int, cache_base: int,
-               slot_bytes: int, window: int, layer: int, big: int, cap: int, lfu: bool,
-               prefetch: bool, direct: bool) -> tuple:  # fmt: skip
+               stage: torch.Tensor, *, first_key: int, experts: int, lo: int, hi: int,
+               trash: int, cache_base: int, slot_bytes: int, window: int, layer: int, big: int,
+               cap: int, lfu: bool, prefetch: bool, direct: bool) -> tuple:  # fmt: skip
     """One graph call's routing, table updates and plan in one kernel (Note: [One routing
-    kernel per call]); ``tables``: (slot_of, key_of, stamp, uses, clock, counts, used).
+    kernel per call]); ``tables``: (slot_of, key_of, stamp, uses, clock, counts, used); the
+    layer's part's cache slots [``lo``, ``hi``), its stage from ``hi``, the tables' trash
+    entry ``trash`` (Note: [Parts of the cache] in _layout.py).
     Returns flags (6, K) bool: valid, miss, held, also, write, inside; addresses (3, K, M)
     int64: source, first destination, cache destination; permutations (3, K) int64: the sort's,
     its inverse, each place's row among those sorted by slot (``direct``); the window's group
@@ -278,11 +282,11 @@ def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: t
     flags = torch.empty(6, k, dtype=torch.bool, device=dev)
     addrs = torch.empty(3, k, m, dtype=torch.int64, device=dev)
     perms = torch.empty(3, k, dtype=torch.int64, device=dev)
-    wslots = slots + k - window if direct else 0
+    wslots = hi + k - window if direct else 0
     offs = torch.empty(max(wslots, 1), dtype=torch.int32, device=dev)
-    block = min(ROUTE_BLOCK, _pow2(slots))
+    block = min(ROUTE_BLOCK, _pow2(hi - lo))
     _route[(1,)](index, *tables, host, region, stage, flags, addrs, perms, offs, first_key,
-                 experts, slots, cache_base, slot_bytes, window, wslots, layer, big,
+                 experts, lo, hi, trash, cache_base, slot_bytes, window, wslots, layer, big,
                  (1 << 63) - 1, cap, K=k, KP=_pow2(k, 2), M=m, MP=_pow2(m, 2), BLOCK=block,
                  WBLOCK=min(1024, _pow2(wslots)), LFU=lfu, PREFETCH=prefetch, DIRECT=direct,
                  num_warps=8 if block >= 2048 else 4)  # fmt: skip

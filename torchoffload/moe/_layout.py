@@ -25,10 +25,12 @@ from torchoffload._modules import held
 from torchoffload.moe._references import known
 
 __all__ = [
+    "GROUP_LIMIT",
     "ExpertLayer",
     "ExpertLayout",
     "LayoutKind",
     "Member",
+    "Part",
     "Piece",
     "check_grouped",
     "find_experts",
@@ -176,10 +178,100 @@ class ExpertLayout:
         return min(self.top_k, self.total_experts) * self.slot_bytes
 
     def slots_for(self, cache_bytes: int) -> int:
-        """The cache slots ``cache_bytes`` buy, capped at every expert plus one call's routed
-        experts: a CUDA graph computes from ``top_k`` slots of its own (the stage, Note:
-        [Routed experts in a CUDA graph]), so only then does a graph hold every expert."""
-        return min(cache_bytes // self.slot_bytes, self.total_experts + self.top_k)
+        """The cache slots ``cache_bytes`` buy, capped where every part holds its layers'
+        experts and one call's routed experts: a CUDA graph computes from ``top_k`` slots of
+        each part (its stage, Note: [Routed experts in a CUDA graph]), so only then does a graph
+        hold every expert (Note: [Parts of the cache])."""
+        total, k = self.total_experts, self.top_k
+        count = 1
+        while True:  # the parts a cache of every expert and ``count`` stages is cut into
+            need = total + count * k
+            parts = len(self.parts(need))
+            if parts <= count:
+                break
+            count = parts
+        return min(cache_bytes // self.slot_bytes, sum(len(p.slots) for p in self.parts(need)))
+
+    def parts(self, slots: int) -> tuple[Part, ...]:
+        """``slots`` cache slots cut into parts of at most `GROUP_LIMIT` slots, each serving a
+        run of consecutive layers (Note: [Parts of the cache]); slots past the last part are
+        left unused (only where a layer's share exceeds the limit)."""
+        layers, k, limit = self.layers, self.top_k, GROUP_LIMIT
+        if slots <= limit or len(layers) == 1:
+            return (Part(range(len(layers)), range(min(slots, limit))),)
+        count = min(-(-slots // limit), len(layers), max(slots // k, 1))
+        while True:
+            runs = _runs([layer.experts for layer in layers], count)
+            sizes = _shares(slots - count * k, [sum(layers[i].experts for i in r) for r in runs])
+            sizes = [k + n for n in sizes]
+            if max(sizes) <= limit or count == len(layers):
+                break
+            count += 1
+        out, at = [], 0
+        for r, n in zip(runs, sizes, strict=True):
+            n = min(n, max(limit, k))
+            out.append(Part(r, range(at, at + n)))
+            at += n
+        return tuple(out)
+
+
+# The most groups one grouped GEMM takes (torch 2.11's CUDA kernel checks ``group_count < 1024``:
+# "Can't process more than 1024 groups"); Note: [Parts of the cache]
+GROUP_LIMIT = 1023
+
+# Note: [Parts of the cache]
+# A CUDA graph computes transformers' grouped_mm experts in the cache slots they are in (Note:
+# [Experts computed in their slots] in _graphed.py): one grouped GEMM over a window of slots,
+# one slot a group, and torch's CUDA kernel takes at most 1023 groups (`GROUP_LIMIT`). So a
+# cache of more slots is cut into *parts* of at most 1023 slots, each serving a run of
+# consecutive layers: an expert is cached only in its layer's part (the host's map and the
+# device tables alike), and in a graph call each part's last ``top_k`` slots are its stage.
+# Every cached expert of a layer is then in its window, and a hit computes where it is with no
+# copy. Invariants:
+# - Parts are consecutive slots, in layer order, and cover every slot the cache allocates; a
+#   layer belongs to exactly one part; each part holds ``top_k`` slots at least (its stage).
+# - Layers go to parts as runs of about equal expert counts, and a part's slots past its stage
+#   are shared as its layers' experts are (a cache of every expert gives each part its
+#   experts and its stage: `ExpertLayout.slots_for` caps there).
+# - A cache of at most 1023 slots is one part: the cache of every earlier session, where every
+#   layer's experts compete for every slot (Note: [The expert cache]).
+# Each part is a cache of its own: under routing whose hot experts crowd into some layers, a
+# part cannot lend its slots to another's (a per-layer-group cache, between a global and a
+# per-layer one); under uniform routing the hit rates are the same. The eager path keeps the
+# parts too, so the map moves between host and device unchanged.
+
+
+@dataclass(frozen=True)
+class Part:
+    """Consecutive cache slots serving consecutive layers (Note: [Parts of the cache])."""
+
+    layers: range
+    slots: range
+
+
+def _runs(experts: list[int], count: int) -> list[range]:
+    """``count`` runs of consecutive layers (each not empty) of about equal expert counts."""
+    total, bounds, at = sum(experts), [0], 0
+    cum = 0
+    for j in range(1, count):
+        while at < len(experts) - (count - j) and (cum + experts[at]) * count <= j * total:
+            cum += experts[at]
+            at += 1
+        at = max(at, bounds[-1] + 1)
+        cum = sum(experts[:at])
+        bounds.append(at)
+    bounds.append(len(experts))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _shares(n: int, weights: list[int]) -> list[int]:
+    """``max(n, 0)`` cut as ``weights`` are (largest remainders first, then the first)."""
+    n, total = max(n, 0), sum(weights) or 1
+    base = [n * w // total for w in weights]
+    rest = sorted(range(len(weights)), key=lambda i: (-(n * weights[i] % total), i))
+    for i in rest[: n - sum(base)]:
+        base[i] += 1
+    return base
 
 
 # -- finding the experts ------------------------------------------------------------------------

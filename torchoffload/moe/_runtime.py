@@ -122,8 +122,9 @@ class ExpertRuntime:
         self._lock = threading.RLock()
         # - The device cache, then the host store (the model's expert tensors become
         #   placeholders: the last step, after every allocation that may fail)
-        slots = layout.slots_for(config.cache_bytes)
-        self.cache = ExpertCache(slots, layout.slot_bytes, dev, config.policy, storage=not dry)
+        parts = layout.parts(layout.slots_for(config.cache_bytes))  # Note: [Parts of the cache]
+        self.cache = ExpertCache(parts[-1].slots.stop, layout.slot_bytes, dev, config.policy,
+                                 storage=not dry, parts=parts)  # fmt: skip
         pin = config.pin_memory and torch.accelerator.is_available() and dev.type != "cpu"
         self.store = None if dry else ExpertStore(layout, dev, pin, self._lock, self._on_write)
         self.empty = torch.empty(0, dtype=torch.uint8, device=dev).untyped_storage()
@@ -355,7 +356,7 @@ def acquire(rt: ExpertRuntime, li: int, e: int, now: bool, queued: list) -> bool
     copied = slot is None
     if slot is None:
         start = b.index.get(e, b.q - 1) + 1  # experts routed from ``start`` on are spared
-        slot = rt.cache.take(_routed_from(b.index, li, start))
+        slot = rt.cache.take(li, _routed_from(b.index, li, start))
         if slot is None and now:
             slot = rt.cache.take_routed([(li, x) for x in b.order[start:]])
         if slot is None and now:
