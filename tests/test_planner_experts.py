@@ -258,6 +258,12 @@ def test_fused_shape_is_the_models_layout(dtype, hidden, width):
         plan_experts(shape, profile, **kw).predictions
         == plan_experts(model, profile, **kw).predictions
     )
+    # routed on the device too: a shape has no tensors, and its dry tables need none
+    kw["device_routed"] = True
+    assert (
+        plan_experts(shape, profile, **kw).predictions
+        == plan_experts(model, profile, **kw).predictions
+    )
 
 
 def test_list_shape_is_the_models_layout():

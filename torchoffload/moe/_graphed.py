@@ -563,12 +563,15 @@ class Stage:
                           for m in layer.members] for r in range(k)]  # fmt: skip
                 self.stage.append(torch.tensor(stage, **i64))
                 hbase = rt.store.hosts[li].data_ptr() if self.cuda else 0
+                # a dry runtime (the planner's replay, perhaps of a shape with no tensors)
+                # copies nothing: its host addresses are never read
+                offsets = [p.host_offset for p in layer.pieces] if rt.store else None
                 rows = []
                 for e in range(layer.experts):
                     row = []
                     for m in range(len(layer.members)):
                         piece, offset = layer.source(e, m)
-                        row.append(hbase + layer.pieces[piece].host_offset + offset)
+                        row.append(hbase + offset + (offsets[piece] if offsets else 0))
                     rows.append(row)
                 rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
                 self.host.append(torch.tensor(rows, **i64))

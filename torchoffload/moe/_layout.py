@@ -237,8 +237,13 @@ GROUP_LIMIT = 1023
 #   layer's experts compete for every slot (Note: [The expert cache]).
 # Each part is a cache of its own: under routing whose hot experts crowd into some layers, a
 # part cannot lend its slots to another's (a per-layer-group cache, between a global and a
-# per-layer one); under uniform routing the hit rates are the same. The eager path keeps the
-# parts too, so the map moves between host and device unchanged.
+# per-layer one). The eager path keeps the parts too, so the map moves between host and device
+# unchanged. Predicted by the planner's replay (`plan_experts` of the Qwen3-30B-A3B shape, 72
+# synthetic decode steps, 24 of them warm-up, LRU, 2026-11-29), hit rates at 8 / 16 / 32 GiB
+# in parts against one part: uniform 0.118 / 0.272 / 0.578 against 0.118 / 0.272 / 0.575, Zipf
+# 0.390 / 0.609 / 0.836 against 0.390 / 0.607 / 0.835 (routed on the host; on the device
+# within 0.002 of each other): the layers of these routings are alike, so no part lacks slots
+# another has spare.
 
 
 @dataclass(frozen=True)
