@@ -510,7 +510,7 @@ def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool =
         first_key=tables.first[li], experts=tables.rt.layout.layers[li].experts,
         lo=tables.lo[li], hi=tables.hi[li], trash=tables.trash, cache_base=c.base,
         slot_bytes=tables.rt.cache.slot_bytes, window=c.window(li), layer=li, big=_PINNED,
-        cap=_USES_CAP, lfu=tables.lfu,
+        cap=_USES_CAP, stamp_bits=_STAMP_BITS, lfu=tables.lfu,
         prefetch=prefetch, direct=direct,
     )  # fmt: skip
     valid, miss, held, also, write, inside = flags

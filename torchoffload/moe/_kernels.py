@@ -112,8 +112,8 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
 
 @triton.jit
 def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI, BIG, PAD, CAP,
-             K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-             LFU: tl.constexpr):  # fmt: skip
+             K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, LFU: tl.constexpr,
+             STAMP_BITS: tl.constexpr):  # fmt: skip
     """The ``K`` unpinned slots of least score in [LO, HI), ascending (Note: [One routing
     kernel per call]), and the count of pinned slots there (those in ``held_slot`` or
     ``pinned``)."""
@@ -128,7 +128,7 @@ def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI, BIG, PA
         if LFU:
             owner = tl.load(key_of_ptr + s, mask=sm, other=-1)
             uses = tl.load(uses_ptr + owner, mask=sm & (owner >= 0), other=0)
-            score = tl.where(owner >= 0, tl.minimum(uses, CAP) * (1 << 40) + score, score)
+            score = tl.where(owner >= 0, tl.minimum(uses, CAP) * (1 << STAMP_BITS) + score, score)
         is_pinned = tl.sum(((s[:, None] == held_slot[None, :]) | (s[:, None] == pinned[None, :]))
                            .to(tl.int32), 1) > 0  # fmt: skip
         npinned += tl.sum((is_pinned & sm).to(tl.int32), 0)
@@ -158,7 +158,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
            FIRST_KEY, N, LO, HI, TRASH, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG, PAD, CAP,
            K: tl.constexpr, KP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
            BLOCK: tl.constexpr, WBLOCK: tl.constexpr, LFU: tl.constexpr,
-           PREFETCH: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+           PREFETCH: tl.constexpr, DIRECT: tl.constexpr, STAMP_BITS: tl.constexpr):  # fmt: skip
     j = tl.arange(0, KP)  # a place, in the sorted order of its expert
     jm = j < K
     # the token's experts sorted, with their places in the router's order (stable)
@@ -182,7 +182,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     npinned = tl.sum(tl.zeros((KP,), tl.int32), 0)
     if tl.sum(miss.to(tl.int32), 0) > 0:
         best_at, npinned = _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI,
-                                    BIG, PAD, CAP, K, KP, BLOCK, LFU)  # fmt: skip
+                                    BIG, PAD, CAP, K, KP, BLOCK, LFU, STAMP_BITS)  # fmt: skip
     kk = tl.arange(0, KP)
     nv = tl.minimum(HI - LO, K)
     free = tl.minimum(HI - LO - npinned, nv)
@@ -267,11 +267,13 @@ def _pow2(n: int, least: int = 16) -> int:
 def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: torch.Tensor,
                stage: torch.Tensor, *, first_key: int, experts: int, lo: int, hi: int,
                trash: int, cache_base: int, slot_bytes: int, window: int, layer: int, big: int,
-               cap: int, lfu: bool, prefetch: bool, direct: bool) -> tuple:  # fmt: skip
+               cap: int, stamp_bits: int, lfu: bool, prefetch: bool,
+               direct: bool) -> tuple:  # fmt: skip
     """One graph call's routing, table updates and plan in one kernel (Note: [One routing
     kernel per call]); ``tables``: (slot_of, key_of, stamp, uses, clock, counts, used); the
     layer's part's cache slots [``lo``, ``hi``), its stage from ``hi``, the tables' trash
-    entry ``trash`` (Note: [Parts of the cache] in _layout.py).
+    entry ``trash`` (Note: [Parts of the cache] in _layout.py); an LFU score is the uses
+    (at most ``cap``) shifted left by ``stamp_bits``, plus the stamp.
     Returns flags (6, K) bool: valid, miss, held, also, write, inside; addresses (3, K, M)
     int64: source, first destination, cache destination; permutations (3, K) int64: the sort's,
     its inverse, each place's row among those sorted by slot (``direct``); the window's group
@@ -289,5 +291,5 @@ def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: t
                  experts, lo, hi, trash, cache_base, slot_bytes, window, wslots, layer, big,
                  (1 << 63) - 1, cap, K=k, KP=_pow2(k, 2), M=m, MP=_pow2(m, 2), BLOCK=block,
                  WBLOCK=min(1024, _pow2(wslots)), LFU=lfu, PREFETCH=prefetch, DIRECT=direct,
-                 num_warps=8 if block >= 2048 else 4)  # fmt: skip
+                 STAMP_BITS=stamp_bits, num_warps=8 if block >= 2048 else 4)  # fmt: skip
     return flags, addrs, perms, offs[:wslots] if direct else None
