@@ -412,12 +412,14 @@ def plain_inductor_steps(model, tokens, steps):
     "config",
     [
         toc.ActivationPassConfig(min_bytes=0),
+        # the layer options and a budget in one compile (each compile of the pair is about 10
+        # CPU-s on CI's two cores)
         toc.ActivationPassConfig(
-            min_bytes=0, prefetch_layers=2, defer_layers=0, skip_last_layers=0
+            min_bytes=0, prefetch_layers=2, defer_layers=0, skip_last_layers=0,
+            max_offload_bytes=40_000,
         ),
-        toc.ActivationPassConfig(min_bytes=0, max_offload_bytes=40_000),
     ],
-)
+)  # fmt: skip
 def test_compiled_gpt_matches_compiled_without_offloading(op_pool, deterministic, config):
     """Inductor on CPU with the pass gives the bits Inductor gives without it (two steps, so the
     host blocks are reused), and every offloaded tensor came back."""
