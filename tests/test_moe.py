@@ -776,7 +776,7 @@ def test_pinned_and_spared_slots_are_not_evicted(policy):
 # -- parts of the cache (Note: [Parts of the cache]) ---------------------------------------------
 
 
-@pytest.mark.parametrize("limit", [3, 5, 9, 12, 1023])
+@pytest.mark.parametrize("limit", [2, 3, 5, 9, 12, 1023])
 @pytest.mark.parametrize("layers", [1, 3, 4])
 def test_the_cache_is_cut_into_parts_of_at_most_the_limit(limit, layers, monkeypatch):
     """Parts are consecutive slots for consecutive layers, cover every slot the cache keeps,
@@ -801,6 +801,26 @@ def test_the_cache_is_cut_into_parts_of_at_most_the_limit(limit, layers, monkeyp
     for p in layout.parts(top):
         held = sum(experts[i] for i in p.layers)
         assert len(p.slots) == held + k or len(p.slots) == max(limit, k) < held + k
+
+
+@pytest.mark.parametrize(
+    ("layers", "experts", "top_k", "parts"),
+    [(48, 128, 8, 7), (94, 128, 8, 14), (58, 256, 8, 20), (60, 384, 8, 30), (48, 512, 10, 48),
+     (24, 32, 4, 1)],
+)  # fmt: skip
+def test_a_cache_of_every_expert_holds_every_expert_in_graph_mode(layers, experts, top_k, parts):
+    """At the largest cache (`slots_for` of any budget more), every part holds its layers'
+    experts and a stage, for the shapes of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3, Kimi
+    K2, Qwen3-Next and Mixtral-like: no run of layers overflows a part's 1023 slots (found in
+    review: cut by slots alone, 8 layers of 128 experts overflowed, and the cap shrank)."""
+    from torchoffload.planner import ExpertShape
+
+    layout = ExpertShape.fused_mlp(layers=layers, experts=experts, top_k=top_k, hidden=64,
+                                   width=32).layout()  # fmt: skip
+    top = layout.slots_for(1 << 60)
+    cut = layout.parts(top)
+    assert top == layers * experts + len(cut) * top_k and len(cut) == parts
+    assert all(len(p.slots) == len(p.layers) * experts + top_k <= 1023 for p in cut)
 
 
 def test_an_expert_is_cached_only_in_its_layers_part():

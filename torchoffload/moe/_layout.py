@@ -178,40 +178,44 @@ class ExpertLayout:
         return min(self.top_k, self.total_experts) * self.slot_bytes
 
     def slots_for(self, cache_bytes: int) -> int:
-        """The cache slots ``cache_bytes`` buy, capped where every part holds its layers'
-        experts and one call's routed experts: a CUDA graph computes from ``top_k`` slots of
-        each part (its stage, Note: [Routed experts in a CUDA graph]), so only then does a graph
-        hold every expert (Note: [Parts of the cache])."""
-        total, k = self.total_experts, self.top_k
-        count = 1
-        while True:  # the parts a cache of every expert and ``count`` stages is cut into
-            need = total + count * k
-            parts = len(self.parts(need))
-            if parts <= count:
-                break
-            count = parts
-        return min(cache_bytes // self.slot_bytes, sum(len(p.slots) for p in self.parts(need)))
+        """The cache slots ``cache_bytes`` buy that its parts use: at most each part's layers'
+        experts and one call's routed experts (a CUDA graph computes from ``top_k`` slots of
+        each part, its stage: Note: [Routed experts in a CUDA graph]; only then does a graph
+        hold every expert), at most `GROUP_LIMIT` a part (Note: [Parts of the cache]).
+        ``parts`` of the answer uses every slot of it."""
+        slots = min(cache_bytes // self.slot_bytes,
+                    self.total_experts + len(self.layers) * self.top_k)  # fmt: skip
+        while True:  # fewer slots may cut into fewer parts, of fewer stages: until it holds
+            used = self.parts(slots)[-1].slots.stop
+            if used == slots:
+                return slots
+            slots = used
 
     def parts(self, slots: int) -> tuple[Part, ...]:
-        """``slots`` cache slots cut into parts of at most `GROUP_LIMIT` slots, each serving a
-        run of consecutive layers (Note: [Parts of the cache]); slots past the last part are
-        left unused (only where a layer's share exceeds the limit)."""
-        layers, k, limit = self.layers, self.top_k, GROUP_LIMIT
-        if slots <= limit or len(layers) == 1:
-            return (Part(range(len(layers)), range(min(slots, limit))),)
-        count = min(-(-slots // limit), len(layers), max(slots // k, 1))
-        while True:
-            runs = _runs([layer.experts for layer in layers], count)
-            sizes = _shares(slots - count * k, [sum(layers[i].experts for i in r) for r in runs])
-            sizes = [k + n for n in sizes]
-            if max(sizes) <= limit or count == len(layers):
+        """At most ``slots`` cache slots cut into parts of at most `GROUP_LIMIT` slots (and at
+        least ``top_k``), each serving a run of consecutive layers (Note: [Parts of the
+        cache]). A part gets no more slots than its layers' experts and a stage; what no part
+        can use is left out (the answer's last slot is the cache's)."""
+        layers, k = self.layers, self.top_k
+        most = max(GROUP_LIMIT, k)
+        experts = [layer.experts for layer in layers]
+        if slots <= most or len(layers) == 1:
+            return (Part(range(len(layers)), range(min(slots, most, sum(experts) + k))),)
+        top = min(len(layers), max(slots // k, 1))  # parts of one layer at most, a stage each
+        count = min(-(-slots // most), top)
+        while True:  # more parts while a run's experts overflow a part and slots are left
+            runs = _runs(experts, count)
+            run_experts = [sum(experts[i] for i in r) for r in runs]
+            room = [min(most, n + k) - k for n in run_experts]
+            extra = _fill(slots - count * k, run_experts, room)
+            left = slots - count * k - sum(extra)
+            if count == top or not left or max(run_experts) + k <= most:
                 break
             count += 1
         out, at = [], 0
-        for r, n in zip(runs, sizes, strict=True):
-            n = min(n, max(limit, k))
-            out.append(Part(r, range(at, at + n)))
-            at += n
+        for r, n in zip(runs, extra, strict=True):
+            out.append(Part(r, range(at, at + k + n)))
+            at += k + n
         return tuple(out)
 
 
@@ -228,11 +232,16 @@ GROUP_LIMIT = 1023
 # device tables alike), and in a graph call each part's last ``top_k`` slots are its stage.
 # Every cached expert of a layer is then in its window, and a hit computes where it is with no
 # copy. Invariants:
-# - Parts are consecutive slots, in layer order, and cover every slot the cache allocates; a
-#   layer belongs to exactly one part; each part holds ``top_k`` slots at least (its stage).
-# - Layers go to parts as runs of about equal expert counts, and a part's slots past its stage
-#   are shared as its layers' experts are (a cache of every expert gives each part its
-#   experts and its stage: `ExpertLayout.slots_for` caps there).
+# - Parts are consecutive slots, in layer order, and cover every slot the cache allocates
+#   (never more than the budget buys); a layer belongs to exactly one part; each part holds
+#   ``top_k`` slots at least (its stage).
+# - Layers go to parts as runs of about equal expert counts: as few parts as the slots need
+#   (each costs a stage), more while a run's experts and stage overflow 1023 slots. A part's
+#   slots past its stage are shared as its layers' experts are, none past what they can use
+#   (the rest goes to the others). A cache of every expert gives each part its experts and its
+#   stage (`ExpertLayout.slots_for` caps there): 7 parts at the Qwen3-30B-A3B shape, 14 at
+#   Qwen3-235B-A22B's, 20 at DeepSeek-V3's. A layer of more than ``1023 - top_k`` experts
+#   (none known) cannot be cached whole, eagerly either.
 # - A cache of at most 1023 slots is one part: the cache of every earlier session, where every
 #   layer's experts compete for every slot (Note: [The expert cache]).
 # Each part is a cache of its own: under routing whose hot experts crowd into some layers, a
@@ -277,6 +286,24 @@ def _shares(n: int, weights: list[int]) -> list[int]:
     for i in rest[: n - sum(base)]:
         base[i] += 1
     return base
+
+
+def _fill(n: int, weights: list[int], room: list[int]) -> list[int]:
+    """``max(n, 0)`` cut as ``weights`` are, none past its ``room``: what a full one would get
+    goes to the others, as their weights are (what none has room for is left)."""
+    out = [0] * len(weights)
+    n = max(n, 0)
+    while n:
+        open_ = [i for i in range(len(weights)) if out[i] < room[i]]
+        if not open_:
+            break
+        given = 0
+        for i, share in zip(open_, _shares(n, [weights[i] for i in open_]), strict=True):
+            give = min(share, room[i] - out[i])
+            out[i] += give
+            given += give
+        n -= given
+    return out
 
 
 # -- finding the experts ------------------------------------------------------------------------
