@@ -19,10 +19,12 @@ slow that compute 1.07x, 32 at 47.6 GB/s and 1.16x, 64 at 47.2 and 1.35x, 128 at
 ``LINK_PROGRAMS`` programs whatever its size (each program loops over every row's chunks), the
 fewest that keep the link's rate, and between device addresses (a hit's stage copy, bound by
 device memory) with ``DEVICE_PROGRAMS``: the compute stream waits for those copies before the
-block's experts, so they are on a step's critical path. In a replayed decode step of 48 layers
-at the Qwen3-30B-A3B shape with every expert cached (6152 slots, so about 5 of 6 hits are
-staged: Note: [Experts computed in their slots] in _graphed.py), a step took 17.5 ms with 64
-programs and 16.6 with 128 in one process (the resident model in a graph of its own: 12.7);
+block's experts, so they are on a step's critical path (batched_mm and eager experts stage
+every hit; grouped_mm experts, computed in their slots, none: Note: [Parts of the cache] in
+_layout.py). Measured before the cache had parts, when a grouped_mm step staged about 5 of 6
+hits (48 layers at the Qwen3-30B-A3B shape, every expert cached in 6152 slots, replayed): a
+step took 17.5 ms with 64 programs and 16.6 with 128 in one process (the resident model in a
+graph of its own: 12.7);
 in another, 256 and 512 took no less than 128 (18.1 ms each, before the routing kernel skipped
 the victim search of a call without a miss; H200, torch 2.11, 2026-11-29). Hopper's bulk
 tensor copies (TMA, through Triton 3.6's tensor descriptors) read the link no faster: 48-51
