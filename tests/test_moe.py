@@ -804,23 +804,39 @@ def test_the_cache_is_cut_into_parts_of_at_most_the_limit(limit, layers, monkeyp
 
 
 @pytest.mark.parametrize(
-    ("layers", "experts", "top_k", "parts"),
+    ("layers", "experts", "top_k", "fewest"),
     [(48, 128, 8, 7), (94, 128, 8, 14), (58, 256, 8, 20), (60, 384, 8, 30), (48, 512, 10, 48),
      (24, 32, 4, 1)],
 )  # fmt: skip
-def test_a_cache_of_every_expert_holds_every_expert_in_graph_mode(layers, experts, top_k, parts):
-    """At the largest cache (`slots_for` of any budget more), every part holds its layers'
-    experts and a stage, for the shapes of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3, Kimi
-    K2, Qwen3-Next and Mixtral-like: no run of layers overflows a part's 1023 slots (found in
-    review: cut by slots alone, 8 layers of 128 experts overflowed, and the cap shrank)."""
+def test_a_cache_of_every_expert_holds_every_expert_in_graph_mode(layers, experts, top_k, fewest):
+    """For the shapes of Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3, Kimi K2, Qwen3-Next and
+    Mixtral-like: at the least budget that holds every expert (each part its layers' experts and
+    a stage), the fewest parts, no run of layers overflowing a part's 1023 slots (found in
+    review: cut by slots alone, 8 layers of 128 experts overflowed, and the cap shrank). Each
+    stage more buys a part more, down to a part per layer at the largest cache (`slots_for` of
+    any budget more): a graph call's window is then its layer's experts and stage (Note:
+    [Parts of the cache])."""
     from torchoffload.planner import ExpertShape
 
     layout = ExpertShape.fused_mlp(layers=layers, experts=experts, top_k=top_k, hidden=64,
                                    width=32).layout()  # fmt: skip
+    total = layers * experts
+    least = total + fewest * top_k
+    assert layout.slots_for(least * layout.slot_bytes) == least
+    cut = layout.parts(least)
+    assert len(cut) == fewest
+    assert all(len(p.slots) == len(p.layers) * experts + top_k <= 1023 for p in cut)
+    assert layout.slots_for((least - 1) * layout.slot_bytes) < least  # an expert short
     top = layout.slots_for(1 << 60)
     cut = layout.parts(top)
-    assert top == layers * experts + len(cut) * top_k and len(cut) == parts
-    assert all(len(p.slots) == len(p.layers) * experts + top_k <= 1023 for p in cut)
+    per_layer = total > 1023
+    assert len(cut) == (layers if per_layer else 1)
+    assert top == total + len(cut) * top_k
+    assert all(len(p.slots) == len(p.layers) * experts + top_k for p in cut)
+    more = layout.slots_for((least + 3 * top_k + 1) * layout.slot_bytes)  # three stages more
+    assert more == least + 3 * top_k if per_layer and fewest + 3 <= layers else more <= top
+    if per_layer and fewest + 3 <= layers:
+        assert len(layout.parts(more)) == fewest + 3
 
 
 def test_an_expert_is_cached_only_in_its_layers_part():

@@ -48,23 +48,28 @@ ROUTE_BLOCK = 4096  # cache slots `_route` scores at a time (Note: [One routing 
 
 @triton.jit
 def _copy_routed(src_ptr, stage_ptr, copy_ptr, dst_ptr, write_ptr, words_ptr, ROWS, M, PROGRAMS,
-                 BLOCK: tl.constexpr):  # fmt: skip
+                 BLOCK: tl.constexpr, PLACES: tl.constexpr):  # fmt: skip
     p = tl.program_id(0)
-    for i in range(0, ROWS):  # row i: place r = i // M, member i % M
-        r = i // M
-        if tl.load(copy_ptr + r) != 0:
-            n = tl.load(words_ptr + i % M)
-            src = tl.multiple_of(tl.load(src_ptr + i).to(tl.pointer_type(tl.int32)), 16)
-            stage = tl.multiple_of(tl.load(stage_ptr + i).to(tl.pointer_type(tl.int32)), 16)
-            write = tl.load(write_ptr + r) != 0
-            dst = tl.multiple_of(tl.load(dst_ptr + i).to(tl.pointer_type(tl.int32)), 16)
-            for start in range(p * BLOCK, n, PROGRAMS * BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                mask = offs < n
-                x = tl.load(src + offs, mask=mask)
-                tl.store(stage + offs, x, mask=mask)
-                if write:
-                    tl.store(dst + offs, x, mask=mask)
+    # every place's flag in one load: a launch that copies nothing (every expert a hit) ends
+    # after it, where reading the flags row by row took 3.5 us (H200, 2026-11-29)
+    at = tl.arange(0, PLACES)
+    flags = tl.load(copy_ptr + at, mask=at < ROWS // M, other=0).to(tl.int32)
+    if tl.max(flags, 0) != 0:
+        for i in range(0, ROWS):  # row i: place r = i // M, member i % M
+            r = i // M
+            if tl.load(copy_ptr + r) != 0:
+                n = tl.load(words_ptr + i % M)
+                src = tl.multiple_of(tl.load(src_ptr + i).to(tl.pointer_type(tl.int32)), 16)
+                stage = tl.multiple_of(tl.load(stage_ptr + i).to(tl.pointer_type(tl.int32)), 16)
+                write = tl.load(write_ptr + r) != 0
+                dst = tl.multiple_of(tl.load(dst_ptr + i).to(tl.pointer_type(tl.int32)), 16)
+                for start in range(p * BLOCK, n, PROGRAMS * BLOCK):
+                    offs = start + tl.arange(0, BLOCK)
+                    mask = offs < n
+                    x = tl.load(src + offs, mask=mask)
+                    tl.store(stage + offs, x, mask=mask)
+                    if write:
+                        tl.store(dst + offs, x, mask=mask)
 
 
 _WORDS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
@@ -85,7 +90,8 @@ def copy_routed(src: torch.Tensor, stage: torch.Tensor, copy: torch.Tensor, dst:
                                            device=src.device)  # fmt: skip
     places, members = src.shape
     _copy_routed[(programs,)](src, stage, copy, dst, write, words, places * members, members,
-                              programs, BLOCK=_BLOCK, num_warps=8)  # fmt: skip
+                              programs, BLOCK=_BLOCK, PLACES=_pow2(places, 2),
+                              num_warps=8)  # fmt: skip
 
 
 # Note: [One routing kernel per call]
