@@ -304,9 +304,12 @@ def stream_experts(
         device: where the model computes. ``None``: the current accelerator, else the CPU
             (the same logic runs there synchronously, for testing).
         cache_bytes: device bytes for the expert cache. At least `minimum_cache_bytes` (one
-            token's routed experts of one block); capped at every expert plus one block's
-            ``top_k`` (the stage a CUDA graph computes from: Note: [Routed experts in a CUDA
-            graph]); beyond every expert, eager calls leave those slots empty.
+            token's routed experts of one block). A cache of more than 1023 slots is cut
+            into parts, each with a stage of ``top_k`` slots that a CUDA graph computes
+            misses from (Note: [Parts of the cache]); slots past every expert and the fewest
+            parts' stages buy more parts, down to a part per layer (the cap: every expert
+            and ``top_k`` a layer), over which graph calls compute faster. Beyond every
+            expert, eager calls leave those slots empty.
         policy: which expert the full cache evicts: ``"lru"`` (used longest ago) or ``"lfu"``
             (used least often since setup). See Note: [The expert cache].
         use_streams: copy on a dedicated stream (overlapping compute); ``False`` queues the
