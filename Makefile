@@ -1,10 +1,14 @@
 # `make demo` and `make test` set everything up on a fresh machine: a virtual environment in
 # .venv with the CPU build of torch (pinned, so pip does not pull a multi-GB CUDA build), then
 # this package in editable mode. Override TORCH_SPEC to pick another build. PIP_INSTALL
-# byte-compiles what it installs (pip's default): with `--no-compile` set-up took 60 s instead
-# of 102 on a two-core machine, but where PYTHONDONTWRITEBYTECODE is set (this machine, and so
-# perhaps CI) every process then compiled every module it imported from source: the tests
-# took 119 s longer (fresh clones, 2026-11-28).
+# byte-compiles what it installs (pip's default; the demo's set-up). The tests' set-up does not
+# (PIP_DEV): byte-compiling every module of torch, transformers and the tools is most of what
+# pip spends, and the tests import about a third of them. tests/run_suite.py lets its
+# processes write the bytecode of what they import instead, once, where PYTHONDONTWRITEBYTECODE
+# is set (this machine, and so perhaps CI; without that every process compiled every module it
+# imported from source: the tests took 119 s longer, 2026-11-28). Measured on this two-core
+# machine, 2026-11-29, each pip alone (s, compiled / not): torch 45.6 / 19.2, the test tools
+# 18.6 / 9.0, matplotlib 15.3 / 6.4, transformers and accelerate 42.4 / 18.8.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -12,6 +16,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEV_STAMP := $(VENV)/.installed-dev
 PIP_INSTALL = $(PY) -m pip install --quiet
+PIP_DEV = $(PIP_INSTALL) --no-compile
 TOOLS := numpy "pytest>=7" "ruff==0.16.9" "hypothesis==6.170.17"
 
 .PHONY: demo test docs fuzz fuzz-gpu gpu-test lint format bench clean
@@ -24,25 +29,25 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 # Tests and lint add pytest and ruff, and the optional integrations they cover. Each pip
-# install runs on one core (unpacking and byte-compiling), so torch (38 s on a two-core machine)
-# is installed beside the test tools and matplotlib (21 s): the two sets share no package, so
-# the two pips never write the same files. transformers and accelerate come after both (they
-# share numpy, packaging, and accelerate needs torch). Set-up from a fresh clone, two cores:
-# 104 s one after another; 81 s so, with .ci/run's docs set-up and build (31 s) beside it
-# (2026-11-28).
+# install runs on one core, so torch (19 s on a two-core machine, not byte-compiled) is
+# installed beside the test tools and matplotlib (15 s): the two sets share no package, so the
+# two pips never write the same files. transformers and accelerate come after both (they share
+# numpy, packaging, and accelerate needs torch). Set-up from a fresh clone, two cores,
+# byte-compiled: 104 s one after another; 81 s so, with .ci/run's docs set-up and build (31 s)
+# beside it (2026-11-28).
 $(DEV_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) "$(TORCH_SPEC)" & torch=$$!; \
-	$(PIP_INSTALL) $(TOOLS); tools=$$?; \
-	$(PIP_INSTALL) matplotlib || echo "matplotlib not installed: plot tests skip"; \
+	$(PIP_DEV) "$(TORCH_SPEC)" & torch=$$!; \
+	$(PIP_DEV) $(TOOLS); tools=$$?; \
+	$(PIP_DEV) matplotlib || echo "matplotlib not installed: plot tests skip"; \
 	wait $$torch && test $$tools = 0
-	$(PIP_INSTALL) --no-deps -e .
+	$(PIP_DEV) --no-deps -e .
 	touch $(STAMP)
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed;
 	# accelerate for the Trainer and accelerate loops (tests/test_loops.py, examples/train_loops.py)
-	$(PIP_INSTALL) transformers accelerate || { \
-		$(PIP_INSTALL) transformers || echo "transformers not installed: its tests skip"; \
-		$(PIP_INSTALL) accelerate || echo "accelerate not installed: its tests skip"; }
+	$(PIP_DEV) transformers accelerate || { \
+		$(PIP_DEV) transformers || echo "transformers not installed: its tests skip"; \
+		$(PIP_DEV) accelerate || echo "accelerate not installed: its tests skip"; }
 	touch $(DEV_STAMP)
 
 # The documentation site (mkdocs.yml, docs/) needs MkDocs only: mkdocstrings reads the source

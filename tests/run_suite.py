@@ -38,6 +38,11 @@ each wrapper, and the suite builds many (29 calls of `save_streamed_package` or
 packages: 55 s instead of 63, one process on this machine, 2026-11-29). The GPU machine's runs
 (``pytest -m gpu``) keep torch's default.
 
+The test set-up installs without byte-compiling (Makefile: PIP_DEV), so both processes (and
+the subprocesses they start) may write the bytecode of the modules they import: where
+PYTHONDONTWRITEBYTECODE is set it is dropped from their environment, and each module is compiled
+once, by its first importer, instead of every module at set-up.
+
 It takes no arguments: for a subset of the tests or other options, call pytest itself. The
 second process's output is printed after the first's, then both exit statuses; the exit status
 is the first nonzero of the two. Interrupted (Ctrl-C, SIGTERM), both processes get SIGINT (so
@@ -88,6 +93,7 @@ def main(argv: list[str]) -> int:
     first_env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     for e in (env, first_env):  # see the module doc: the wrapper's glue code, not its kernels
         e.setdefault("AOT_INDUCTOR_COMPILE_WRAPPER_OPT_LEVEL", "O0")
+        e.pop("PYTHONDONTWRITEBYTECODE", None)  # the module doc: bytecode written on import
     ignore = [f"--ignore={f}" for f in SECOND]
     procs: list[subprocess.Popen] = []
     with tempfile.TemporaryFile("w+") as log:

@@ -254,8 +254,11 @@ GROUP_LIMIT = 1023
 #   2.11, 2026-11-29, 24 layers at the Qwen3-30B-A3B shape, every expert cached, a replayed
 #   step under the profiler): the grouped GEMMs took 1262 us a step over parts of 776-904 slots
 #   against 1091 over a part per layer (the resident call's: 1086), the routing kernel 200 us
-#   against 98; a step took 8.13 ms against 7.08 (the resident graph: 5.62). A cache of fewer
-#   slots keeps the fewest parts: each part more costs ``top_k`` slots of experts.
+#   against 98; a step took 8.13 ms against 7.08 (the resident graph: 5.62, unprofiled, one
+#   process). At 48 layers (`benchmarks/moe.py`, every expert cached in 6528 slots): 12.73 /
+#   12.27 ms a step (uniform / Zipf) against the resident graph's 11.18, where 6200 slots in 7
+#   parts took 12.95 / 12.79 against 11.04 on another lease. A cache of fewer slots keeps the
+#   fewest parts: each part more costs ``top_k`` slots of experts.
 # Each part is a cache of its own: under routing whose hot experts crowd into some layers, a
 # part cannot lend its slots to another's (a per-layer-group cache, between a global and a
 # per-layer one). The eager path keeps the parts too, so the map moves between host and device
