@@ -44,10 +44,17 @@ $(DEV_STAMP): pyproject.toml Makefile
 	$(PIP_DEV) --no-deps -e .
 	touch $(STAMP)
 	# Optional: the Hugging Face tests skip cleanly when transformers cannot be installed;
-	# accelerate for the Trainer and accelerate loops (tests/test_loops.py, examples/train_loops.py)
+	# accelerate for the Trainer and accelerate loops (tests/test_loops.py, examples/train_loops.py).
+	# Beside that pip, on the core it leaves idle, the modules the tests import first are
+	# byte-compiled by importing them (torch, Inductor, this package; PIP_DEV compiled none):
+	# otherwise both test processes compile them at once as they start. Only a speed-up: its
+	# failure changes nothing.
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c "import torchoffload, torch._inductor.compile_fx, \
+		torch.testing, hypothesis, pytest" > /dev/null 2>&1 & warm=$$!; \
 	$(PIP_DEV) transformers accelerate || { \
 		$(PIP_DEV) transformers || echo "transformers not installed: its tests skip"; \
-		$(PIP_DEV) accelerate || echo "accelerate not installed: its tests skip"; }
+		$(PIP_DEV) accelerate || echo "accelerate not installed: its tests skip"; }; \
+	wait $$warm || true
 	touch $(DEV_STAMP)
 
 # The documentation site (mkdocs.yml, docs/) needs MkDocs only: mkdocstrings reads the source
