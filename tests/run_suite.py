@@ -26,7 +26,9 @@ cache (a fresh TORCHINDUCTOR_CACHE_DIR, as on CI), 2026-11-28 (wall s / CPU s):
   in all);
 - 2026-11-29 (session 38), three compiles fewer in the second (test_compile_pass,
   test_compile_package) and tests/test_weights_contract.py moved to it: the first 578 s, the
-  second 632 (756 s in all, on a slower run of this machine): the file went back.
+  second 632 (756 s in all, on a slower run of this machine): the file went back;
+- 2026-11-29 (session 39), set-up without byte-compiling, these processes writing bytecode:
+  the first 636 s, the second 624 (703 s in all, against 742 the day before).
 The threaded host step stays tested in the first process (test_optim); the documentation's
 examples run it on one thread.
 
