@@ -79,8 +79,13 @@ $(DOCS_STAMP): Makefile
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict --quiet
 
+# The demo and the fuzzer write the bytecode of what they import (PIP_DEV compiled none, and
+# `make test`'s set-up also serves `make demo`): where PYTHONDONTWRITEBYTECODE is set, each run
+# would otherwise compile every module it imports from source.
+WRITE_BYTECODE := env -u PYTHONDONTWRITEBYTECODE
+
 demo: $(STAMP)
-	$(VENV)/bin/torchoffload demo
+	$(WRITE_BYTECODE) $(VENV)/bin/torchoffload demo
 
 # Two pytest processes at once, the compile-heavy files and the docs examples in the second
 # (tests/run_suite.py says why, with its measurement); `$(PY) -m pytest -q` runs them in one.
@@ -93,7 +98,7 @@ test: $(DEV_STAMP)
 FUZZ_EXAMPLES ?= 500
 FUZZ_ENGINE ?=
 fuzz: $(DEV_STAMP)
-	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s \
+	HYPOTHESIS_PROFILE=fuzz FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(WRITE_BYTECODE) $(PY) -m pytest -q -s \
 		tests/test_fuzz.py::test_fuzz $(if $(FUZZ_ENGINE),-k "$(FUZZ_ENGINE)")
 
 # The same machines on a GPU (tests/test_fuzz.py::test_fuzz_gpu), copy streams slowed or not.

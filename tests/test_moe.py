@@ -839,6 +839,32 @@ def test_a_cache_of_every_expert_holds_every_expert_in_graph_mode(layers, expert
         assert len(layout.parts(more)) == fewest + 3
 
 
+def test_more_parts_are_cut_only_where_each_run_fits_a_part(monkeypatch):
+    """Found in review: with unequal layers (10, 13, 23, 6, 18 experts, top 4, parts of at most
+    31 slots) the slots past every expert bought 4 parts, whose runs put 23 + 6 experts and a
+    stage in one part: over 31, so a fifth part was added whose stage the slots could not pay,
+    and budgets of 86-89 slots held 66-69 experts where 82 held all 70. More parts are cut only
+    where every run still fits (Note: [Parts of the cache])."""
+    from types import SimpleNamespace
+
+    from torchoffload.moe import _layout
+
+    monkeypatch.setattr(_layout, "GROUP_LIMIT", 31)
+    experts = [10, 13, 23, 6, 18]
+    layout = SimpleNamespace(layers=[SimpleNamespace(experts=e) for e in experts], top_k=4,
+                             slot_bytes=1, total_experts=sum(experts))  # fmt: skip
+    layout.parts = lambda s: _layout.ExpertLayout.parts(layout, s)
+
+    def held(slots):  # experts the parts of ``slots`` slots hold (each less its stage)
+        return sum(min(len(p.slots) - 4, sum(experts[i] for i in p.layers))
+                   for p in layout.parts(slots))  # fmt: skip
+
+    for budget in range(82, 120):
+        slots = _layout.ExpertLayout.slots_for(layout, budget)
+        assert held(slots) == 70, (budget, slots, layout.parts(slots))
+        assert all(len(p.slots) <= 31 for p in layout.parts(slots))
+
+
 def test_an_expert_is_cached_only_in_its_layers_part():
     """Each part has its own free slots and policy: a layer's experts take and evict only its
     part's slots, and the map goes out and back in (`policy_order`, `load_map`) unchanged."""

@@ -925,16 +925,20 @@ class ExpertGraphs:
         captured again (transformers' generate() switches them between prefill and decode).
         Read at every call of the graphed function, so once per module class and config
         (the layers share them: `check_grouped` over 48 layers took 0.4-1.4 ms of Python a
-        step on a CPU-only VM; 99 us of the 0.5 ms before a replay at 48 layers on an H200's
-        host, 2026-11-29, when it returned the implementation of each layer); a capture's block
-        calls check the rest (`graphed_forward`). The state: each (class, config) the layers
-        have, with its implementation."""
+        step on a CPU-only VM); a capture's block calls check the rest (`graphed_forward`). The
+        state: each layer's implementation (a layer whose config is replaced by another layer's
+        changes it too). Over the fused layers listed at set-up: 29 us at 48 layers on this
+        CPU-only VM against 44 reading each layer's kind and module every call (2026-11-29;
+        99 us of the 0.48 ms before a replay on an H200's host)."""
         seen: dict = {}
+        out = []
         for m, name in self._fused:
             key = (type(m), id(getattr(m, "config", None)))
-            if key not in seen:
-                seen[key] = implementation(m, name)
-        return tuple(seen.items())
+            impl = seen.get(key)
+            if impl is None:
+                impl = seen[key] = implementation(m, name)
+            out.append(impl)
+        return tuple(out)
 
     def primes(self) -> tuple:
         return ()

@@ -204,8 +204,12 @@ class ExpertLayout:
         top = min(len(layers), max(slots // k, 1))  # parts of one layer at most, a stage each
         count = min(-(-slots // most), top)
         # slots past every expert and the stages: more parts, down to a part per layer (Note:
-        # [Parts of the cache]: a smaller window costs a graph call less)
-        count = max(count, min(top, (slots - sum(experts)) // k))
+        # [Parts of the cache]: a smaller window costs a graph call less), as many as keep each
+        # run's experts and stage within a part (with unequal layers more parts may cut worse)
+        for more in range(min(top, (slots - sum(experts)) // k), count, -1):
+            if max(sum(experts[i] for i in r) for r in _runs(experts, more)) + k <= most:
+                count = more
+                break
         while True:  # more parts while a run's experts overflow a part and slots are left
             runs = _runs(experts, count)
             run_experts = [sum(experts[i] for i in r) for r in runs]
