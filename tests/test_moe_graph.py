@@ -205,6 +205,7 @@ def test_grouped_experts_compute_in_their_slots(limit, slots, policy, monkeypatc
     if slots == 20 and limit >= 10:  # every expert has a slot: no stage is written
         assert not any(cache.data[(hi - 2) * sb : hi * sb].any() for _, hi in parts)
     st = h.stats()
+    assert st.parts == len(parts)
     assert (st.hits > 0) == (slots > 2 and limit > 2)
     assert st.hits + st.misses == sum(layer.uses for layer in st.layers)
     h.remove()

@@ -91,6 +91,9 @@ class ExpertStats:
     block_replays: int = 0
     block_captures: int = 0
     block_eager_calls: int = 0
+    # the cache's parts: consecutive slots caching a run of layers' experts, each with a stage
+    # of top_k slots in graph calls (Note: [Parts of the cache]); 1 up to 1023 slots
+    parts: int = 1
 
     @property
     def hit_rate(self) -> float:
@@ -195,6 +198,7 @@ class ExpertStreamHandle:
                 block_replays=0 if graphs is None else graphs.replays,
                 block_captures=0 if graphs is None else graphs.captures,
                 block_eager_calls=0 if graphs is None else graphs.warm_ups,
+                parts=0 if rt.removed else len(rt.cache.parts),
             )
 
     def cuda_graph(self, fn: Any, *, max_graphs: int = 8) -> Any:
