@@ -9,11 +9,12 @@
 # imported from source: the tests took 119 s longer, 2026-11-28). Measured on this two-core
 # machine, 2026-11-29, each pip alone (s, compiled / not): torch 45.6 / 19.2, the test tools
 # 18.6 / 9.0, matplotlib 15.3 / 6.4, transformers and accelerate 42.4 / 18.8. A fresh clone's
-# `CI=true bash .ci/run` took 11m49, 11m42 and 11m57 (the last two with the warm-up below)
-# against 12m22 the day before: set-up about 56 s shorter, the two test processes 20-55 s
-# longer (640 / 614 s, 636 / 624 and 646 / 644 against 617 / 589). The CPU time of the whole
-# run did not change (1355-1404 CPU-s against 1375): what set-up no longer compiles, the
-# tests compile, some modules in several processes at once.
+# `CI=true bash .ci/run` took 11m49, 11m42, 11m57 and 12m18 (the last three with the warm-up
+# below) against 12m22 the day before (and 10m46 to 12m36 for earlier code on this machine):
+# set-up about 56 s shorter, the two test processes 20-80 s longer (640 / 614 s, 636 / 624,
+# 646 / 644 and 667 / 649 against 617 / 589). The CPU time of the whole run did not drop
+# (1355-1429 CPU-s against 1375): what set-up no longer compiles, the tests compile, some
+# modules in several processes at once.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0

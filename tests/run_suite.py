@@ -28,8 +28,8 @@ cache (a fresh TORCHINDUCTOR_CACHE_DIR, as on CI), 2026-11-28 (wall s / CPU s):
   test_compile_package) and tests/test_weights_contract.py moved to it: the first 578 s, the
   second 632 (756 s in all, on a slower run of this machine): the file went back;
 - 2026-11-29 (session 39), set-up without byte-compiling, these processes writing bytecode:
-  the first 636 s, the second 624 (703 s in all, against 742 the day before); another run
-  646 / 644 (717 s in all).
+  the first 636 s, the second 624 (703 s in all, against 742 the day before); other runs
+  646 / 644 (717 s in all) and 667 / 649 (738 s).
 The threaded host step stays tested in the first process (test_optim); the documentation's
 examples run it on one thread.
 
