@@ -136,7 +136,11 @@ class _Part:
     def __init__(self, slots: list[Slot], policy: CachePolicy):
         self.slots = slots
         self.free = list(reversed(slots))  # pop() takes its first slot first
-        self.policy: _LRU | _LFU = _LFU() if policy is CachePolicy.LFU else _LRU()
+        self.policy = _policy(policy)
+
+
+def _policy(kind: CachePolicy) -> _LRU | _LFU:
+    return _LFU() if kind is CachePolicy.LFU else _LRU()
 
 
 class ExpertCache:
@@ -263,7 +267,7 @@ class ExpertCache:
         caller synchronized with the work that read or wrote them."""
         self.where = {}
         for part in self.parts:
-            part.policy = _LFU() if self.kind is CachePolicy.LFU else _LRU()
+            part.policy = _policy(self.kind)
         for key, n in uses.items():
             policy = self.part(key[0]).policy
             if isinstance(policy, _LFU):

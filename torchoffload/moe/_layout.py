@@ -207,12 +207,12 @@ class ExpertLayout:
         # [Parts of the cache]: a smaller window costs a graph call less), as many as keep each
         # run's experts and stage within a part (with unequal layers more parts may cut worse)
         for more in range(min(top, (slots - sum(experts)) // k), count, -1):
-            if max(sum(experts[i] for i in r) for r in _runs(experts, more)) + k <= most:
+            if max(_run_experts(experts, _runs(experts, more))) + k <= most:
                 count = more
                 break
         while True:  # more parts while a run's experts overflow a part and slots are left
             runs = _runs(experts, count)
-            run_experts = [sum(experts[i] for i in r) for r in runs]
+            run_experts = _run_experts(experts, runs)
             room = [min(most, n + k) - k for n in run_experts]
             extra = _fill(slots - count * k, run_experts, room)
             left = slots - count * k - sum(extra)
@@ -295,6 +295,11 @@ def _runs(experts: list[int], count: int) -> list[range]:
         bounds.append(at)
     bounds.append(len(experts))
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _run_experts(experts: list[int], runs: list[range]) -> list[int]:
+    """Each run's experts."""
+    return [sum(experts[i] for i in r) for r in runs]
 
 
 def _shares(n: int, weights: list[int]) -> list[int]:
