@@ -21,8 +21,8 @@ then prefill:
 - the same with ``graph`` (decode steps replayed by ``handle.cuda_graph``: routing, cache map
   and copies on the device; CUDA only, no prefill), after ``graph all cached`` (every expert in
   the cache, filled first by untimed forwards of ``--fill`` tokens, in chunks too small to stage
-  a whole layer: the graph's compute term, no copies), and ``graph prefetch``
-  (``prefetch=True``) at each cache size.
+  a whole layer: the graph's compute term, no copies), and ``graph prefetch N``
+  (``prefetch=N``, each of ``--prefetch``) at each cache size.
 - ``stream_weights B GiB``: today's engine, every weight streamed per token (``--stream-weights``
   budgets).
 - ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
@@ -548,7 +548,7 @@ def host_compute_rows(b: Bench) -> Iterator[Row]:
 def graph_rows(b: Bench) -> Iterator[Row]:
     """stream_experts with its decode steps replayed by handle.cuda_graph (CUDA only): every
     expert cached first (the compute term of the graph rows' bound: no copies), then as the
-    eager rows, then prefetch=True at each cache size."""
+    eager rows, then prefetch=N (each of --prefetch) at each cache size."""
     if b.args.no_graph or b.device.type != "cuda":
         return
     with experts_on_host(b):
@@ -561,8 +561,10 @@ def graph_rows(b: Bench) -> Iterator[Row]:
                 yield from streamed_row(b, name, cache, policy, graph=True)
         policy = b.policies[0]
         for c in b.caches:
-            name = f"stream_experts {c:g} GiB {policy} graph prefetch"
-            yield from streamed_row(b, name, int(c * GIB), policy, graph=True, prefetch=True)
+            for ahead in b.args.prefetch:  # experts copied ahead a block call, at most
+                name = f"stream_experts {c:g} GiB {policy} graph prefetch {ahead}"
+                yield from streamed_row(b, name, int(c * GIB), policy, graph=True,
+                                        prefetch=ahead)  # fmt: skip
 
 
 def stream_weights_rows(b: Bench) -> Iterator[Row]:
@@ -630,6 +632,13 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=16, help="timed decode steps")
     p.add_argument("--prefill", type=int, default=2048, help="prefill tokens (0: skip)")
     p.add_argument("--no-graph", action="store_true", help="skip the cuda_graph rows")
+    p.add_argument(
+        "--prefetch",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[2],
+        help="the graph prefetch rows' prefetch= values (experts copied ahead a "
+        "block call, at most), comma-separated",
+    )
     p.add_argument("--no-eager", action="store_true", help="skip the eager stream_experts rows")
     p.add_argument("--no-accelerate", action="store_true", help="skip accelerate's row")
     p.add_argument("--host-compute", action="store_true", help="add the host_compute rows")

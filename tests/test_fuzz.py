@@ -1479,7 +1479,10 @@ class ExpertGraph(Experts):
         self.kw = dict(
             cache_bytes=slots * slot,
             policy=data.draw(st.sampled_from(["lru", "lfu"]), label="policy"),
-            prefetch=data.draw(st.booleans(), label="prefetch"),
+            # off, the default count, or at most 1 to top_k experts copied ahead a call
+            prefetch=data.draw(
+                st.one_of(st.booleans(), st.integers(1, dims["top_k"])), label="prefetch"
+            ),  # fmt: skip
         )
         # the model called eagerly rather than through cuda_graph
         self.eager = data.draw(st.booleans(), label="eager")

@@ -378,14 +378,14 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
 
 
 def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str = "eager",
-                wait: bool = True) -> tuple[bool, int]:  # fmt: skip
+                wait: bool = True, prefetch: bool | int = True) -> tuple[bool, int]:  # fmt: skip
     """A graphed decode with prefetch at ``slots`` cache slots beside the stage, the copy
     stream ``slow`` ("link": misses and prefetches; "near": the hits' stage copies) spinning
     before each of its copies (Note: [Two copy streams]); without ``pin``, a prefetch may take
     the slots the call before it used; ``impl`` "grouped_mm": bf16 experts computed in their
     slots (Note: [Experts computed in their slots]), where without ``wait`` the compute stream
-    does not wait for the copies. Whether every step's logits are the resident model's, and
-    the experts prefetched."""
+    does not wait for the copies; ``prefetch``: stream_experts'. Whether every step's logits
+    are the resident model's, and the experts prefetched."""
     from test_moe_graph import decode
 
     from torchoffload.moe import _graphed, _kernels
@@ -410,7 +410,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
     model = qwen3(dtype, impl=impl)
     least = to.minimum_cache_bytes(model)
     h = stream_experts(model, "cuda", cache_bytes=least + slots * least // 4, policy=policy,
-                       prefetch=True)  # fmt: skip
+                       prefetch=prefetch)  # fmt: skip
     copy, call = _kernels.copy_routed, _graphed.DeviceTables.call
     spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
 
@@ -452,22 +452,25 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
 @pytest.mark.parametrize("slow", ["link", "near"])
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 @pytest.mark.parametrize("slots", [6, 8])
-def test_graphed_prefetch_bitwise_with_either_copy_stream_slowed(slow, policy, slots):
+@pytest.mark.parametrize("prefetch", [True, 4])
+def test_graphed_prefetch_bitwise_with_either_copy_stream_slowed(slow, policy, slots, prefetch):
     """A hit's stage copy waits for the prefetch that brought it (the link's stream slowed),
     and a prefetch never overwrites a slot a hit's copy still reads (the hits' stream
-    slowed): every step's logits are the resident model's. (At 4 cache slots, a call of 4
-    experts would pin them all: nothing is prefetched.)"""
-    same, prefetched = _graph_race(slow, policy, slots)
+    slowed): every step's logits are the resident model's, with the default prefetch (2
+    experts a call) and every predicted expert (4). (At 4 cache slots, a call of 4 experts
+    would pin them all: nothing is prefetched.)"""
+    same, prefetched = _graph_race(slow, policy, slots, prefetch=prefetch)
     assert same and prefetched > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_graphed_prefetch_race_is_caught_without_the_pin(policy):
-    """The check above can fail, at its own setting of 6 slots: with the call's slots not
-    pinned for the prefetch after it, the prefetch overwrites slots whose stage copies
-    (slowed) have not read them yet (on the CPU, the same decode's prefetches took a slot
-    its call had just used 22 times in 43)."""
-    same, prefetched = _graph_race("near", policy, 6, pin=False)
+    """The check above can fail, at its own setting of 6 slots and every predicted expert
+    prefetched: with the call's slots not pinned for the prefetch after it, the prefetch
+    overwrites slots whose stage copies (slowed) have not read them yet (on the CPU, the same
+    decode's prefetches took a slot its call had just used in 42 of 42 calls, by either
+    policy; at the default of 2 a call, LRU's never did)."""
+    same, prefetched = _graph_race("near", policy, 6, pin=False, prefetch=4)
     assert prefetched > 0 and not same
 
 
@@ -555,6 +558,7 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
     fields = ("place", "inv", "valid", "miss", "held", "also", "write", "inside", "src", "first",
               "back", "offs")  # fmt: skip
     done = {"call": 0, "prefetch": 0, "written": 0}
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
     with torch.no_grad():
         for step in range(90):
             li = int(torch.randint(4, (1,), generator=g))
@@ -569,6 +573,10 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
             kind = "prefetch" if step % 4 == 3 and sc else "call"
             direct = bool(step % 5)
             index = torch.tensor(pick, device="cuda")
+            # a prefetch copies the ``ahead`` misses of most score (ties: the earlier place),
+            # scores in any of the routers' dtypes
+            tables.ahead = 1 + step % k
+            score = torch.randint(3, (k,), generator=g).to("cuda", dtypes[step % 3])
             before = {name: getattr(tables, name).clone() for name in names}
             outs = {}
             for fused in (False, True):
@@ -579,7 +587,7 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
                     plan = tables.call(li, index, direct)
                     got = {f: getattr(plan, f) for f in fields} | {"dst": plan.dst}
                 else:
-                    src, dst, write = tables.plan_prefetch(li, index.sort().values)
+                    src, dst, write = tables.plan_prefetch(li, index, score)
                     got = {"src": src, "dst": dst, "write": write}
                 got = {f: v.clone() for f, v in got.items() if v is not None}
                 got |= {name: getattr(tables, name).clone() for name in names}
@@ -595,6 +603,7 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
                 assert torch.equal(a, b), (step, kind, name, a, b)
             done[kind] += 1
             done["written"] += int(ref["write"].sum())
+            assert kind == "call" or int(ref["write"].sum()) <= tables.ahead
     assert done["call"] > 40 and (done["prefetch"] > 10 or not sc)
     assert done["written"] > 0 or not sc
     h.remove()

@@ -424,7 +424,7 @@ def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
     model = qwen3(layers=1)
     slot_bytes = to.minimum_cache_bytes(model) // 2
     h = to.stream_experts(model, "cpu", cache_bytes=5 * slot_bytes, policy=policy,
-                          pin_memory=False)  # fmt: skip
+                          pin_memory=False, prefetch=True)  # fmt: skip
     tables = DeviceTables(h._runtime)  # 3 cache slots beside the stage of 2
     tables.push()
     with torch.no_grad():
@@ -434,11 +434,47 @@ def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
         tables.copies.apply(0, tables.call(0, torch.tensor([2, 5]), False))  # 2 hits, 5 misses
         five = int(tables.slot_of[5])
         assert two >= 0 and five >= 0 and int(tables.slot_of[2]) == two
-        tables.prefetch(0, torch.tensor([6, 7]))
+        tables.prefetch(0, torch.tensor([6, 7]), torch.tensor([0.6, 0.4]))
     assert int(tables.slot_of[2]) == two and int(tables.slot_of[5]) == five
-    assert int(tables.counts[0, 4]) == 1  # one free slot: 6 prefetched, 7 not
+    assert int(tables.counts[0, 4]) == 1  # one free slot: 6 prefetched (the higher score), 7 not
     assert int(tables.slot_of[6]) >= 0 and int(tables.slot_of[7]) == -1
     h.remove()
+
+
+@pytest.mark.parametrize(("ahead", "predicted", "score", "written"), [
+    (1, [3, 7], [0.2, 0.8], {7}),  # the router's higher score, whatever its place
+    (1, [7, 3], [0.5, 0.5], {7}),  # equal scores: the earlier place
+    (1, [0, 7], [0.9, 0.1], {7}),  # 0 is cached: the cap counts copies, not predictions
+    (2, [3, 7], [0.2, 0.8], {3, 7}),
+    (1, [8, 7], [0.8, 0.2], {7}),  # 8 (the layer's expert count): none, never copied
+])  # fmt: skip
+def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_highest(
+        ahead, predicted, score, written):  # fmt: skip
+    """Note: [Prefetch by the next router]: ``prefetch=n`` copies at most ``n`` of the
+    predicted experts the cache lacks, those of highest router score first: the next block
+    waits for every copy of the prefetch, used or not. Here 6 cache slots beside the stage,
+    4 free for the prefetch."""
+    model = qwen3(layers=1)
+    slot_bytes = to.minimum_cache_bytes(model) // 2
+    h = to.stream_experts(model, "cpu", cache_bytes=8 * slot_bytes, pin_memory=False,
+                          prefetch=ahead)  # fmt: skip
+    tables = DeviceTables(h._runtime)
+    tables.push()
+    with torch.no_grad():
+        tables.copies.apply(0, tables.call(0, torch.tensor([0, 1]), False))  # 0 and 1 cached
+        tables.prefetch(0, torch.tensor(predicted), torch.tensor(score))
+    got = {e for e in (2, 3, 4, 5, 6, 7) if int(tables.slot_of[e]) >= 0}
+    assert got == written and int(tables.counts[0, 4]) == len(written)
+    h.remove()
+
+
+@pytest.mark.parametrize("prefetch", [-1, 1.5, "2"])
+def test_prefetch_must_be_a_bool_or_a_count(prefetch):
+    model = qwen3(layers=1)
+    error = ValueError if prefetch == -1 else TypeError
+    with pytest.raises(error, match="prefetch"):
+        to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False, prefetch=prefetch)  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -158,6 +158,8 @@ _STAMP_BITS = 40  # LFU score: uses above the stamp (stamps stay below 2**40)
 # unpinned slot always scores below a pinned one (Note: [Routed experts in a CUDA graph])
 _USES_CAP = (1 << (62 - _STAMP_BITS)) - 1
 _PINNED = 1 << 62  # a pinned slot's score
+# the dtypes of a prefetch's scores the routing kernel is compiled for (others: as float32)
+_SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Graph calls on CUDA route in one kernel (Note: [One routing kernel per call] in _kernels.py);
 # False runs the tensor operations there too (the reference the GPU tests compare it with)
 FUSED_ROUTING = True
@@ -246,7 +248,9 @@ class DeviceTables:
         # a part of no more cache slots than a call uses has none left for a prefetch (a call
         # of ``k`` experts pins them all; one routed partly to the layer's "none" expert may
         # leave some, and its prefetch is skipped too): the next router is not run
-        self.prefetches = rt.config.prefetch and min(map(operator.sub, self.hi, self.lo)) > k
+        self.prefetches = rt.config.prefetch > 0 and min(map(operator.sub, self.hi, self.lo)) > k
+        # a prefetch copies at most this many experts (Note: [Prefetch by the next router])
+        self.ahead = min(rt.config.prefetch, k)
         self.keys = layout.total_experts
         # each layer's first key
         self.first = [0, *itertools.accumulate(layer.experts for layer in layout.layers)][:-1]
@@ -318,7 +322,7 @@ class DeviceTables:
             return
         self.rt._sync()  # graph calls on any stream wrote the tables and read the slots,
         # whose events are dropped below
-        self.pull_counts()
+        pull_counts(self)
         key_of = self.key_of.tolist()
         stamp = self.stamp.tolist()
         uses = self.uses.tolist()
@@ -328,23 +332,6 @@ class DeviceTables:
         self.rt.cache.load_map([(keys[key_of[s]], s) for _, s in located],
                                {keys[i]: u for i, u in enumerate(uses[:-1]) if u})  # fmt: skip
         self.owned = False
-
-    def pull_counts(self) -> None:
-        """The device's counters added to the host's, and zeroed (one host sync)."""
-        counts = self.counts.tolist()
-        if not any(any(row) for row in counts):
-            return
-        for li, (calls, tokens, hits, misses, prefetched) in enumerate(counts):
-            c = self.rt.counters[li]
-            c.calls += calls
-            c.tokens += tokens
-            c.hits += hits
-            c.misses += misses
-            c.prefetched += prefetched
-            c.loads += misses + prefetched
-            c.h2d_bytes += (misses + prefetched) * self.rt.layout.layers[li].expert_bytes
-        with torch.inference_mode(False), torch.no_grad():
-            self.counts.zero_()
 
     def forget(self) -> None:
         """Empty the map (every expert a miss from now on): a call that raised between its
@@ -357,13 +344,17 @@ class DeviceTables:
 
     # -- one block call -------------------------------------------------------------------------
 
-    def _admit(self, li: int, experts: torch.Tensor,
-               pinned: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    def _admit(self, li: int, experts: torch.Tensor, pinned: torch.Tensor | None = None,
+               place: torch.Tensor | None = None,
+               score: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:  # fmt: skip
         """Find ``experts`` (sorted; the layer's expert count marks none) in the cache and
         give each miss, in order, a slot while unpinned slots last (a slot hit by these
         experts is pinned, and the slots in ``pinned``, the cache's slot count marking none);
         the map updated; victims are cache slots of the layer's part (Note: [Parts of the cache]
-        in _layout.py). Returns key, valid, slot, hit, miss, write (got a slot), vslot (that
+        in _layout.py). ``place`` and ``score``: a prefetch's, each expert's place in the
+        router's order and its score there: the misses are ranked by score (the earlier place
+        first among equals), and only the first ``ahead`` are candidates (Note: [Prefetch by
+        the next router]). Returns key, valid, slot, hit, miss, write (got a slot), vslot (that
         slot) and its cache addresses."""
         n = self.rt.layout.layers[li].experts
         trash_key = self.keys
@@ -372,8 +363,10 @@ class DeviceTables:
         slot = self.slot_of[key]
         hit = slot >= 0
         miss = valid & ~hit
-        before = (self.before & miss.unsqueeze(0)).sum(1)  # misses before each place, itself too
-        rank = before - 1
+        chosen = miss
+        rank = (self.before & miss.unsqueeze(0)).sum(1) - 1  # misses before each, itself too
+        if place is not None:
+            chosen, rank = _by_score(miss, place, score, self.ahead)
         lo, hi = self.lo[li], self.hi[li]
         sc = hi - lo
         if not sc:
@@ -392,7 +385,7 @@ class DeviceTables:
         nv = min(self.k, sc)
         victims = torch.topk(score[:sc], nv, largest=False).indices + lo
         free = torch.clamp(sc - (score[:sc] >= self.big).sum(), max=nv)  # unpinned slots
-        write = miss & (rank < free)
+        write = chosen & (rank < free)
         vslot = victims[rank.clamp(0, nv - 1)]
         old = self.key_of[vslot]
         self.slot_of.index_put_((torch.where(write & (old >= 0), old, trash_key),), self.none)
@@ -457,28 +450,62 @@ class DeviceTables:
                                                                   self.order))  # fmt: skip
         return plan
 
-    def prefetch(self, li: int, experts: torch.Tensor) -> None:
+    def prefetch(self, li: int, experts: torch.Tensor, score: torch.Tensor) -> None:
         """Copy into the cache, on the link's stream after this call's misses, the predicted
-        ``experts`` of layer ``li`` that it lacks, never into a slot the call before it used
+        ``experts`` of layer ``li`` that it lacks, at most ``ahead`` of them, those of most
+        ``score`` (the router's, per expert) first, never into a slot the call before it used
         (Note: [Two copy streams]; Note: [Prefetch by the next router]); they count as used
         now (LRU) and not as uses (LFU)."""
         if self.hi[li] == self.lo[li]:
             return
-        self.copies.copy_ahead(li, *self.plan_prefetch(li, experts))
+        self.copies.copy_ahead(li, *self.plan_prefetch(li, experts, score))
 
-    def plan_prefetch(self, li: int, experts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """`prefetch`'s routing (the tables updated): per place, the host addresses of its
-        expert, the cache addresses it is written to, and whether it is."""
+    def plan_prefetch(self, li: int, experts: torch.Tensor,
+                      score: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """`prefetch`'s routing (the tables updated): per place (the experts sorted), the host
+        addresses of its expert, the cache addresses it is written to, and whether it is."""
         if self.fused:  # Note: [One routing kernel per call] in _kernels.py
-            plan = _fused(self, li, experts, prefetch=True)
+            plan = _fused(self, li, experts, prefetch=True, score=score)
             return plan.src, plan.dst, plan.write
         n = self.rt.layout.layers[li].experts
-        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used)
+        experts, place = experts.sort(stable=True)
+        key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used,
+                                                                     place, score)  # fmt: skip
         self.stamp.index_put_((torch.where(write, vslot, self.trash),),
                               self.clock + self.order)  # fmt: skip
         self.clock.add_(self.k)
         self.counts[li, 4] += write.sum()
         return self.host[li][torch.where(valid, experts, n)], dst, write
+
+
+def pull_counts(tables: DeviceTables) -> None:
+    """The device's counters added to the host's, and zeroed (one host sync)."""
+    counts = tables.counts.tolist()
+    if not any(any(row) for row in counts):
+        return
+    for li, (calls, tokens, hits, misses, prefetched) in enumerate(counts):
+        c = tables.rt.counters[li]
+        c.calls += calls
+        c.tokens += tokens
+        c.hits += hits
+        c.misses += misses
+        c.prefetched += prefetched
+        c.loads += misses + prefetched
+        c.h2d_bytes += (misses + prefetched) * tables.rt.layout.layers[li].expert_bytes
+    with torch.inference_mode(False), torch.no_grad():
+        tables.counts.zero_()
+
+
+def _by_score(miss: torch.Tensor, place: torch.Tensor, score: torch.Tensor,
+              ahead: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A prefetch's misses (``miss``, per place; ``place``: each one's in the router's order)
+    ranked by ``score`` (the earlier place first among equal scores), and those ranked below
+    ``ahead`` (Note: [Prefetch by the next router]): chosen, and the misses ahead of each."""
+    w = score[place].float()
+    w0, w1 = w.unsqueeze(0), w.unsqueeze(1)
+    first = (w0 > w1) | ((w0 == w1) & (place.unsqueeze(0) < place.unsqueeze(1)))
+    rank = (first & miss.unsqueeze(0)).sum(1)
+    return miss & (rank < ahead), rank
 
 
 def _by_slot(tables: DeviceTables, li: int,
@@ -494,9 +521,11 @@ def _by_slot(tables: DeviceTables, li: int,
 
 
 def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool = False,
-           prefetch: bool = False, on: tuple | None = None) -> CallPlan:  # fmt: skip
-    """`DeviceTables.call` (or `plan_prefetch`'s routing) in one kernel (Note: [One routing
-    kernel per call] in _kernels.py), on the tables ``on`` (default: ``tables``')."""
+           prefetch: bool = False, score: torch.Tensor | None = None,
+           on: tuple | None = None) -> CallPlan:  # fmt: skip
+    """`DeviceTables.call` (or `plan_prefetch`'s routing, ``score`` per expert of ``index``)
+    in one kernel (Note: [One routing kernel per call] in _kernels.py), on the tables ``on``
+    (default: ``tables``')."""
     from torchoffload.moe._kernels import route_call
 
     c = tables.copies
@@ -511,7 +540,7 @@ def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool =
         lo=tables.lo[li], hi=tables.hi[li], trash=tables.trash, cache_base=c.base,
         slot_bytes=tables.rt.cache.slot_bytes, window=c.window(li), layer=li, big=_PINNED,
         cap=_USES_CAP, stamp_bits=_STAMP_BITS, lfu=tables.lfu,
-        prefetch=prefetch, direct=direct,
+        prefetch=prefetch, direct=direct, ahead=tables.ahead, score=score,
     )  # fmt: skip
     valid, miss, held, also, write, inside = flags
     src, first, dst = addrs
@@ -535,7 +564,9 @@ def warm_routing(tables: DeviceTables) -> None:
             for direct in (False, True):
                 _fused(tables, li, none, direct=direct, on=on)
             if tables.prefetches and tables.hi[li] > tables.lo[li]:
-                _fused(tables, li, none, prefetch=True, on=on)
+                for dtype in _SCORE_DTYPES:
+                    score = torch.zeros(tables.k, dtype=dtype, device=tables.rt.device)
+                    _fused(tables, li, none, prefetch=True, score=score, on=on)
     tables.warm = True
 
 
@@ -772,7 +803,7 @@ def graphed_forward(
             if prefetch and tables.prefetches and li + 1 < len(rt.layout.layers):
                 predicted = predict(rt.layout.layers[li + 1], hidden_states, tables.k)
                 if predicted is not None:
-                    tables.prefetch(li + 1, predicted)
+                    tables.prefetch(li + 1, *predicted)
         except BaseException:  # run eagerly, the map may name slots never written: emptied
             # (a capture ran nothing: its tables are as they were)
             if not (tables.copies.cuda and torch.cuda.is_current_stream_capturing()):
@@ -873,24 +904,29 @@ def _idle(rt: Any, what: str) -> None:
         raise RuntimeError(f"{what} inside a forward of the streamed model")
 
 
-def predict(layer: Any, hidden_states: torch.Tensor, k: int) -> torch.Tensor | None:
-    """The ``k`` experts ``layer``'s router picks for ``hidden_states`` (one token), sorted;
-    None where its router is not found or answers in another form (Note: [Prefetch by the
-    next router])."""
+def predict(layer: Any, hidden_states: torch.Tensor,
+            k: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """The ``k`` experts ``layer``'s router picks for ``hidden_states`` (one token) and the
+    router's score of each (its weight, or logit), in its order; None where its router is not
+    found or answers in another form (Note: [Prefetch by the next router])."""
     router = next((getattr(layer.block, n) for n in ("gate", "router") if
                    isinstance(getattr(layer.block, n, None), torch.nn.Module)), None)  # fmt: skip
     if router is None:
         return None
     out = router(hidden_states)
     if isinstance(out, tuple) and len(out) == 3 and isinstance(out[2], torch.Tensor):
-        index = out[2]  # transformers' routers: (logits, weights, indices)
+        score, index = out[1], out[2]  # transformers' routers: (logits, weights, indices)
     elif isinstance(out, torch.Tensor) and out.shape[-1] == layer.experts:
-        index = torch.topk(out, min(k, layer.experts), dim=-1).indices
+        score, index = torch.topk(out, min(k, layer.experts), dim=-1)
     else:
         return None
     if index.shape != (1, k) or index.dtype not in (torch.int64, torch.int32):
         return None
-    return index[0].to(torch.int64).sort().values
+    if not isinstance(score, torch.Tensor) or score.shape != (1, k):
+        score = torch.arange(k, 0, -1, dtype=torch.float32, device=index.device)[None]
+    elif score.dtype not in _SCORE_DTYPES:
+        score = score.float()
+    return index[0].to(torch.int64), score[0]
 
 
 class _Replay:

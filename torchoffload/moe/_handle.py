@@ -32,6 +32,10 @@ __all__ = [
     "stream_experts",
 ]
 
+# ``prefetch=True``'s experts copied ahead per block call: the best of 1, 2 and 8 (uncapped) at
+# the Qwen3-30B-A3B shape on an H200 (Note: [Prefetch by the next router] in _graphed.py)
+PREFETCH_AHEAD = 2
+
 _log = logging.getLogger(__name__)
 _MiB = 1 << 20
 _ATTR = "_torchoffload_experts"
@@ -151,8 +155,10 @@ class ExpertStreamHandle:
     def stats(self) -> ExpertStats:
         rt = self._runtime
         with rt._lock:
-            if rt.tables is not None:
-                rt.tables.pull_counts()  # graph calls count on the device
+            if rt.tables is not None:  # graph calls count on the device
+                from torchoffload.moe._graphed import pull_counts
+
+                pull_counts(rt.tables)
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(
@@ -281,6 +287,13 @@ class ExpertStreamHandle:
 # -- setup ------------------------------------------------------------------------------------
 
 
+def _ahead(prefetch: object) -> int:
+    """``stream_experts``' ``prefetch`` as the experts a block call copies ahead (0: none)."""
+    if not isinstance(prefetch, bool):
+        check_int("prefetch", prefetch, minimum=0)
+    return PREFETCH_AHEAD if prefetch is True else int(prefetch)  # type: ignore[arg-type]
+
+
 def stream_experts(
     model: nn.Module,
     device: torch.device | str | int | None = None,
@@ -289,7 +302,7 @@ def stream_experts(
     policy: str = "lru",
     use_streams: bool = True,
     pin_memory: bool = True,
-    prefetch: bool = False,
+    prefetch: bool | int = False,
     host_compute: bool | str | HostCompute = False,
     block_graphs: bool | None = None,
 ) -> ExpertStreamHandle:
@@ -321,8 +334,11 @@ def stream_experts(
         pin_memory: page-lock the host store (only where an accelerator exists).
         prefetch: in calls replayed by `cuda_graph`, run each next block's router on the
             current block's hidden states and copy the experts it predicts into the cache
-            while this block computes (Note: [Prefetch by the next router]). Eager calls do
-            not prefetch.
+            while this block computes, at most ``prefetch`` of them a block (an int), those
+            the router scores highest first; ``True``: at most 2 (``PREFETCH_AHEAD``). About
+            as many as the link copies while one block computes a decode step pays best:
+            more make the next block wait for copies it may not use (Note: [Prefetch by the
+            next router] has the measurements). Eager calls do not prefetch.
         host_compute: compute cold experts on the host (fused experts only): in an eager block
             call of a few tokens, routed experts missing from the cache run on the CPU from
             the host store while the device computes the others, instead of being copied
@@ -356,7 +372,7 @@ def stream_experts(
     check_int("cache_bytes", cache_bytes, minimum=1)
     check_bool("use_streams", use_streams)
     check_bool("pin_memory", pin_memory)
-    check_bool("prefetch", prefetch)
+    prefetch = _ahead(prefetch)
     if block_graphs is not None:
         check_bool("block_graphs", block_graphs)
     host = HostCompute.parse(host_compute)

@@ -160,11 +160,11 @@ def _victims(stamp_ptr, key_of_ptr, uses_ptr, held_slot, pinned, LO, HI, BIG, PA
 
 
 @triton.jit(do_not_specialize=["FIRST_KEY", "N", "LO", "HI", "TRASH", "CACHE_BASE", "WINDOW",
-                               "WSLOTS", "LI"])  # fmt: skip
+                               "WSLOTS", "LI", "AHEAD"])  # fmt: skip
 def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, counts_ptr,
            used_ptr, host_ptr, region_ptr, stage_ptr, flags_ptr, addrs_ptr, perms_ptr, offs_ptr,
-           FIRST_KEY, N, LO, HI, TRASH, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG, PAD, CAP,
-           K: tl.constexpr, KP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
+           score_ptr, FIRST_KEY, N, LO, HI, TRASH, CACHE_BASE, SLOT_BYTES, WINDOW, WSLOTS, LI, BIG,
+           PAD, CAP, AHEAD, K: tl.constexpr, KP: tl.constexpr, M: tl.constexpr, MP: tl.constexpr,
            BLOCK: tl.constexpr, WBLOCK: tl.constexpr, LFU: tl.constexpr,
            PREFETCH: tl.constexpr, DIRECT: tl.constexpr, STAMP_BITS: tl.constexpr):  # fmt: skip
     j = tl.arange(0, KP)  # a place, in the sorted order of its expert
@@ -179,11 +179,17 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     slot = tl.where(valid, tl.load(slot_of_ptr + key, mask=valid, other=-1), -1)
     hit = slot >= 0
     miss = valid & ~hit
-    rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # misses before each place, itself too, less 1
-    if PREFETCH:  # noqa: SIM108 (a constexpr branch, for Triton)
+    if PREFETCH:  # the AHEAD misses of most score (the earlier place first among equals)
         pinned = tl.load(used_ptr + j, mask=jm, other=-1)
+        w = tl.load(score_ptr + place, mask=jm, other=0).to(tl.float32)
+        ahead = (w[None, :] > w[:, None]) | ((w[None, :] == w[:, None]) &
+                                             (place[None, :] < place[:, None]))  # fmt: skip
+        rank = tl.sum((ahead & miss[None, :]).to(tl.int32), 1)  # the misses ahead of each
+        chosen = miss & (rank < AHEAD)
     else:
         pinned = tl.full((KP,), -1, tl.int64)
+        chosen = miss
+        rank = tl.cumsum(miss.to(tl.int32), 0) - 1  # misses before each place, itself too, less 1
     held_slot = tl.where(hit, slot, -1)
     # victims only for a call with a miss: the search reads every slot, the rest reads K
     best_at = tl.full((KP,), 0, tl.int64)
@@ -194,7 +200,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     kk = tl.arange(0, KP)
     nv = tl.minimum(HI - LO, K)
     free = tl.minimum(HI - LO - npinned, nv)
-    write = miss & (rank < free)
+    write = chosen & (rank < free)
     rk = tl.minimum(tl.maximum(rank, 0), tl.maximum(nv - 1, 0))
     vslot = tl.sum(tl.where(rk[:, None] == kk[None, :], best_at[None, :], 0), 1)
     old = tl.load(key_of_ptr + vslot, mask=write, other=-1)
@@ -275,13 +281,14 @@ def _pow2(n: int, least: int = 16) -> int:
 def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: torch.Tensor,
                stage: torch.Tensor, *, first_key: int, experts: int, lo: int, hi: int,
                trash: int, cache_base: int, slot_bytes: int, window: int, layer: int, big: int,
-               cap: int, stamp_bits: int, lfu: bool, prefetch: bool,
-               direct: bool) -> tuple:  # fmt: skip
+               cap: int, stamp_bits: int, lfu: bool, prefetch: bool, direct: bool,
+               ahead: int = 0, score: torch.Tensor | None = None) -> tuple:  # fmt: skip
     """One graph call's routing, table updates and plan in one kernel (Note: [One routing
     kernel per call]); ``tables``: (slot_of, key_of, stamp, uses, clock, counts, used); the
     layer's part's cache slots [``lo``, ``hi``), its stage from ``hi``, the tables' trash
     entry ``trash`` (Note: [Parts of the cache] in _layout.py); an LFU score is the uses
-    (at most ``cap``) shifted left by ``stamp_bits``, plus the stamp.
+    (at most ``cap``) shifted left by ``stamp_bits``, plus the stamp. A ``prefetch`` writes
+    at most ``ahead`` misses, those of most ``score`` (per place of ``index``) first.
     Returns flags (6, K) bool: valid, miss, held, also, write, inside; addresses (3, K, M)
     int64: source, first destination, cache destination; permutations (3, K) int64: the sort's,
     its inverse, each place's row among those sorted by slot (``direct``); the window's group
@@ -295,9 +302,12 @@ def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: t
     wslots = hi + k - window if direct else 0
     offs = torch.empty(max(wslots, 1), dtype=torch.int32, device=dev)
     block = min(ROUTE_BLOCK, _pow2(hi - lo))
-    _route[(1,)](index, *tables, host, region, stage, flags, addrs, perms, offs, first_key,
-                 experts, lo, hi, trash, cache_base, slot_bytes, window, wslots, layer, big,
-                 (1 << 63) - 1, cap, K=k, KP=_pow2(k, 2), M=m, MP=_pow2(m, 2), BLOCK=block,
-                 WBLOCK=min(1024, _pow2(wslots)), LFU=lfu, PREFETCH=prefetch, DIRECT=direct,
-                 STAMP_BITS=stamp_bits, num_warps=8 if block >= 2048 else 4)  # fmt: skip
+    if score is None:  # read by a prefetch only
+        score = index
+    _route[(1,)](index, *tables, host, region, stage, flags, addrs, perms, offs, score,
+                 first_key, experts, lo, hi, trash, cache_base, slot_bytes, window, wslots,
+                 layer, big, (1 << 63) - 1, cap, ahead, K=k, KP=_pow2(k, 2), M=m,
+                 MP=_pow2(m, 2), BLOCK=block, WBLOCK=min(1024, _pow2(wslots)), LFU=lfu,
+                 PREFETCH=prefetch, DIRECT=direct, STAMP_BITS=stamp_bits,
+                 num_warps=8 if block >= 2048 else 4)  # fmt: skip
     return flags, addrs, perms, offs[:wslots] if direct else None

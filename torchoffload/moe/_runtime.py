@@ -63,7 +63,7 @@ class ExpertConfig:
     policy: CachePolicy
     use_streams: bool
     pin_memory: bool
-    prefetch: bool = False
+    prefetch: int = 0  # experts a graph call copies ahead for the next block (0: none)
     # bookkeeping only, for the planner's replay of a routing profile: no cache storage, no
     # host store (the model is not touched), nothing copied
     dry: bool = False
@@ -337,7 +337,9 @@ class ExpertRuntime:
 
     def reset(self) -> None:
         if self.tables is not None:
-            self.tables.pull_counts()
+            from torchoffload.moe._graphed import pull_counts
+
+            pull_counts(self.tables)
         if self.block_graphs is not None:
             self.block_graphs.reset()
         for i in range(len(self.counters)):
