@@ -17,6 +17,8 @@ import torchoffload as to
 from torchoffload.moe._graphed import DeviceTables
 from torchoffload.weights._syncs import HostReadInCapture
 
+nan = float("nan")
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -447,6 +449,9 @@ def test_a_prefetch_never_takes_a_slot_the_call_before_it_used(policy):
     (1, [0, 7], [0.9, 0.1], {7}),  # 0 is cached: the cap counts copies, not predictions
     (2, [3, 7], [0.2, 0.8], {3, 7}),
     (1, [8, 7], [0.8, 0.2], {7}),  # 8 (the layer's expert count): none, never copied
+    (1, [3, 7], [nan, 0.1], {7}),  # NaN ranks last
+    (2, [3, 7], [nan, nan], {3, 7}),  # each its own slot (NaN == NaN is false)
+    (1, [3, 7], [nan, nan], {3}),
 ])  # fmt: skip
 def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_highest(
         ahead, predicted, score, written):  # fmt: skip
@@ -465,6 +470,40 @@ def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_high
         tables.prefetch(0, torch.tensor(predicted), torch.tensor(score))
     got = {e for e in (2, 3, 4, 5, 6, 7) if int(tables.slot_of[e]) >= 0}
     assert got == written and int(tables.counts[0, 4]) == len(written)
+    slots = {e: int(tables.slot_of[e]) for e in written}
+    assert len(set(slots.values())) == len(slots)  # each its own slot, named for it
+    assert all(int(tables.key_of[s]) == tables.first[0] + e for e, s in slots.items())
+    h.remove()
+
+
+def test_predict_gives_the_routers_experts_and_scores_in_its_order():
+    """Note: [Prefetch by the next router]: the next router's experts and scores, in its
+    order: transformers' (logits, weights, indices); a router answering every expert's
+    weights reads them at its experts; one answering logits only gives their top k."""
+    from torchoffload.moe._graphed import predict
+
+    model = qwen3(layers=1)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    layer = h._runtime.layout.layers[0]
+    router = model.model.layers[0].mlp.gate
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, weights, index = router(x)
+        got, score = predict(layer, x, 2)
+        assert torch.equal(got, index[0]) and torch.equal(score, weights[0])
+        full = torch.zeros_like(logits).scatter(1, index, weights)  # every expert's weight
+        router.forward = lambda h, f=full, i=index: (logits, f, i)
+        got, score = predict(layer, x, 2)
+        assert torch.equal(got, index[0]) and torch.equal(score, weights[0])
+        router.forward = lambda h: logits  # logits only
+        got, score = predict(layer, x, 2)
+        top = torch.topk(logits, 2)
+        assert torch.equal(got, top.indices[0]) and torch.equal(score, top.values[0])
+        router.forward = lambda h: (logits, None, index)  # no scores: the router's order
+        got, score = predict(layer, x, 2)
+        assert torch.equal(got, index[0]) and score.tolist() == [2.0, 1.0]
+    del router.forward
     h.remove()
 
 

@@ -74,22 +74,35 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 # while a block computes unless the next block's experts are known earlier. The residual stream
 # changes little from one block to the next, so the next block's router run on this block's
 # hidden states (the experts' input) predicts most of its choice (pre-gating). With
-# ``prefetch=True``, right after a block's own copies are queued, the next block's router runs on
-# its hidden states, and the predicted experts the cache lacks take slots (the same victim rule;
-# stamped as used now; never a slot this block's call uses) and are copied into the cache on
-# the link's stream, after this block's misses (Note: [Two copy streams]). The next block's own
-# routing then finds them as hits, whose stage copies wait for the prefetch to land. A wrong
-# prediction costs link time and may evict a useful expert; outputs never change
-# (every expert computes from the bytes of the expert its own router picked). Counted in
-# ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch: an eager call's
-# Python runs long enough that its copies are already overlapped; and only where the cache
-# has more slots than a call uses (``top_k``: a call of ``top_k`` experts pins them all).
-# Measured (H200, Qwen3-30B-A3B shape, benchmarks/log/2026-11-27-moe-prefetch.md): with a
-# prediction right for about 0.8 of the routed experts, 19-25% bytes more and 2-14% faster per
-# token than without, at 8, 16 and 32 GiB; the prefetch copies read over the link with few
-# programs, or the compute beside them slows more than the overlap gains (Note: [How many
-# programs copy over the link] in _kernels.py). Off by default: the gain hangs on the model's
-# next-block prediction.
+# ``prefetch``, right after a block's own copies are queued, the next block's router runs on
+# its hidden states, and of the predicted experts the cache lacks, the ``prefetch`` (a count;
+# ``True``: 2) the router scores highest take slots (the same victim rule; stamped as used
+# now; never a slot this block's call uses) and are copied into the cache on the link's
+# stream, after this block's misses (Note: [Two copy streams]). The next block's own routing
+# then finds them as hits. A wrong prediction costs link time and may evict a useful expert;
+# outputs never change (every expert computes from the bytes of the expert its own router
+# picked). Counted in ``stats().prefetched``, and in ``h2d_bytes``. Only graph calls prefetch:
+# an eager call's Python runs long enough that its copies are already overlapped; and only
+# where the cache has more slots than a call uses (``top_k``: a call of ``top_k`` experts pins
+# them all).
+# Why a count: the next block waits for every copy of the prefetch, used or not (the compute
+# stream waits on the link's event after that block's misses, queued behind the prefetch; a
+# graph's dependencies cannot depend on the routing). What pays is about as many experts as
+# the link copies while a block computes, rounded up, the likeliest first (Qwen3-30B-A3B on an
+# H200: a layer's decode step about 230 us, an expert 9.4 MB at about 48 GB/s 200 us, so 1.15
+# experts; 2 measured faster than 1 and than every predicted expert). Scores that are NaN rank
+# last (as -inf), so that the ranks stay unique: two experts never take one slot.
+# Measured (H200, torch 2.11, 2026-11-29, Qwen3-30B-A3B shape, 48 layers, grouped_mm, decode
+# replayed; benchmarks/moe.py --prefetch 2,8, log 2026-11-29-moe-routing-kernel.md, session
+# 40): ms a token without prefetch / every predicted expert (8) / 2, uniform and Zipf routing:
+# 16 GiB 67.4 / 67.3 / 58.1 and 42.4 / 38.2 / 34.4; 32 GiB 58.0 / 50.9 / 48.0 and 18.6 / 18.1 /
+# 17.0. In probes on that lease: every predicted expert at 16 GiB uniform copied 277 experts
+# a token ahead to spare 207 misses (3092 MiB a token against 2461 without), no faster, the
+# link being the bound; 1 a call was slower than 2 (16 GiB: 62.1 against 59.3 ms uniform, 39.5
+# against 37.3 Zipf). Before the count (every predicted expert; session 24, log
+# 2026-11-27-moe-prefetch.md): 2-14% faster than without, 19-25% bytes more. The kernel's
+# link rate and its effect on compute beside it: Note: [How many programs copy over the link]
+# in _kernels.py. Off by default: the gain hangs on the model's next-block prediction.
 
 # Note: [Two copy streams]
 # A graph call's copies run on two streams beside the compute stream: ``side`` copies over the
@@ -499,9 +512,10 @@ def pull_counts(tables: DeviceTables) -> None:
 def _by_score(miss: torch.Tensor, place: torch.Tensor, score: torch.Tensor,
               ahead: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """A prefetch's misses (``miss``, per place; ``place``: each one's in the router's order)
-    ranked by ``score`` (the earlier place first among equal scores), and those ranked below
+    ranked by ``score`` (NaN as -inf; the earlier place first among equals), and those below
     ``ahead`` (Note: [Prefetch by the next router]): chosen, and the misses ahead of each."""
     w = score[place].float()
+    w = torch.where(w.isnan(), float("-inf"), w)  # NaN last: the order stays total, ranks unique
     w0, w1 = w.unsqueeze(0), w.unsqueeze(1)
     first = (w0 > w1) | ((w0 == w1) & (place.unsqueeze(0) < place.unsqueeze(1)))
     rank = (first & miss.unsqueeze(0)).sum(1)
@@ -540,7 +554,8 @@ def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool =
         lo=tables.lo[li], hi=tables.hi[li], trash=tables.trash, cache_base=c.base,
         slot_bytes=tables.rt.cache.slot_bytes, window=c.window(li), layer=li, big=_PINNED,
         cap=_USES_CAP, stamp_bits=_STAMP_BITS, lfu=tables.lfu,
-        prefetch=prefetch, direct=direct, ahead=tables.ahead, score=score,
+        prefetch=prefetch, direct=direct, ahead=tables.ahead,
+        score=None if score is None else score.contiguous(),
     )  # fmt: skip
     valid, miss, held, also, write, inside = flags
     src, first, dst = addrs
@@ -922,6 +937,8 @@ def predict(layer: Any, hidden_states: torch.Tensor,
         return None
     if index.shape != (1, k) or index.dtype not in (torch.int64, torch.int32):
         return None
+    if isinstance(score, torch.Tensor) and score.shape == (1, layer.experts) != (1, k):
+        score = score.gather(1, index.to(torch.int64))  # every expert's: the routed ones'
     if not isinstance(score, torch.Tensor) or score.shape != (1, k):
         score = torch.arange(k, 0, -1, dtype=torch.float32, device=index.device)[None]
     elif score.dtype not in _SCORE_DTYPES:

@@ -289,9 +289,15 @@ class ExpertStreamHandle:
 
 def _ahead(prefetch: object) -> int:
     """``stream_experts``' ``prefetch`` as the experts a block call copies ahead (0: none)."""
-    if not isinstance(prefetch, bool):
-        check_int("prefetch", prefetch, minimum=0)
-    return PREFETCH_AHEAD if prefetch is True else int(prefetch)  # type: ignore[arg-type]
+    if isinstance(prefetch, bool):
+        return PREFETCH_AHEAD if prefetch else 0
+    if not isinstance(prefetch, int):
+        raise TypeError(
+            f"prefetch must be a bool or an int (the experts copied ahead a block call, at "
+            f"most), got {type(prefetch).__name__}"
+        )
+    check_int("prefetch", prefetch, minimum=0)
+    return prefetch
 
 
 def stream_experts(

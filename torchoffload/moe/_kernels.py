@@ -182,6 +182,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     if PREFETCH:  # the AHEAD misses of most score (the earlier place first among equals)
         pinned = tl.load(used_ptr + j, mask=jm, other=-1)
         w = tl.load(score_ptr + place, mask=jm, other=0).to(tl.float32)
+        w = tl.where(w == w, w, float("-inf"))  # NaN last: the order stays total, ranks unique
         ahead = (w[None, :] > w[:, None]) | ((w[None, :] == w[:, None]) &
                                              (place[None, :] < place[:, None]))  # fmt: skip
         rank = tl.sum((ahead & miss[None, :]).to(tl.int32), 1)  # the misses ahead of each
