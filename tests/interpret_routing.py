@@ -28,7 +28,7 @@ from torchoffload.moe import _graphed, _kernels, _layout  # noqa: E402
 TABLES = ("slot_of", "key_of", "stamp", "uses", "clock", "counts", "used")
 # a call's plan (`CallPlan`)
 FIELDS = ("place", "inv", "valid", "miss", "held", "also", "write", "inside", "src", "first",
-          "dst", "back", "offs")  # fmt: skip
+          "dst", "dead", "back", "offs")  # fmt: skip
 
 
 def _model(k: int):

@@ -378,14 +378,16 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
 
 
 def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str = "eager",
-                wait: bool = True, prefetch: bool | int = True) -> tuple[bool, int]:  # fmt: skip
+                wait: bool = True, prefetch: bool | int = True,
+                streams: list | None = None) -> tuple[bool, int]:  # fmt: skip
     """A graphed decode with prefetch at ``slots`` cache slots beside the stage, the copy
     stream ``slow`` ("link": misses and prefetches; "near": the hits' stage copies) spinning
     before each of its copies (Note: [Two copy streams]); without ``pin``, a prefetch may take
     the slots the call before it used; ``impl`` "grouped_mm": bf16 experts computed in their
     slots (Note: [Experts computed in their slots]), where without ``wait`` the compute stream
-    does not wait for the copies; ``prefetch``: stream_experts'. Whether every step's logits
-    are the resident model's, and the experts prefetched."""
+    does not wait for the copies; ``prefetch``: stream_experts'; ``streams``: where given,
+    each copy launch's stream is appended, as "side", "near" (the copy streams) or "compute".
+    Whether every step's logits are the resident model's, and the experts prefetched."""
     from test_moe_graph import decode
 
     from torchoffload.moe import _graphed, _kernels
@@ -415,6 +417,9 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
     spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
 
     def slowed(src, stage, what, dst, write, sizes, programs=_kernels.LINK_PROGRAMS):
+        if streams is not None:
+            now, copies = torch.cuda.current_stream(), h._runtime.tables.copies
+            streams.append({copies.side: "side", copies.near: "near"}.get(now, "compute"))
         if programs == spin:
             torch.cuda._sleep(20_000_000)  # on the stream the copy is queued on
         copy(src, stage, what, dst, write, sizes, programs)
@@ -484,6 +489,21 @@ def test_graphed_grouped_mm_in_their_slots_bitwise_with_the_link_slowed(policy, 
     tests/test_moe_graph.py; the slowed link here delays the prefetch past the call's GEMMs.)"""
     same, prefetched = _graph_race("link", policy, slots, impl="grouped_mm")
     assert same and prefetched > 0
+
+
+def test_graphed_grouped_mm_without_prefetch_copies_on_the_compute_stream():
+    """Without a prefetch, grouped_mm experts' misses are copied on the compute stream itself
+    (Note: [Two copy streams]: a side stream overlapped nothing there), slowed before each
+    copy: every step's logits are the resident model's, and no copy went to a side stream."""
+    streams: list = []
+    same, prefetched = _graph_race("link", "lru", 6, impl="grouped_mm", prefetch=False,
+                                   streams=streams)  # fmt: skip
+    assert same and prefetched == 0
+    assert len(streams) > 10 and set(streams) == {"compute"}, streams
+    streams.clear()  # the control: with a prefetch, the link's copies are on ``side`` (the
+    # kernel's warm-up, before the capture, copies nothing on the compute stream either way)
+    same, prefetched = _graph_race("link", "lru", 6, impl="grouped_mm", streams=streams)
+    assert same and prefetched > 0 and "side" in streams
 
 
 def test_graphed_grouped_mm_race_is_caught_without_the_wait():
@@ -556,7 +576,7 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
     g = torch.Generator().manual_seed(slots * 7 + block)
     hot = torch.randperm(n, generator=g)[:6].tolist()
     fields = ("place", "inv", "valid", "miss", "held", "also", "write", "inside", "src", "first",
-              "back", "offs")  # fmt: skip
+              "dead", "back", "offs")  # fmt: skip
     done = {"call": 0, "prefetch": 0, "written": 0, "capped": 0}
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     with torch.no_grad():

@@ -127,6 +127,13 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 # With one stream, a hit's stage copy (about 9.4 MB at 545 GB/s, Qwen3-30B-A3B) queued between
 # the link's copies, so the link idled for every hit. grouped_mm experts copy no hit (Note:
 # [Experts computed in their slots]), and their calls queue nothing on ``near``.
+# Without a prefetch (``apart`` false), grouped_mm experts' copies go on the compute stream
+# itself: the compute waits for a call's misses right after its routing, so a side stream
+# overlapped nothing, and each call's fork and join cost graph time. Measured (H200, torch
+# 2.11, 2026-11-29, Qwen3-30B-A3B shape, 48 layers, every expert cached, replayed; a probe,
+# log 2026-11-29-moe-routing-kernel.md, session 41): a replay's GPU time 11.69 / 11.70 ms
+# (uniform / Zipf routing) on the compute stream against 11.89 / 11.88 on ``side`` (the
+# resident model's graph: 10.80 / 10.71); at 16 GiB (Zipf, misses copied) 42.58 against 43.12.
 
 # Note: [Experts computed in their slots]
 # transformers' grouped_mm experts (its default) compute in a graph call from the slots the
@@ -185,8 +192,9 @@ class CallPlan:
     valid, a miss (copied over the link), a hit copied to the stage (``held``), a miss also
     written to its cache slot (``also``), given a slot (``write``), computed in its own slot
     (``inside``); per member, the source, first destination (its stage place, or its cache
-    slot) and cache destination addresses; for grouped_mm experts, each place's row among the
-    rows sorted by the slot it computes in (``back``) and the window's group offsets
+    slot) and cache destination addresses; ``dead``, per place of the router's order, whether
+    its expert is not valid; for grouped_mm experts, per place of the router's order its row
+    among the rows sorted by the slot it computes in (``back``) and the window's group offsets
     (Note: [Experts computed in their slots]). Made by `DeviceTables.call`."""
 
     place: torch.Tensor
@@ -200,6 +208,7 @@ class CallPlan:
     src: torch.Tensor
     first: torch.Tensor
     dst: torch.Tensor
+    dead: torch.Tensor
     back: torch.Tensor | None = None
     offs: torch.Tensor | None = None
 
@@ -283,7 +292,7 @@ class DeviceTables:
             self.big = torch.full((1,), _PINNED, **i64)
             self.none = torch.full((1,), -1, **i64)
             self.used = torch.full((self.k,), self.trash, **i64)  # the last call's slots
-        self.copies = Stage(rt, self.lo, self.hi, self.k)
+        self.copies = Stage(rt, self.lo, self.hi, self.k, apart=self.prefetches)
         c = self.copies
         self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
         self.owned = False  # the device's map is the one in force
@@ -457,10 +466,12 @@ class DeviceTables:
         c = self.copies
         inside = at >= c.window(li) if direct else None
         first, held, also = c.derive(li, valid, miss, dst, write, inside)
-        plan = CallPlan(place, inv, valid, miss, held, also, write, inside, src, first, dst)
+        plan = CallPlan(place, inv, valid, miss, held, also, write, inside, src, first, dst,
+                        ~valid[inv])  # fmt: skip
         if direct:
-            plan.back, plan.offs = _by_slot(self, li, torch.where(inside, at, self.hi[li] +
-                                                                  self.order))  # fmt: skip
+            back, plan.offs = _by_slot(self, li, torch.where(inside, at, self.hi[li] +
+                                                             self.order))  # fmt: skip
+            plan.back = back[inv]  # in the router's order
         return plan
 
     def prefetch(self, li: int, experts: torch.Tensor, score: torch.Tensor) -> None:
@@ -557,11 +568,11 @@ def _fused(tables: DeviceTables, li: int, index: torch.Tensor, *, direct: bool =
         prefetch=prefetch, direct=direct, ahead=tables.ahead,
         score=None if score is None else score.contiguous(),
     )  # fmt: skip
-    valid, miss, held, also, write, inside = flags
+    valid, miss, held, also, write, inside, dead = flags
     src, first, dst = addrs
     place, inv, back = perms
     return CallPlan(place, inv, valid, miss, held, also, write, inside if direct else None,
-                    src, first, dst, back if direct else None, offs)  # fmt: skip
+                    src, first, dst, dead, back if direct else None, offs)  # fmt: skip
 
 
 def warm_routing(tables: DeviceTables) -> None:
@@ -588,9 +599,11 @@ def warm_routing(tables: DeviceTables) -> None:
 class Stage:
     """The stages (each part's last ``k`` slots, Note: [Parts of the cache] in _layout.py), the
     addresses the copy kernel reads, and the copies (Note: [Routed experts in a CUDA graph]);
-    ``lo`` and ``hi``: per layer, its part's first slot and its stage's."""
+    ``lo`` and ``hi``: per layer, its part's first slot and its stage's; ``apart``: whether
+    the copies of experts computed in their slots go on streams of their own (the tables
+    prefetch: Note: [Two copy streams])."""
 
-    def __init__(self, rt: Any, lo: list[int], hi: list[int], k: int):
+    def __init__(self, rt: Any, lo: list[int], hi: list[int], k: int, apart: bool = True):
         dev = rt.device
         self.rt = rt
         self.k = k
@@ -622,6 +635,7 @@ class Stage:
                 rows.append([hbase] * len(layer.members))  # the trash expert (never copied)
                 self.host.append(torch.tensor(rows, **i64))
         self.lo, self.hi = lo, hi
+        self.apart = apart
         self._slot_views: dict = {}
         self.warm = False
         self.forked: set = set()  # the copy streams this capture queued work on
@@ -692,7 +706,8 @@ class Stage:
                linked: torch.Tensor, held: torch.Tensor, also: torch.Tensor,
                together: bool) -> list:  # fmt: skip
         """`apply`'s launches on CUDA: misses over the link on ``side``, staged hits on
-        ``near``; per place (its events) or, ``together``, one launch per stream."""
+        ``near``; per place (its events) or, ``together``, one launch per stream (on the
+        compute stream itself where the copies are not `apart`)."""
         from torchoffload.moe._kernels import DEVICE_PROGRAMS, copy_routed
 
         # Note: [Two copy streams]. Per place a launch for a miss on the link's stream and one
@@ -701,6 +716,10 @@ class Stage:
         # place r computes while r + 1... are copied (the plan's tensors live until the
         # caller's compute stream waited on every event: no block of theirs is reused before
         # these copies read it; the tensors made here are recorded on their streams)
+        sizes = self.sizes[li]
+        if together and not self.apart:  # Note: [Two copy streams]: the compute stream's own
+            copy_routed(src, first, linked, dst, also, sizes)
+            return []
         compute = torch.cuda.current_stream(self.rt.device)
         near = not together  # a hit may be staged (in slots: never, Note: [Parts of the cache])
         self.forked.add(self.side)
@@ -709,7 +728,6 @@ class Stage:
             self.near.wait_stream(self.side)  # before this call's misses
             self.near.wait_stream(compute)
         self.side.wait_stream(compute)
-        sizes = self.sizes[li]
         places = [slice(0, self.k)] if together else [slice(r, r + 1) for r in range(self.k)]
         for p, (over, hit) in zip(places, self.events, strict=False):
             with torch.cuda.stream(self.side):
@@ -855,11 +873,12 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
     """`graphed_forward`'s computation for experts running transformers' ``grouped_mm`` or
     ``batched_mm`` (Note: [Grouped experts, one group at a time]). grouped_mm: the token's row
     through each routed expert in the slot it computes in (Note: [Experts computed in their
-    slots]), in the order of the experts (``plan.place`` is the resident's sort permutation),
-    then the resident's weighting, reordering and sum over the top-k. batched_mm: the staged
-    experts' weights stacked in the token's top-k order (the resident's gather), its batched
-    products and sum. An expert index outside the layer (``valid`` false; transformers leaves,
-    masks or clamps it) adds zeros."""
+    slots]), read back in the router's order, then the resident's weighting and sum over the
+    top-k (the resident weights its rows in the experts' order and reorders them: each row
+    meets the same weight, so the products are the same bits; one gather and one index fewer a
+    call). batched_mm: the staged experts' weights stacked in the token's top-k order (the
+    resident's gather), its batched products and sum. An expert index outside the layer
+    (``plan.dead``; transformers leaves, masks or clamps it) adds zeros."""
     from transformers.integrations.moe import _batched_linear
 
     dtype = tables.rt.layout.layers[li].members[0].dtype
@@ -875,7 +894,7 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
         compute = torch.cuda.current_stream(hidden_states.device)
         for event in events:
             compute.wait_event(event)
-    valid, inv_perm = plan.valid, plan.inv
+    inv_perm, dead = plan.inv, plan.dead.unsqueeze(-1)
     if impl == "batched_mm":
         views = [tables.copies.views(li, r) for r in range(k)]
         rows = hidden_states.repeat_interleave(k, dim=0)
@@ -885,13 +904,10 @@ def _graphed_kernels(impl: str, tables: DeviceTables, li: int, module: Any,
         )
         weights = torch.stack([down for _, down in views])[inv_perm]
         proj_out = _batched_linear(proj, weights, is_transposed=module.is_transposed)
-        proj_out = proj_out.masked_fill_(~valid[:k, None][inv_perm], 0)
-        weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
+        proj_out = proj_out.masked_fill_(dead, 0)
     else:
-        proj_out = _in_slots(tables, li, module, hidden_states, plan)
-        proj_out = proj_out.masked_fill_(~valid[:k, None], 0)
-        weighted_out = proj_out * top_k_weights.reshape(-1)[plan.place].unsqueeze(-1)
-        weighted_out = weighted_out[inv_perm]
+        proj_out = _in_slots(tables, li, module, hidden_states, plan).masked_fill_(dead, 0)
+    weighted_out = proj_out * top_k_weights.reshape(-1).unsqueeze(-1)
     final = weighted_out.view(1, k, hidden_states.shape[1]).sum(dim=1)
     return final.to(hidden_states.dtype)
 
@@ -901,7 +917,7 @@ def _in_slots(tables: DeviceTables, li: int, module: Any, hidden_states: torch.T
     """The token's row through the expert of each place, read in the slot it computes in (each
     in the window): transformers' two grouped GEMMs and gate over the window's views, the rows
     sorted by slot and the groups' offsets counted on the device (``plan.offs``, ``plan.back``;
-    Note: [Experts computed in their slots]). Rows in place order."""
+    Note: [Experts computed in their slots]). Rows in the router's order."""
     k = tables.k
     rows = hidden_states.expand(k, hidden_states.shape[1]).contiguous()
     first = tables.copies.window(li)

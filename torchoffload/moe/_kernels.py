@@ -259,15 +259,17 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     tl.store(flags_ptr + 3 * K + j, also, mask=jm)
     tl.store(flags_ptr + 4 * K + j, write, mask=jm)
     tl.store(flags_ptr + 5 * K + j, inside, mask=jm)
-    # permutations: the sort's (``place``), its inverse, and each place's row among the rows
-    # sorted by the slot it computes in (``back``); the window's group offsets
+    tl.store(flags_ptr + 6 * K + place, ~valid, mask=jm)  # in the router's order
+    # permutations: the sort's (``place``), its inverse, and for each of the router's places
+    # its row among the rows sorted by the slot it computes in (``back``); the window's group
+    # offsets
     tl.store(perms_ptr + j, place, mask=jm)
     tl.store(perms_ptr + K + place, jj, mask=jm)
     if DIRECT:
         comp = tl.where(inside, at, HI + jj)
         comp_m = tl.where(jm, comp, PAD)
         back = tl.sum(((comp_m[None, :] < comp[:, None]) & jm[None, :]).to(tl.int64), 1)
-        tl.store(perms_ptr + 2 * K + j, back, mask=jm)
+        tl.store(perms_ptr + 2 * K + place, back, mask=jm)
         for w0 in range(0, WSLOTS, WBLOCK):
             w = w0 + tl.arange(0, WBLOCK)
             n_le = tl.sum(((comp_m[None, :] <= WINDOW + w[:, None]) & jm[None, :])
@@ -290,14 +292,15 @@ def route_call(index: torch.Tensor, tables: tuple, host: torch.Tensor, region: t
     entry ``trash`` (Note: [Parts of the cache] in _layout.py); an LFU score is the uses
     (at most ``cap``) shifted left by ``stamp_bits``, plus the stamp. A ``prefetch`` writes
     at most ``ahead`` misses, those of most ``score`` (per place of ``index``) first.
-    Returns flags (6, K) bool: valid, miss, held, also, write, inside; addresses (3, K, M)
-    int64: source, first destination, cache destination; permutations (3, K) int64: the sort's,
-    its inverse, each place's row among those sorted by slot (``direct``); the window's group
-    offsets (int32, ``direct``). Queued on the current stream."""
+    Returns flags (7, K) bool: valid, miss, held, also, write, inside, and ``dead`` (not
+    valid, in the router's order); addresses (3, K, M) int64: source, first destination, cache
+    destination; permutations (3, K) int64: the sort's, its inverse, and per place of the
+    router's order its row among those sorted by slot (``direct``); the window's group offsets
+    (int32, ``direct``). Queued on the current stream."""
     k = index.numel()
     m = region.numel()
     dev = index.device
-    flags = torch.empty(6, k, dtype=torch.bool, device=dev)
+    flags = torch.empty(7, k, dtype=torch.bool, device=dev)
     addrs = torch.empty(3, k, m, dtype=torch.int64, device=dev)
     perms = torch.empty(3, k, dtype=torch.int64, device=dev)
     wslots = hi + k - window if direct else 0
