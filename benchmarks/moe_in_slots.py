@@ -100,8 +100,11 @@ def run(slots: int, module: Experts, gate_up: torch.Tensor, down: torch.Tensor) 
     views = [_graphed.Stage.slot_views(copies, 0, slots - K + r, 1) for r in range(K)]
     sizes = [m.size[0] * m.size[1] * 2 for m in members]
 
+    back, window_offs = _graphed._by_slot(tables, 0, computed_at)
+    plan = SimpleNamespace(back=back, offs=window_offs)  # the CallPlan fields _in_slots reads
+
     def in_slots():
-        return _graphed._in_slots(tables, 0, module, h, computed_at)
+        return _graphed._in_slots(tables, 0, module, h, plan)
 
     def staged():
         for r in range(K):

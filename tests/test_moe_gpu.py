@@ -380,13 +380,14 @@ def test_qwen3_moe_graph_after_a_dense_tensor_is_assigned():
 def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str = "eager",
                 wait: bool = True, prefetch: bool | int = True,
                 streams: list | None = None) -> tuple[bool, int]:  # fmt: skip
-    """A graphed decode with prefetch at ``slots`` cache slots beside the stage, the copy
+    """A graphed decode (with ``prefetch``) at ``slots`` cache slots beside the stage, the copy
     stream ``slow`` ("link": misses and prefetches; "near": the hits' stage copies) spinning
     before each of its copies (Note: [Two copy streams]); without ``pin``, a prefetch may take
     the slots the call before it used; ``impl`` "grouped_mm": bf16 experts computed in their
     slots (Note: [Experts computed in their slots]), where without ``wait`` the compute stream
     does not wait for the copies; ``prefetch``: stream_experts'; ``streams``: where given,
-    each copy launch's stream is appended, as "side", "near" (the copy streams) or "compute".
+    each captured copy launch's stream is appended, as "side", "near" (the copy streams) or
+    "compute".
     Whether every step's logits are the resident model's, and the experts prefetched."""
     from test_moe_graph import decode
 
@@ -417,7 +418,7 @@ def _graph_race(slow: str, policy: str, slots: int, pin: bool = True, impl: str 
     spin = _kernels.LINK_PROGRAMS if slow == "link" else _kernels.DEVICE_PROGRAMS
 
     def slowed(src, stage, what, dst, write, sizes, programs=_kernels.LINK_PROGRAMS):
-        if streams is not None:
+        if streams is not None and torch.cuda.is_current_stream_capturing():  # not warm-ups
             now, copies = torch.cuda.current_stream(), h._runtime.tables.copies
             streams.append({copies.side: "side", copies.near: "near"}.get(now, "compute"))
         if programs == spin:
@@ -499,11 +500,10 @@ def test_graphed_grouped_mm_without_prefetch_copies_on_the_compute_stream():
     same, prefetched = _graph_race("link", "lru", 6, impl="grouped_mm", prefetch=False,
                                    streams=streams)  # fmt: skip
     assert same and prefetched == 0
-    assert len(streams) > 10 and set(streams) == {"compute"}, streams
-    streams.clear()  # the control: with a prefetch, the link's copies are on ``side`` (the
-    # kernel's warm-up, before the capture, copies nothing on the compute stream either way)
+    assert len(streams) >= 4 and set(streams) == {"compute"}, streams  # a launch a layer call
+    streams.clear()  # the control: with a prefetch, the link's copies are on ``side``
     same, prefetched = _graph_race("link", "lru", 6, impl="grouped_mm", streams=streams)
-    assert same and prefetched > 0 and "side" in streams
+    assert same and prefetched > 0 and set(streams) == {"side"}, streams
 
 
 def test_graphed_grouped_mm_race_is_caught_without_the_wait():
@@ -584,10 +584,9 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
             li = int(torch.randint(4, (1,), generator=g))
             pool = hot if step % 3 else list(range(n))
             pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[:k].tolist()]
-            if step % 11 == 5:
-                pick[-1] = n  # none
-            if step % 17 == 8:
-                pick[-2:] = [n, n]
+            if step % 5 == 2:  # "none" experts, anywhere in the router's order
+                for i in torch.randperm(k, generator=g)[: 1 + step % 2].tolist():
+                    pick[i] = n
             if step == 45:
                 tables.uses[:-1] += 1 << 22  # past the LFU cap
             kind = "prefetch" if step % 4 == 3 and sc else "call"

@@ -476,6 +476,32 @@ def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_high
     h.remove()
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl):
+    """An expert index outside the layer (transformers leaves, masks or clamps it) adds zeros
+    wherever the router put it: a graph call reads its rows back, masks and weighs them in the
+    router's order (`CallPlan.dead` and ``back``), so a token routed to [none, e] gives what
+    [e, none] gives with the weights swapped, whatever weight the none has."""
+    from torchoffload.moe._graphed import graphed_forward, tables_of
+
+    model = qwen3(impl=impl, layers=1)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    rt = h._runtime
+    tables_of(rt).push()
+    module = model.model.layers[0].mlp.experts
+    x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
+    n = 8  # the layer's expert count: none
+    with torch.no_grad():
+        out = [graphed_forward(rt, 0, module, x, torch.tensor([index]), torch.tensor([w]),
+                               prefetch=False)  # fmt: skip
+               for index, w in (([n, 3], [0.3, 0.7]), ([3, n], [0.7, 0.3]),
+                                ([n, 3], [5.0, 0.7]))]  # fmt: skip
+    assert out[0].abs().sum() > 0
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+    h.remove()
+
+
 def test_predict_gives_the_routers_experts_and_scores_in_its_order():
     """Note: [Prefetch by the next router]: the next router's experts and scores, in its
     order: transformers' (logits, weights, indices); a router answering every expert's

@@ -28,9 +28,10 @@ decision is made by kernels, from tables on the device (`DeviceTables`):
   device), a miss from the host store, read by the kernel through its mapped address (pinned
   host memory is addressable from the device under unified addressing), and written to its
   new cache slot as well. A miss left without a slot is copied to the stage only. The copies
-  run on two side streams, ordered against the compute stream by events
-  (Note: [Two copy streams]): the stage is written after the previous block's compute read it
-  and read after it was written, in every replay. Copies over the link that the kernel drives
+  run on two side streams, ordered against the compute stream by events (grouped_mm experts
+  without a prefetch: on the compute stream itself; Note: [Two copy streams]): the stage is
+  written after the previous block's compute read it and read after it was written, in every
+  replay. Copies over the link that the kernel drives
   run at 47-50 GB/s (H200), against 54 GB/s for the copy engine
   (Note: [How many programs copy over the link] in _kernels.py).
 - The experts then compute with the resident loop's operations, in its order, on the stage's
@@ -134,6 +135,10 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 # log 2026-11-29-moe-routing-kernel.md, session 41): a replay's GPU time 11.69 / 11.70 ms
 # (uniform / Zipf routing) on the compute stream against 11.89 / 11.88 on ``side`` (the
 # resident model's graph: 10.80 / 10.71); at 16 GiB (Zipf, misses copied) 42.58 against 43.12.
+# The choice is the runtime's, not a call's: a call on the compute stream would have to wait
+# for a prefetch the call before it queued on ``side``. So with ``prefetch`` set, block graphs
+# (Note: [Block calls replayed as graphs] in _replayed.py), whose calls do not prefetch, still
+# copy on ``side``.
 
 # Note: [Experts computed in their slots]
 # transformers' grouped_mm experts (its default) compute in a graph call from the slots the
@@ -151,7 +156,8 @@ from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_hel
 #   (Note: [Grouped experts, one group at a time]), and every slot's member keeps the resident
 #   slice's address modulo 512 (graph mode's member sizes are multiples of 512).
 # - Ordering, as Note: [Two copy streams]: one launch per stream for every place, the compute
-#   stream waiting on both events before the GEMMs. The link's event is recorded after this
+#   stream waiting on both events before the GEMMs (without a prefetch, one launch on the
+#   compute stream itself, before the GEMMs). The link's event is recorded after this
 #   call's misses and before the next block's prefetch, so after any earlier prefetch that
 #   brought a hit; ``near`` waits for ``side`` before this call's misses. No copy overwrites a
 #   slot this call reads before it read it: a miss never takes a slot its call hits, the
@@ -683,7 +689,7 @@ class Stage:
         `DeviceTables.call` plan says: each place copied (a miss from the host, a held hit from
         its slot) to ``plan.first``, and to ``plan.dst`` where ``plan.also``; on CUDA queued by
         `_queue`, whose events it returns (the compute stream waits on each before its
-        expert), on the CPU done."""
+        expert; none where the copies queue on the compute stream), on the CPU done."""
         src, first, dst, linked, held, also = (plan.src, plan.first, plan.dst, plan.miss,
                                                plan.held, plan.also)  # fmt: skip
         if self.cuda:
