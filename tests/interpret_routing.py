@@ -76,9 +76,9 @@ def walk(policy: str, slots: int, block: int, limit: int, k: int, steps: int = 6
             li = int(torch.randint(4, (1,), generator=g))
             pool = hot if step % 3 else list(range(n))
             pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[:k].tolist()]
-            if step % 5 == 2:  # "none" experts, anywhere in the router's order
+            if step % 5 == 2:  # experts outside the layer (none), anywhere in the order
                 for i in torch.randperm(k, generator=g)[: 1 + step % 2].tolist():
-                    pick[i] = n
+                    pick[i] = (n, -1, n + 3)[int(torch.randint(3, (1,), generator=g))]
             kind = "prefetch" if step % 2 else "call"
             tables.ahead = int(torch.randint(1, k + 1, (1,), generator=g))
             score = torch.randint(3, (k,), generator=g).float()

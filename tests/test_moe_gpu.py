@@ -584,9 +584,9 @@ def test_the_routing_kernel_routes_and_plans_as_the_tensor_operations(
             li = int(torch.randint(4, (1,), generator=g))
             pool = hot if step % 3 else list(range(n))
             pick = [pool[i] for i in torch.randperm(len(pool), generator=g)[:k].tolist()]
-            if step % 5 == 2:  # "none" experts, anywhere in the router's order
+            if step % 5 == 2:  # experts outside the layer (none), anywhere in the order
                 for i in torch.randperm(k, generator=g)[: 1 + step % 2].tolist():
-                    pick[i] = n
+                    pick[i] = (n, -1, n + 3)[int(torch.randint(3, (1,), generator=g))]
             if step == 45:
                 tables.uses[:-1] += 1 << 22  # past the LFU cap
             kind = "prefetch" if step % 4 == 3 and sc else "call"

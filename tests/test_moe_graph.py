@@ -476,12 +476,14 @@ def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_high
     h.remove()
 
 
+@pytest.mark.parametrize("none", [8, -1, 11])
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl):
-    """An expert index outside the layer (transformers leaves, masks or clamps it) adds zeros
-    wherever the router put it: a graph call reads its rows back, masks and weighs them in the
-    router's order (`CallPlan.dead` and ``back``), so a token routed to [none, e] gives what
-    [e, none] gives with the weights swapped, whatever weight the none has."""
+def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl, none):
+    """An expert index outside the layer (transformers leaves, masks or clamps it; a negative
+    one too, which would name another layer's expert) adds zeros wherever the router put it: a
+    graph call reads its rows back, masks and weighs them in the router's order
+    (`CallPlan.dead` and ``back``), so a token routed to [none, e] gives what [e, none] gives
+    with the weights swapped, whatever weight the none has."""
     from torchoffload.moe._graphed import graphed_forward, tables_of
 
     model = qwen3(impl=impl, layers=1)
@@ -491,7 +493,7 @@ def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl):
     tables_of(rt).push()
     module = model.model.layers[0].mlp.experts
     x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
-    n = 8  # the layer's expert count: none
+    n = none  # 8: the layer's expert count
     with torch.no_grad():
         out = [graphed_forward(rt, 0, module, x, torch.tensor([index]), torch.tensor([w]),
                                prefetch=False)  # fmt: skip

@@ -459,13 +459,14 @@ class DeviceTables:
         return self.copies.cuda and FUSED_ROUTING
 
     def call(self, li: int, index: torch.Tensor, direct: bool) -> CallPlan:
-        """Route one token's experts ``index`` (the router's order; the layer's expert count
-        marks none) and plan its copies (`CallPlan`): the tables updated as `route` does, in
-        one kernel where `fused`. ``direct``: grouped_mm experts, computed in the slots of the
-        window (Note: [Experts computed in their slots])."""
+        """Route one token's experts ``index`` (the router's order; an index outside the
+        layer, negative or not, is none: it adds zeros) and plan its copies (`CallPlan`): the
+        tables updated as `route` does, in one kernel where `fused`. ``direct``: grouped_mm
+        experts, computed in the slots of the window (Note: [Experts computed in their
+        slots])."""
         if self.fused:
             return _fused(self, li, index, direct=direct)
-        experts, place = index.sort(stable=True)
+        experts, place = _none_outside(index, self.rt.layout.layers[li].experts).sort(stable=True)
         inv = torch.empty_like(place)
         inv[place] = self.order
         src, valid, miss, dst, write, at = self.route(li, experts)
@@ -498,7 +499,7 @@ class DeviceTables:
             plan = _fused(self, li, experts, prefetch=True, score=score)
             return plan.src, plan.dst, plan.write
         n = self.rt.layout.layers[li].experts
-        experts, place = experts.sort(stable=True)
+        experts, place = _none_outside(experts, n).sort(stable=True)
         key, valid, slot, hit, miss, write, vslot, dst = self._admit(li, experts, self.used,
                                                                      place, score)  # fmt: skip
         self.stamp.index_put_((torch.where(write, vslot, self.trash),),
@@ -524,6 +525,13 @@ def pull_counts(tables: DeviceTables) -> None:
         c.h2d_bytes += (misses + prefetched) * tables.rt.layout.layers[li].expert_bytes
     with torch.inference_mode(False), torch.no_grad():
         tables.counts.zero_()
+
+
+def _none_outside(index: torch.Tensor, n: int) -> torch.Tensor:
+    """``index`` with every expert outside the layer's ``n`` (a negative one too) as none
+    (``n``): it adds zeros, as the routing kernel makes it (a negative index would otherwise
+    name another layer's expert)."""
+    return torch.where((index >= 0) & (index < n), index, n)
 
 
 def _by_score(miss: torch.Tensor, place: torch.Tensor, score: torch.Tensor,

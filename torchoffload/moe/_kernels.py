@@ -171,6 +171,7 @@ def _route(index_ptr, slot_of_ptr, key_of_ptr, stamp_ptr, uses_ptr, clock_ptr, c
     jm = j < K
     # the token's experts sorted, with their places in the router's order (stable)
     raw = tl.load(index_ptr + j, mask=jm, other=0)
+    raw = tl.where((raw >= 0) & (raw < N), raw, N)  # outside the layer: none (and keys >= 0)
     keyed = tl.sort(tl.where(jm, raw * KP + j, PAD), 0)
     expert = keyed // KP
     place = keyed % KP
