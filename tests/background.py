@@ -8,9 +8,12 @@ that module or of a fixture one uses. A thread runs them one at a time, at the l
 jobs from its last to its first, each with one intra-op thread (OMP_NUM_THREADS=1): with the
 default two, each job's OpenMP team and the tests' own spun against each other: back to back
 on this two-core machine, nothing else running (2026-11-28), the suite took 797 s and 1335
-CPU-seconds with two threads a job, 715 s and 1127 with one. A test (or fixture) calls `output`
-for its job's result: it waits for the job if the thread runs it or ran it, and runs it itself,
-at once, if it is still queued or was never queued (a module run on its own). A job's command
+CPU-seconds with two threads a job, 715 s and 1127 with one. A job that runs a script is
+forked by a server that imported torch, Inductor, transformers and this package once
+(tests/zygote.py: those imports were 4-10 CPU-s of each job), where its environment is the
+server's. A test (or fixture) calls `output` for its job's result: it waits for the job if the
+thread runs it or ran it, and runs it itself, at once, if it is still queued or was never
+queued (a module run on its own). A job's command
 and what the test asserts on its result are the same either way; only when it runs, and on how
 many threads, changes.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -97,8 +101,11 @@ def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None) -> R
     if idle:  # one core's worth: the tests' own intra-op threads take the other
         env.setdefault("OMP_NUM_THREADS", "1")
     with open(work / "stdout", "w+") as stdout, open(work / "stderr", "w+") as stderr:
-        proc = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env, text=True,
-                                stdout=stdout, stderr=stderr, start_new_session=True)  # fmt: skip
+        proc = _ZYGOTE.start(args, env, job, work) if idle else None
+        if proc is None:  # not a script, another environment, or no fork server: its own
+            proc = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env,
+                                    text=True, stdout=stdout, stderr=stderr,
+                                    start_new_session=True)  # fmt: skip
         with _LOCK:
             _RUNNING.add(proc)
             if entry is not None:
@@ -116,7 +123,111 @@ def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None) -> R
         return Result(proc.returncode, stdout.read(), stderr.read(), out)
 
 
-def _kill(proc: subprocess.Popen) -> None:
+# what a forked job's environment may hold that the fork server's does not: the rest is read
+# by modules as they load (OMP_NUM_THREADS by libgomp, TORCHINDUCTOR_* by Inductor's config)
+_PER_JOB = frozenset({"MASTER_PORT", "PYTHONPATH"})
+
+
+class _Forked:
+    """A job forked by the fork server (tests/zygote.py), as much of `subprocess.Popen` as
+    this module uses; a thread reads its exit status from the server."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+        self.done = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self.done.wait(timeout):
+            raise subprocess.TimeoutExpired("a forked job", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+class _Zygote:
+    """The fork server (tests/zygote.py) of the idle jobs that run a script: started with
+    the first, at the lowest CPU priority; `start` returns None (the job runs as its own
+    process) where it cannot serve a job: not a script, a job running, another environment
+    than the server's (but for `_PER_JOB`), or no server."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.failed = False
+        self.lock = threading.Lock()
+        self.busy = False
+
+    def _server(self) -> subprocess.Popen | None:
+        if self.proc is None and not self.failed and hasattr(os, "fork"):
+            env = dict(_env(), PYTHONPATH=str(ROOT))
+            env.setdefault("OMP_NUM_THREADS", "1")
+            self.env = env
+            try:
+                self.proc = subprocess.Popen(
+                    [*_idle_prefix(), sys.executable, str(TESTS / "zygote.py")], cwd=ROOT,
+                    env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+                if "ready" not in json.loads(self.proc.stdout.readline() or "{}"):
+                    raise RuntimeError("the fork server did not start")
+            except Exception:
+                self.failed = True
+                self.close()
+        return self.proc
+
+    def start(self, args: list[str], env: dict[str, str], job: Job,
+              work: Path) -> _Forked | None:  # fmt: skip
+        if not args or args[0].startswith("-") or not args[0].endswith(".py"):
+            return None
+        with self.lock:
+            if self.busy:
+                return None
+            server = self._server()
+            if server is None:
+                return None
+            if any(env.get(k) != self.env.get(k) for k in {*env, *self.env} - _PER_JOB):
+                return None
+            request = dict(args=args, cwd=str(ROOT), env=env, stdout=str(work / "stdout"),
+                           stderr=str(work / "stderr"),
+                           pythonpath=[str(p) for p in job.pythonpath])  # fmt: skip
+            try:
+                server.stdin.write(json.dumps(request) + "\n")
+                server.stdin.flush()
+                forked = _Forked(json.loads(server.stdout.readline())["pid"])
+            except Exception:
+                self.failed = True
+                self.close()
+                return None
+            self.busy = True
+        threading.Thread(target=self._reap, args=(server, forked), daemon=True).start()
+        return forked
+
+    def _reap(self, server: subprocess.Popen, forked: _Forked) -> None:
+        try:
+            code = json.loads(server.stdout.readline())["code"]
+        except Exception:  # the server died (killed at the session's end, perhaps)
+            code = -signal.SIGKILL
+            self.failed = True
+        forked.returncode = code
+        with self.lock:
+            self.busy = False
+        forked.done.set()
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.stdin.close()
+            _kill(proc)
+
+
+_ZYGOTE = _Zygote()
+
+
+def _kill(proc: subprocess.Popen | _Forked) -> None:
     """Kill the job, if it still runs, and what it started (its session: torchrun's and
     spawn's workers)."""
     if proc.poll() is None:
@@ -199,6 +310,7 @@ def stop() -> None:
         running = list(_RUNNING)
     for proc in running:
         _kill(proc)
+    _ZYGOTE.close()
     for work in _DIRS:
         shutil.rmtree(work, ignore_errors=True)
 
