@@ -125,7 +125,7 @@ def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None) -> R
 
 # what a forked job's environment may hold that the fork server's does not: the rest is read
 # by modules as they load (OMP_NUM_THREADS by libgomp, TORCHINDUCTOR_* by Inductor's config)
-_PER_JOB = frozenset({"MASTER_PORT", "PYTHONPATH"})
+_PER_JOB = frozenset({"MASTER_PORT", "PYTHONPATH", "PYTEST_CURRENT_TEST"})
 
 
 class _Forked:
@@ -159,6 +159,7 @@ class _Zygote:
         self.failed = False
         self.lock = threading.Lock()
         self.busy = False
+        self.served = 0  # jobs forked
 
     def _server(self) -> subprocess.Popen | None:
         if self.proc is None and not self.failed and hasattr(os, "fork"):
@@ -202,6 +203,7 @@ class _Zygote:
                 self.close()
                 return None
             self.busy = True
+            self.served += 1
         threading.Thread(target=self._reap, args=(server, forked), daemon=True).start()
         return forked
 
