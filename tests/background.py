@@ -86,12 +86,14 @@ def _idle_prefix() -> list[str]:
     return ["nice", "-n", "19"] if shutil.which("nice") else []
 
 
-def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None) -> Result:
+def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None,
+        server: _Zygote | None = None) -> Result:  # fmt: skip
     """Run ``job`` now and wait for it. ``idle``: at the lowest CPU priority, so that it takes
     only the time the tests leave (a multithreaded op in a test would otherwise wait, at each
     of its parallel sections, for the job to yield a core), and with no time limit of its own:
     starved while the tests run, it may take long; `output` limits how long a test waits.
-    Otherwise killed after ``job.timeout`` seconds."""
+    Otherwise killed after ``job.timeout`` seconds. ``server``: the fork server of an idle
+    job that runs a script (default: the session's)."""
     work = Path(tempfile.mkdtemp(prefix="torchoffload_job_"))
     _DIRS.append(work)
     out = work / "out"
@@ -101,7 +103,7 @@ def run(job: Job, idle: bool = False, entry: tuple[str, str] | None = None) -> R
     if idle:  # one core's worth: the tests' own intra-op threads take the other
         env.setdefault("OMP_NUM_THREADS", "1")
     with open(work / "stdout", "w+") as stdout, open(work / "stderr", "w+") as stderr:
-        proc = _ZYGOTE.start(args, env, job, work) if idle else None
+        proc = (server or _ZYGOTE).start(args, env, job, work) if idle else None
         if proc is None:  # not a script, another environment, or no fork server: its own
             proc = subprocess.Popen([*prefix, sys.executable, *args], cwd=ROOT, env=env,
                                     text=True, stdout=stdout, stderr=stderr,
@@ -153,7 +155,8 @@ class _Zygote:
     process) where it cannot serve a job: not a script, a job running, another environment
     than the server's (but for `_PER_JOB`), or no server."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: tuple[str, ...] | None = None) -> None:
+        self.preload = preload  # the modules it imports (None: tests/zygote.py's PRELOAD)
         self.proc: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.failed = False
@@ -168,7 +171,8 @@ class _Zygote:
             self.env = env
             try:
                 self.proc = subprocess.Popen(
-                    [*_idle_prefix(), sys.executable, str(TESTS / "zygote.py")], cwd=ROOT,
+                    [*_idle_prefix(), sys.executable, str(TESTS / "zygote.py"),
+                     *(() if self.preload is None else ("--", *self.preload))], cwd=ROOT,
                     env=env, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                     stderr=subprocess.DEVNULL, start_new_session=True,
                 )  # fmt: skip

@@ -15,7 +15,8 @@ op before the fork (no OpenMP team, no thread exists in the server).
 Protocol, one JSON object a line: background.py writes a job (``args``, ``cwd``, ``env``,
 ``stdout``, ``stderr``, ``pythonpath``), the server answers ``{"pid": p}`` once the child runs
 and ``{"code": c}`` when it ended (the child's exit status, or minus the signal that killed
-it). One job at a time. Run as ``python tests/zygote.py``; it ends when its input closes."""
+it). One job at a time. Run as ``python tests/zygote.py`` (``-- module...``: those imported
+instead of ``PRELOAD``); it ends when its input closes."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers
            "torchoffload")  # fmt: skip
 
 
-def _preload() -> list[str]:
+def _preload(names: tuple[str, ...]) -> list[str]:
     loaded = []
-    for name in PRELOAD:
+    for name in names:
         try:
             __import__(name)
             loaded.append(name)
@@ -91,7 +92,8 @@ def _answer(obj: dict) -> None:
 
 
 def main() -> int:
-    loaded = _preload()
+    args = sys.argv[1:]
+    loaded = _preload(tuple(args[1:]) if args[:1] == ["--"] else PRELOAD)
     _answer({"ready": loaded})
     for line in sys.stdin:
         job = json.loads(line)
