@@ -29,7 +29,10 @@ cache (a fresh TORCHINDUCTOR_CACHE_DIR, as on CI), 2026-11-28 (wall s / CPU s):
   second 632 (756 s in all, on a slower run of this machine): the file went back;
 - 2026-11-29 (session 39), set-up without byte-compiling, these processes writing bytecode:
   the first 636 s, the second 624 (703 s in all, against 742 the day before); other runs
-  646 / 644 (717 s in all) and 667 / 649 (738 s).
+  646 / 644 (717 s in all) and 667 / 649 (738 s);
+- 2026-11-29 (session 41), the background scripts forked from a process that imported torch
+  once (tests/background.py, tests/zygote.py): the first 565 s, the second 558 (627 s in all,
+  against 691-693 s that day without the forks; 55-85 CPU-s less).
 The threaded host step stays tested in the first process (test_optim); the documentation's
 examples run it on one thread.
 
