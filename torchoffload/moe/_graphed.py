@@ -391,9 +391,9 @@ class DeviceTables:
         slot = self.slot_of[key]
         hit = slot >= 0
         miss = valid & ~hit
-        chosen = miss
-        rank = (self.before & miss.unsqueeze(0)).sum(1) - 1  # misses before each, itself too
-        if place is not None:
+        if place is None:  # misses before each, itself too, less one
+            chosen, rank = miss, (self.before & miss.unsqueeze(0)).sum(1) - 1
+        else:
             chosen, rank = _by_score(miss, place, score, self.ahead)
         lo, hi = self.lo[li], self.hi[li]
         sc = hi - lo
