@@ -1429,6 +1429,26 @@ class FusedMoE(torch.nn.Module):
         return self.head(h)
 
 
+def switch_routers(model) -> torch.Tensor:
+    """Every block's router of ``model`` (a `FusedMoE`) behind a switch read on the device (a
+    captured graph replays it): ``layer * 2**20 + index + 1`` routes that layer's first place
+    to expert ``index``; -1 (as set up), none. With the switch off the routing is bitwise the
+    router's own."""
+    switch = torch.full((), -1, dtype=torch.int64, device=DEVICE)
+    for li, block in enumerate(model.blocks):
+        router = block.gate
+        routed = router.forward
+
+        def forward(h, routed=routed, li=li):
+            logits, weights, experts = routed(h)
+            on = (switch >= 0) & (switch // (1 << 20) == li)
+            first = torch.where(on, switch % (1 << 20) - 1, experts[..., :1])
+            return logits, weights, torch.cat([first, experts[..., 1:]], -1)
+
+        router.forward = forward
+    return switch
+
+
 class ExpertGraph(Experts):
     """stream_experts' handle.cuda_graph on fused experts (Note: [Routed experts in a CUDA
     graph]): one-token calls are captured and replayed with the routing, the cache's map and
@@ -1468,6 +1488,8 @@ class ExpertGraph(Experts):
                             dtype=str(dims["dtype"]).removeprefix("torch."), seed=0)  # fmt: skip
         self.handle = None
         self.ref, self.off = FusedMoE(**dims).eval().to(DEVICE), FusedMoE(**dims).eval()
+        self.impl, self.experts = dims["impl"], dims["experts"]
+        self.switches = [switch_routers(self.ref), switch_routers(self.off)]
         least = to.minimum_cache_bytes(self.off)
         slot = least // dims["top_k"]
         total = dims["experts"] * dims["layers"]
@@ -1552,6 +1574,48 @@ class ExpertGraph(Experts):
                 return call(x).clone()
 
         self.both(fn, f"long call {list(x.shape)}")
+
+    @precondition(lambda self: self.live())
+    @rule(data=st.data())
+    def routed_outside(self, data):
+        """One token whose router routes its first place, at one layer, to an expert index
+        outside the layer: -1, the expert count n or n + 1 (Note: [Routed outside a layer]).
+        Where the plain model serves it (transformers' per-expert loop skips n) the two are
+        compared bitwise. Elsewhere the offloaded call raises now (a clear error, or the
+        plain model's own), or returns and the handle's next call raises naming the layer (a
+        replay: only the device saw the routing); the plain model is not compared there (it
+        raises, indexes another expert, or leaves rows unwritten)."""
+        li = data.draw(st.integers(0, len(self.off.blocks) - 1), label="layer")
+        index = data.draw(st.sampled_from([-1, self.experts, self.experts + 1]), label="index")
+        x = inputs(self.spec, 1, 1, data.draw(st.integers(0, 99), label="input seed"))
+
+        def fn(model, call):
+            with torch.inference_mode():
+                return call(x).clone()
+
+        for sw in self.switches:
+            sw.fill_(li * (1 << 20) + (index + 1))
+        try:
+            if self.impl == "eager" and index == self.experts:
+                self.both(fn, f"one token routed to expert {index} (the loop's sentinel)")
+                return
+            count(OPERATIONS, self.ENGINE)
+            try:
+                with refusal_allowed(lambda: values(self.off)):
+                    fn(self.off, self.call)
+            except Refused:
+                count(REFUSED, self.ENGINE)
+                return
+            except RuntimeError as e:  # the eager loop's one_hot, as the plain model's
+                assert fails_alike(lambda: fn(self.ref, self.ref), e), e
+                return
+        finally:
+            for sw in self.switches:
+                sw.fill_(-1)
+        # it returned: a device-routed call, which the next reports
+        name = f"blocks.{li}.experts"
+        with pytest.raises(RuntimeError, match=f"routed '{name}' to an expert index outside"):
+            fn(self.off, self.call)
 
     @precondition(lambda self: self.live())
     @rule(data=st.data())

@@ -817,3 +817,31 @@ def test_a_block_whose_capture_fails_routes_on_the_host(caplog):
     st = h.stats()
     assert st.block_captures == 3 and st.block_replays == 3 * (6 + 7)
     h.remove()
+
+
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_replay_routed_outside_a_layer_is_reported_at_the_next_call(blocks):
+    """Note: [Routed outside a layer]: a replay (the whole step's graph, or a layer's block
+    graph) routed to expert -1 returns; the next call raises a RuntimeError naming the layer,
+    read from the pinned host memory the replay wrote; later calls are the resident model's."""
+    from test_moe_graph import route_outside
+
+    model, ref = qwen3(impl="grouped_mm"), qwen3(impl="grouped_mm")
+    switch = route_outside(model, 2, -1)
+    h = stream_experts(model, "cuda", cache_bytes=cache_for(model, "middle"),
+                       block_graphs=blocks)  # fmt: skip
+    call = model if blocks else h.cuda_graph(model)
+    ids = torch.tensor([[3]], device="cuda")
+    with torch.inference_mode():
+        want = ref(ids).logits
+        for _ in range(3):  # eager, captured, replayed
+            assert torch.equal(call(ids).logits, want)
+        switch.fill_(1)
+        call(ids)  # a replay routed outside layer 2
+        switch.fill_(0)
+        torch.cuda.synchronize()  # its report has landed in host memory
+        with pytest.raises(RuntimeError, match="routed 'model.layers.2.mlp.experts'"):
+            call(ids)
+        for _ in range(2):
+            assert torch.equal(call(ids).logits, want)
+    h.remove()

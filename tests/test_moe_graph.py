@@ -480,27 +480,108 @@ def test_a_prefetch_copies_at_most_prefetch_experts_those_the_router_scores_high
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl, none):
     """An expert index outside the layer (transformers leaves, masks or clamps it; a negative
-    one too, which would name another layer's expert) adds zeros wherever the router put it: a
-    graph call reads its rows back, masks and weighs them in the router's order
-    (`CallPlan.dead` and ``back``), so a token routed to [none, e] gives what [e, none] gives
-    with the weights swapped, whatever weight the none has."""
+    one too, which would name another layer's expert) adds zeros wherever the router put it in
+    a captured call (which reports it at the next: Note: [Routed outside a layer]): a graph
+    call reads its rows back, masks and weighs them in the router's order (`CallPlan.dead` and
+    ``back``), so a token routed to [none, e] gives what [e, none] gives with the weights
+    swapped, whatever weight the none has."""
     from torchoffload.moe._graphed import graphed_forward, tables_of
 
     model = qwen3(impl=impl, layers=1)
     h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
                           pin_memory=False)  # fmt: skip
     rt = h._runtime
-    tables_of(rt).push()
+    tables = tables_of(rt)
+    tables.push()
     module = model.model.layers[0].mlp.experts
     x = torch.randn(1, 32, generator=torch.Generator().manual_seed(5))
     n = none  # 8: the layer's expert count
+    rt.graphing = True  # as in a capture: the routing is checked at its end
     with torch.no_grad():
         out = [graphed_forward(rt, 0, module, x, torch.tensor([index]), torch.tensor([w]),
                                prefetch=False)  # fmt: skip
                for index, w in (([n, 3], [0.3, 0.7]), ([3, n], [0.7, 0.3]),
                                 ([n, 3], [5.0, 0.7]))]  # fmt: skip
+        tables.outside.record()
+    rt.graphing = False
     assert out[0].abs().sum() > 0
     assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+    with pytest.raises(RuntimeError, match="routed 'model.layers.0.mlp.experts' to an expert"):
+        tables.outside.check()
+    tables.outside.check()  # reported once
+    h.remove()
+
+
+def route_outside(model, li: int, index: int) -> torch.Tensor:
+    """Layer ``li``'s router routes its first place to ``index`` while the returned switch (a
+    tensor on the model's device, read on the device: a graph replays it) holds 1."""
+    router = model.model.layers[li].mlp.gate
+    routed = router.forward
+    switch = torch.zeros((), dtype=torch.int64, device=router.weight.device)
+
+    def forward(h):
+        logits, weights, experts = routed(h)
+        first = torch.where(switch > 0, index, experts[..., :1])
+        return logits, weights, torch.cat([first, experts[..., 1:]], -1)
+
+    router.forward = forward
+    return switch
+
+
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("index", [-1, 8, 9])
+@pytest.mark.parametrize("blocks", [False, True])
+def test_a_call_routed_outside_a_layer_is_refused_or_reported_at_the_next(impl, index, blocks):
+    """Note: [Routed outside a layer]: a graph replay (here the CPU's stand-in) routed to an
+    expert index the resident call does not serve returns, and the handle's next call raises
+    a RuntimeError naming the layer; an eager device-routed call (block graphs: every one on
+    the CPU) raises the host path's ValueError before computing. Calls after the report run
+    as before. Transformers' per-expert loop skips index 8 (the expert count) as the graph
+    call does: served, no error."""
+    model, ref = qwen3(impl=impl, layers=2), qwen3(impl=impl, layers=2)
+    switch = route_outside(model, 1, index)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False, block_graphs=blocks)  # fmt: skip
+    call = model if blocks else h.cuda_graph(model)
+    ids = torch.tensor([[3]])
+    served = impl == "eager" and index == 8
+    with torch.inference_mode():
+        want = ref(ids).logits
+        for _ in range(3):  # eager, captured, replayed
+            assert torch.equal(call(ids).logits, want)
+        switch.fill_(1)
+        if blocks and not served:
+            with pytest.raises(ValueError, match="model.layers.1.mlp.experts"):
+                call(ids)
+        else:
+            assert not torch.equal(call(ids).logits, want)  # another routing: another result
+            switch.fill_(0)
+            if not served:
+                with pytest.raises(RuntimeError, match="an earlier graph call of stream_experts "
+                                   "routed 'model.layers.1.mlp.experts'"):  # fmt: skip
+                    call(ids)
+        switch.fill_(0)
+        for _ in range(2):
+            assert torch.equal(call(ids).logits, want)
+    h.stats()
+    h.remove()
+
+
+def test_stats_reports_a_replay_routed_outside_a_layer():
+    """Note: [Routed outside a layer]: `stats()` raises where a replay routed outside a layer
+    and no call has reported it yet; once."""
+    model = qwen3(impl="grouped_mm", layers=2)
+    switch = route_outside(model, 0, -2)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    call = h.cuda_graph(model)
+    with torch.inference_mode():
+        for i in range(3):
+            switch.fill_(int(i == 2))  # the replay
+            call(torch.tensor([[5]]))
+    with pytest.raises(RuntimeError, match="routed 'model.layers.0.mlp.experts'"):
+        h.stats()
+    assert h.stats().layers[0].calls > 0
     h.remove()
 
 
@@ -657,3 +738,58 @@ def test_verify_removes_the_handle_of_a_graphed_call():
     assert not hasattr(m, "_torchoffload_experts")
     assert all(type(t) in (torch.Tensor, torch.nn.Parameter) and t.numel()
                for t in m.state_dict(keep_vars=True).values())  # fmt: skip
+
+
+def test_every_entry_of_a_device_routed_call_reports_a_routing_outside_a_layer():
+    """Note: [Routed outside a layer]: a replay's report (``seen``, which a GPU's replay
+    writes) is raised by a replay (`graph_replaying`: the CPU's stand-in also captures, so its
+    capture's check reports first), a capture, a block-graph call and `stats()`, each once."""
+    from torchoffload.moe._graphed import ExpertGraphs, tables_of
+
+    model = qwen3(impl="grouped_mm", layers=2)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False, block_graphs=True)  # fmt: skip
+    rt = h._runtime
+    graphs, outside = ExpertGraphs(rt), tables_of(rt).outside
+    match = "routed 'model.layers.1.mlp.experts' to an expert index outside"
+
+    def entries():
+        def replay():
+            with graphs.graph_replaying(graphs.graph_state()):
+                pass
+
+        with torch.inference_mode():
+            yield replay
+            yield graphs.prepare_capture
+            yield lambda: model(torch.tensor([[3]]))  # a block call
+        yield h.stats
+
+    for entry in entries():
+        outside.seen.fill_(2)  # layer 1 (1 + its index)
+        with pytest.raises(RuntimeError, match=match):
+            entry()
+        entry()  # once
+    h.remove()
+
+
+def test_a_capture_inside_an_exception_handler_still_checks_its_routing():
+    """Note: [Routed outside a layer]: the end of a capture tells a captured function that
+    raised from one captured while its caller handles another exception: the latter's routing
+    is still checked."""
+    model = qwen3(impl="grouped_mm", layers=2)
+    switch = route_outside(model, 0, 9)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    call = h.cuda_graph(model)
+    ids = torch.tensor([[5]])
+    with torch.inference_mode():
+        call(ids)  # eager
+        try:
+            raise KeyError("the caller's own")
+        except KeyError:
+            switch.fill_(1)
+            call(ids)  # captured (the CPU's stand-in), routed outside
+            switch.fill_(0)
+        with pytest.raises(RuntimeError, match="routed 'model.layers.0.mlp.experts'"):
+            call(ids)
+    h.remove()

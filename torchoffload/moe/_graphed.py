@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 import itertools
 import operator
+import sys
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ import torch.nn.functional as F
 from torchoffload.moe._cache import CachePolicy
 from torchoffload.moe._grouped import grouped_linear
 from torchoffload.moe._layout import ALIGN, LayoutKind, check_grouped, check_held, implementation
+from torchoffload.moe._outside import RoutedOutside
 
 # Note: [Prefetch by the next router]
 # A block's experts can be copied only after its router ran, so in a graph call the link idles
@@ -299,6 +301,7 @@ class DeviceTables:
             self.none = torch.full((1,), -1, **i64)
             self.used = torch.full((self.k,), self.trash, **i64)  # the last call's slots
         self.copies = Stage(rt, self.lo, self.hi, self.k, apart=self.prefetches)
+        self.outside = RoutedOutside(rt)  # Note: [Routed outside a layer] in _outside.py
         c = self.copies
         self.cache_base, self.region, self.stage, self.host = c.base, c.region, c.stage, c.host
         self.owned = False  # the device's map is the one in force
@@ -842,6 +845,7 @@ def graphed_forward(
             "Call the model without cuda_graph (the eager path serves it)"
         )
     impl = check_grouped(module, layer.name)
+    tables.outside.call(li, top_k_index[0], impl)  # Note: [Routed outside a layer]
     direct = impl == "grouped_mm"  # Note: [Experts computed in their slots]
     with torch.no_grad():
         try:
@@ -993,6 +997,7 @@ class ExpertGraphs:
         self.device = rt.device
         self.engine = rt.engine
         self._held_at = -1  # module registrations counted at the last `check_held` of a replay
+        self._handling: BaseException | None = None  # at `start_capture`: see `finish_capture`
         self._fused = [(layer.container, layer.name) for layer in rt.layout.layers
                        if layer.kind is LayoutKind.FUSED]  # fmt: skip
 
@@ -1033,6 +1038,7 @@ class ExpertGraphs:
             _idle(rt, "a captured call")
             check_held(rt.layout)
             tables = tables_of(rt)
+            tables.outside.check()  # Note: [Routed outside a layer] in _outside.py
             tables.push()
             tables.copies.warm_up()
             warm_routing(tables)
@@ -1040,6 +1046,7 @@ class ExpertGraphs:
     def start_capture(self, engine: Any, primes: tuple = ()) -> None:
         tables_of(self.rt).copies.forked.clear()
         self.rt.graphing = True
+        self._handling = sys.exc_info()[1]  # an exception the caller is handling, if any
 
     def finish_capture(self) -> tuple:
         """The copy streams joined to the capture's stream: a captured function that ends
@@ -1047,7 +1054,15 @@ class ExpertGraphs:
         leaves the prefetch's copies on ``side`` only, and a capture ends with every stream it
         forked joined (only those: waiting on a stream the capture did not fork is an error)."""
         self.rt.graphing = False
-        copies = tables_of(self.rt).copies
+        tables = tables_of(self.rt)
+        # a function that returned: its calls' routing checked (Note: [Routed outside a
+        # layer]); one that raised (this runs in the capture's `finally`, where its exception
+        # is the one being handled) ends a capture that is reset: nothing more queued into it
+        if sys.exc_info()[1] is self._handling:
+            tables.outside.record()
+        else:
+            tables.outside.forget()
+        copies = tables.copies
         compute = torch.cuda.current_stream(self.device) if copies.forked else None
         for stream in (copies.side, copies.near) if compute is not None else ():
             if stream in copies.forked:
@@ -1059,6 +1074,8 @@ class ExpertGraphs:
         from torchoffload.weights._arena import Counters
 
         self.rt.graphing = False
+        if self.rt.tables is not None:
+            self.rt.tables.outside.forget()
         return Counters()  # a replay's copies depend on its routing: the handle counts them
 
     @contextlib.contextmanager
@@ -1076,7 +1093,9 @@ class ExpertGraphs:
             if seen != self._held_at:
                 check_held(rt.layout)
                 self._held_at = seen
-            tables_of(rt).push()
+            tables = tables_of(rt)
+            tables.outside.check()  # Note: [Routed outside a layer] in _outside.py
+            tables.push()
             yield _Replay()
 
     def count_replay(self, delta: Any) -> None:

@@ -159,6 +159,7 @@ class ExpertStreamHandle:
                 from torchoffload.moe._graphed import pull_counts
 
                 pull_counts(rt.tables)
+                rt.tables.outside.check()  # Note: [Routed outside a layer] in _outside.py
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(

@@ -170,6 +170,8 @@ class BlockGraphs:
         with rt._lock:
             rt._check_live()
             rt._reap()
+            if rt.tables is not None:  # Note: [Routed outside a layer] in _outside.py
+                rt.tables.outside.check()
             if rt.blocks[li].active:
                 raise RuntimeError(
                     f"the block of {rt.layout.layers[li].name!r} was called inside itself"

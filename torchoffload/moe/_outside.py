@@ -1,0 +1,117 @@
+"""Routing outside a layer's experts in a device-routed call: refused now where the host can
+tell, reported at the next call where only the device can (Note: [Routed outside a layer]).
+
+Note: [Routed outside a layer]
+A router may name an expert index the layer does not have. transformers' experts give it no
+one meaning: the per-expert loop ("eager") skips the index ``n`` (the expert-parallel
+sentinel, ``n`` the layer's expert count) and raises for any other outside [0, ``n``) (a
+negative one or one past ``n``); ``batched_mm`` indexes its weights with it (an IndexError, or
+for -1 the last expert); ``grouped_mm`` leaves or mixes up rows (Note: [Grouped experts, one
+group at a time] in _grouped.py). A host-routed call refuses every index the resident call
+would not serve (`_grouped.outside`; the eager loop's own error). A device-routed call (a
+graph's, a block graph's, or the eager run of one) counts such an index as none (it adds
+zeros: `_graphed._none_outside`, the routing kernel), so that no table or address goes wrong,
+and then:
+- run eagerly (not inside a capture), the call checks its routing on the host and raises the
+  host path's error before it computes anything: one read of ``top_k`` indices, a host sync on
+  a GPU. Eager device-routed calls are block graphs' warm-ups (one per layer and signature) on
+  a GPU, and every block-graph call on the CPU;
+- inside a capture (and the CPU's stand-in for one), each block call's routing is kept
+  (``routed``), and at the end of the captured function a few tensor operations record the
+  last layer it routed outside (1 + its index; 0: none) in ``outside`` on the device, which
+  keeps the largest until it is reported, and copy it to pinned host memory (``seen``).
+  Seven small kernels (three more to gather the calls of a whole step) and one copy a
+  replay, whatever the layer count. The host reads
+  ``seen`` before every replay, every block-graph call, every capture and in ``stats()``
+  (no sync: a replay's copy lands when it has run) and raises a RuntimeError naming the
+  layer, after zeroing both; a report may repeat once for a replay queued before the zeroing.
+So a replay routed outside has returned an output computed as if the expert added zeros (a
+result the resident model does not give), and the next call of the handle raises instead of
+going on: the caller learns it one call late, never not at all. Allowed: the indices
+[0, ``n``) of each layer, and ``n`` too where the experts are transformers' per-expert loop,
+whose resident call skips it as the device-routed call does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from torchoffload.moe._grouped import outside
+
+__all__ = ["RoutedOutside"]
+
+
+class RoutedOutside:
+    """The check of Note: [Routed outside a layer] for one runtime's device tables."""
+
+    def __init__(self, rt: Any):
+        self.rt = rt
+        layers = rt.layout.layers
+        dev = rt.device
+        cuda = dev.type == "cuda"
+        with torch.inference_mode(False), torch.no_grad():
+            # per layer, the largest index served: strict (n - 1) and the eager loop's (n)
+            self.limits = torch.tensor([[layer.experts - 1, layer.experts] for layer in layers],
+                                       dtype=torch.int64, device=dev)  # fmt: skip
+            self.ids = torch.arange(1, len(layers) + 1, dtype=torch.int64, device=dev)
+            self.outside = torch.zeros(1, dtype=torch.int64, device=dev)
+            self.seen = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+        self.routed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def call(self, li: int, index: torch.Tensor, impl: str) -> None:
+        """A device-routed block call of layer ``li`` routed to ``index`` (one token's, the
+        router's order): kept for the capture's check, or checked now when run eagerly."""
+        layer = self.rt.layout.layers[li]
+        top = layer.experts if impl == "eager" else layer.experts - 1
+        if self.rt.graphing:
+            self.routed.append((index, self.limits[li, int(impl == "eager")], self.ids[li]))
+            return
+        bad = [i for i in index.tolist() if not 0 <= i <= top]
+        if bad:
+            if impl == "eager":  # the resident loop's one_hot refuses it
+                raise ValueError(
+                    f"{layer.name!r} was routed to expert index {bad[0]}, outside [0, "
+                    f"{layer.experts}] (transformers' per-expert loop raises for it). Route "
+                    "to experts of the layer only"
+                )
+            raise outside(layer.name, layer.experts, impl)
+
+    def record(self) -> None:
+        """At the end of a captured function (inside the capture): the last layer its calls
+        routed outside, kept on the device (the largest until reported) and copied to
+        ``seen``. Nothing where no call was kept."""
+        if not self.routed:
+            return
+        if len(self.routed) == 1:  # a block graph's call: views, no stack
+            index, top, ids = (r.unsqueeze(0) for r in self.routed[0])
+        else:
+            index, top, ids = (torch.stack(r) for r in zip(*self.routed, strict=True))
+        top = top.unsqueeze(1)
+        self.routed.clear()
+        bad = ((index < 0) | (index > top)).any(1)
+        torch.maximum(self.outside, (bad * ids).amax(), out=self.outside)
+        self.seen.copy_(self.outside, non_blocking=self.seen.is_pinned())
+
+    def forget(self) -> None:
+        """A capture that failed: its kept routing is dropped."""
+        self.routed.clear()
+
+    def check(self) -> None:
+        """Raise, once, where a replay routed outside a layer (reads pinned host memory: no
+        sync)."""
+        v = int(self.seen[0])
+        if not v:
+            return
+        self.seen.zero_()
+        with torch.inference_mode(False), torch.no_grad():
+            self.outside.zero_()
+        layer = self.rt.layout.layers[v - 1]
+        raise RuntimeError(
+            f"an earlier graph call of stream_experts routed {layer.name!r} to an expert index "
+            f"outside [0, {layer.experts}) (Note: [Routed outside a layer] in "
+            "torchoffload/moe/_outside.py): that call computed the expert as adding zeros, which "
+            "the resident model does not do, so its output and any token generated from it are "
+            "wrong. Route to experts of the layer only"
+        )
