@@ -1612,7 +1612,9 @@ class ExpertGraph(Experts):
         finally:
             for sw in self.switches:
                 sw.fill_(-1)
-        # it returned: a device-routed call, which the next reports
+        # it returned: a device-routed call, which the next reports once the device has run it
+        if on_gpu():
+            torch.cuda.synchronize()
         name = f"blocks.{li}.experts"
         with pytest.raises(RuntimeError, match=f"routed '{name}' to an expert index outside"):
             fn(self.off, self.call)

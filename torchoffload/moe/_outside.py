@@ -21,13 +21,14 @@ and then:
   last layer it routed outside (1 + its index; 0: none) in ``outside`` on the device, which
   keeps the largest until it is reported, and copy it to pinned host memory (``seen``).
   Seven small kernels (three more to gather the calls of a whole step) and one copy a
-  replay, whatever the layer count. The host reads
-  ``seen`` before every replay, every block-graph call, every capture and in ``stats()``
-  (no sync: a replay's copy lands when it has run) and raises a RuntimeError naming the
-  layer, after zeroing both; a report may repeat once for a replay queued before the zeroing.
+  replay, whatever the layer count. The host reads ``seen`` before every replay, every
+  block-graph call, every capture (no sync: a replay's copy lands when it has run) and in
+  ``stats()`` (after its sync), and raises a RuntimeError naming the layer, after zeroing
+  both; a report may repeat once for a replay queued before the zeroing.
 So a replay routed outside has returned an output computed as if the expert added zeros (a
-result the resident model does not give), and the next call of the handle raises instead of
-going on: the caller learns it one call late, never not at all. Allowed: the indices
+result the resident model does not give), and a later call of the handle raises instead of
+going on: the next one once the device has run that replay (a host running ahead of the
+device learns it a call or two later), and `stats()` in any case. Allowed: the indices
 [0, ``n``) of each layer, and ``n`` too where the experts are transformers' per-expert loop,
 whose resident call skips it as the device-routed call does.
 """
