@@ -121,6 +121,8 @@ def clear_error(e: BaseException) -> bool:
     package (not an internal KeyError, nor torch failing on an empty placeholder)."""
     if not isinstance(e, (RuntimeError, ValueError, TypeError)):
         return False
+    if "an earlier graph call of stream_experts routed" in str(e):
+        return False  # a report (Note: [Routed outside a layer]): only `routed_outside` expects one
     frames = traceback.extract_tb(e.__traceback__)
     return bool(frames) and frames[-1].filename.startswith(_PACKAGE)
 
@@ -1581,10 +1583,10 @@ class ExpertGraph(Experts):
         """One token whose router routes its first place, at one layer, to an expert index
         outside the layer: -1, the expert count n or n + 1 (Note: [Routed outside a layer]).
         Where the plain model serves it (transformers' per-expert loop skips n) the two are
-        compared bitwise. Elsewhere the offloaded call raises now (a clear error, or the
-        plain model's own), or returns and the handle's next call raises naming the layer (a
-        replay: only the device saw the routing); the plain model is not compared there (it
-        raises, indexes another expert, or leaves rows unwritten)."""
+        compared bitwise. Elsewhere the offloaded call raises now (a clear error), or returns
+        and the handle's next call raises naming the layer (a replay: only the device saw the
+        routing), once: a report anywhere else is a finding (`clear_error`). The plain model
+        is not compared there (it raises, indexes another expert, or leaves rows unwritten)."""
         li = data.draw(st.integers(0, len(self.off.blocks) - 1), label="layer")
         index = data.draw(st.sampled_from([-1, self.experts, self.experts + 1]), label="index")
         x = inputs(self.spec, 1, 1, data.draw(st.integers(0, 99), label="input seed"))
@@ -1605,9 +1607,6 @@ class ExpertGraph(Experts):
                     fn(self.off, self.call)
             except Refused:
                 count(REFUSED, self.ENGINE)
-                return
-            except RuntimeError as e:  # the eager loop's one_hot, as the plain model's
-                assert fails_alike(lambda: fn(self.ref, self.ref), e), e
                 return
         finally:
             for sw in self.switches:

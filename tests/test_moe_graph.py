@@ -741,34 +741,107 @@ def test_verify_removes_the_handle_of_a_graphed_call():
 
 
 def test_every_entry_of_a_device_routed_call_reports_a_routing_outside_a_layer():
-    """Note: [Routed outside a layer]: a replay's report (``seen``, which a GPU's replay
-    writes) is raised by a replay (`graph_replaying`: the CPU's stand-in also captures, so its
-    capture's check reports first), a capture, a block-graph call and `stats()`, each once."""
+    """Note: [Routed outside a layer]: a replay's report (``seen``: a count and a layer, which
+    a GPU's replay writes) is raised by a replay (`graph_replaying`: the CPU's stand-in also
+    captures, so its capture's check reports first), a capture, a block-graph call, a
+    host-routed call (after the tables' pull), `remove()` and `stats()`, each once per
+    report."""
     from torchoffload.moe._graphed import ExpertGraphs, tables_of
 
     model = qwen3(impl="grouped_mm", layers=2)
     h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
                           pin_memory=False, block_graphs=True)  # fmt: skip
     rt = h._runtime
-    graphs, outside = ExpertGraphs(rt), tables_of(rt).outside
+    graphs, tables = ExpertGraphs(rt), tables_of(rt)
     match = "routed 'model.layers.1.mlp.experts' to an expert index outside"
 
-    def entries():
-        def replay():
-            with graphs.graph_replaying(graphs.graph_state()):
-                pass
+    def replay():
+        with graphs.graph_replaying(graphs.graph_state()):
+            pass
 
-        with torch.inference_mode():
-            yield replay
-            yield graphs.prepare_capture
-            yield lambda: model(torch.tensor([[3]]))  # a block call
-        yield h.stats
+    def prefill():
+        tables.push()  # as a graph call leaves them: the device's map in force
+        model(torch.tensor([[3, 4, 5]]))
 
-    for entry in entries():
-        outside.seen.fill_(2)  # layer 1 (1 + its index)
-        with pytest.raises(RuntimeError, match=match):
-            entry()
-        entry()  # once
+    entries = [replay, graphs.prepare_capture, lambda: model(torch.tensor([[3]])), prefill,
+               h.stats, h.remove]  # fmt: skip
+    with torch.inference_mode():
+        for count, entry in enumerate(entries, 1):
+            tables.outside.seen.copy_(torch.tensor([count, 2]))  # layer 1 (1 + its index)
+            with pytest.raises(RuntimeError, match=match):
+                entry()
+            entry()  # once
+    assert rt.removed
+
+
+def test_reports_are_counted_on_the_device_so_a_later_good_replay_keeps_them():
+    """Note: [Routed outside a layer]: a replay routed outside a layer and a valid one after
+    it, both run before the host reads: one report, for the first; two bad replays: one report
+    (the count passed the last reported one); none where every routing was valid."""
+    from torchoffload.moe._graphed import tables_of
+
+    model = qwen3(impl="grouped_mm", layers=2)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    outside = tables_of(h._runtime).outside
+
+    def replay(first, li=0):
+        outside.routed.append((torch.tensor([first, 1]), outside.limits[li, 0], outside.ids[li]))
+        outside.record()
+
+    for bad in ([-1, 0], [9, 8]):
+        for first in bad:
+            replay(first)
+        with pytest.raises(RuntimeError, match="'model.layers.0.mlp.experts'"):
+            outside.check()
+        outside.check()
+    replay(7)  # the layer's last expert: valid
+    outside.check()
+    h.remove()
+
+
+def test_a_capture_whose_function_raises_records_no_routing():
+    """Note: [Routed outside a layer]: the end of a capture whose function raised (run in its
+    ``finally``) queues nothing and drops the calls it kept; so does a failed capture of a
+    graphed call, and valid calls after it report nothing."""
+    from torchoffload.moe._graphed import ExpertGraphs, tables_of
+
+    model = qwen3(impl="grouped_mm", layers=2)
+    switch = route_outside(model, 1, -1)
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False)  # fmt: skip
+    rt = h._runtime
+    graphs, outside = ExpertGraphs(rt), tables_of(rt).outside
+    graphs.start_capture(None)
+    outside.routed.append((torch.tensor([-1, 0]), outside.limits[0, 0], outside.ids[0]))
+    with pytest.raises(KeyError):
+        try:
+            raise KeyError("the captured function's")
+        finally:
+            graphs.finish_capture()
+    graphs.end_capture()
+    assert not outside.routed
+    outside.check()  # nothing recorded
+    calls = [0]
+
+    def step(ids):
+        out = model(ids).logits
+        calls[0] += 1
+        if calls[0] == 2:  # the capture (the CPU's stand-in)
+            raise KeyError("the capture's run fails")
+        return out
+
+    call, ids = h.cuda_graph(step), torch.tensor([[3]])
+    with torch.inference_mode():
+        call(ids)
+        switch.fill_(1)
+        with pytest.raises(KeyError):
+            call(ids)
+        switch.fill_(0)
+        call(ids)
+        call(ids)
+    assert not outside.routed
+    h.stats()
     h.remove()
 
 
@@ -792,4 +865,31 @@ def test_a_capture_inside_an_exception_handler_still_checks_its_routing():
             switch.fill_(0)
         with pytest.raises(RuntimeError, match="routed 'model.layers.0.mlp.experts'"):
             call(ids)
+    h.remove()
+
+
+@pytest.mark.parametrize("index", [-1, 8, 9])
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_the_per_expert_loop_routed_on_the_host_outside_a_layer(index, tokens):
+    """Note: [Routed outside a layer]: transformers' per-expert loop routed on the host skips
+    index 8 (the expert count) as the resident loop does, bitwise, and refuses -1 and 9 with a
+    ValueError before it computes (the resident loop's one_hot fails there too: on a GPU with
+    a device assert); calls after it are served."""
+    model, ref = qwen3(impl="eager", layers=2), qwen3(impl="eager", layers=2)
+    switches = [route_outside(m, 1, index) for m in (model, ref)]
+    h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
+                          pin_memory=False, block_graphs=False)  # fmt: skip
+    ids = torch.arange(3, 3 + tokens).unsqueeze(0)
+    with torch.inference_mode():
+        for s in switches:
+            s.fill_(1)
+        if index == 8:
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+        else:
+            with pytest.raises(ValueError, match="'model.layers.1.mlp.experts' was routed to an "
+                               "expert index outside \\[0, 8\\]"):  # fmt: skip
+                model(ids)
+        for s in switches:
+            s.fill_(0)
+        assert torch.equal(model(ids).logits, ref(ids).logits)
     h.remove()

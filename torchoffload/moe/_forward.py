@@ -19,6 +19,7 @@ from torchoffload.moe._graphed import graphed_forward
 from torchoffload.moe._grouped import kernel_forward
 from torchoffload.moe._host import check_host_implementation, host_forward
 from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_grouped, check_held
+from torchoffload.moe._outside import loop_outside
 from torchoffload.moe._runtime import ExpertRuntime
 
 __all__ = ["NO_COPY", "install"]
@@ -100,16 +101,25 @@ class FusedForward(_Entry):
             try:
                 final_hidden_states = torch.zeros_like(hidden_states)
                 with torch.no_grad():  # Note: [One host read per block call]
-                    expert_mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
-                    found = expert_mask[:n].nonzero()  # rows (expert, top-k position, token)
+                    # an index outside [0, n] as n + 1, found with the rest and refused below
+                    # (one_hot would fail on it, on a GPU with a device assert)
+                    index = torch.where((top_k_index >= 0) & (top_k_index <= n), top_k_index,
+                                        n + 1)  # fmt: skip
+                    expert_mask = F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
+                    # rows (expert, top-k position, token), experts n and n + 1 last
+                    found = expert_mask.nonzero()
                     places = found[:, 1:].t().contiguous()
                     routed, counts = torch.unique_consecutive(found[:, 0].cpu(),
                                                               return_counts=True)  # fmt: skip
-                routed = routed.tolist()
+                routed, counts = routed.tolist(), counts.tolist()
+                if routed and routed[-1] == n + 1:  # Note: [Routed outside a layer]
+                    raise loop_outside(rt.layout.layers[li].name, n)
+                if routed and routed[-1] == n:  # the expert-parallel sentinel: skipped
+                    routed, counts = routed[:-1], counts[:-1]
                 rt.route(li, routed)
                 stream = rt.engine.current_stream()  # this call's compute stream, read now
                 start = 0
-                for e, count in zip(routed, counts.tolist(), strict=True):
+                for e, count in zip(routed, counts, strict=True):
                     slot = rt.enter(li, e, stream)
                     gate_up_proj, down_proj = rt.views(li, e, slot)
                     top_k_pos, token_idx = places[:, start : start + count]

@@ -363,6 +363,7 @@ class DeviceTables:
         self.rt.cache.load_map([(keys[key_of[s]], s) for _, s in located],
                                {keys[i]: u for i, u in enumerate(uses[:-1]) if u})  # fmt: skip
         self.owned = False
+        self.outside.check()  # after the sync: Note: [Routed outside a layer] in _outside.py
 
     def forget(self) -> None:
         """Empty the map (every expert a miss from now on): a call that raised between its
@@ -1062,6 +1063,7 @@ class ExpertGraphs:
             tables.outside.record()
         else:
             tables.outside.forget()
+        self._handling = None  # not kept alive
         copies = tables.copies
         compute = torch.cuda.current_stream(self.device) if copies.forked else None
         for stream in (copies.side, copies.near) if compute is not None else ():
@@ -1074,6 +1076,7 @@ class ExpertGraphs:
         from torchoffload.weights._arena import Counters
 
         self.rt.graphing = False
+        self._handling = None
         if self.rt.tables is not None:
             self.rt.tables.outside.forget()
         return Counters()  # a replay's copies depend on its routing: the handle counts them

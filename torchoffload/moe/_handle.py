@@ -158,8 +158,9 @@ class ExpertStreamHandle:
             if rt.tables is not None:  # graph calls count on the device
                 from torchoffload.moe._graphed import pull_counts
 
+                rt._sync()  # replays on any stream (Note: [Routed outside a layer])
                 pull_counts(rt.tables)
-                rt.tables.outside.check()  # Note: [Routed outside a layer] in _outside.py
+                rt.tables.outside.check()
             layout = rt.layout
             layers = tuple(
                 ExpertLayerStats(

@@ -17,18 +17,20 @@ and then:
   a GPU. Eager device-routed calls are block graphs' warm-ups (one per layer and signature) on
   a GPU, and every block-graph call on the CPU;
 - inside a capture (and the CPU's stand-in for one), each block call's routing is kept
-  (``routed``), and at the end of the captured function a few tensor operations record the
-  last layer it routed outside (1 + its index; 0: none) in ``outside`` on the device, which
-  keeps the largest until it is reported, and copy it to pinned host memory (``seen``).
-  Seven small kernels (three more to gather the calls of a whole step) and one copy a
-  replay, whatever the layer count. The host reads ``seen`` before every replay, every
-  block-graph call, every capture (no sync: a replay's copy lands when it has run) and in
-  ``stats()`` (after its sync), and raises a RuntimeError naming the layer, after zeroing
-  both; a report may repeat once for a replay queued before the zeroing.
+  (``routed``), and at the end of the captured function a few tensor operations count, in
+  ``outside`` on the device, the replays that routed outside a layer and the last such layer
+  (1 + its index), and copy both to pinned host memory (``seen``). Twelve small kernels
+  (three more to gather the calls of a whole step) and one copy a replay, whatever the layer
+  count. The host reads ``seen`` (no sync: a replay's copy lands when it has run) before
+  every replay, every block-graph call and every capture; after the device synchronize of a
+  host-routed call's `DeviceTables.pull` (so before an eager call, `cached()` and
+  `remove()`); and in ``stats()`` after a device synchronize. Where the count passed the
+  count it last reported (``acked``) it raises a RuntimeError naming the layer. Nothing is
+  zeroed, so no replay in flight can undo a report, and none is reported twice.
 So a replay routed outside has returned an output computed as if the expert added zeros (a
 result the resident model does not give), and a later call of the handle raises instead of
 going on: the next one once the device has run that replay (a host running ahead of the
-device learns it a call or two later), and `stats()` in any case. Allowed: the indices
+device learns it a call or two later), and any call that synchronizes. Allowed: the indices
 [0, ``n``) of each layer, and ``n`` too where the experts are transformers' per-expert loop,
 whose resident call skips it as the device-routed call does.
 """
@@ -41,7 +43,15 @@ import torch
 
 from torchoffload.moe._grouped import outside
 
-__all__ = ["RoutedOutside"]
+__all__ = ["RoutedOutside", "loop_outside"]
+
+
+def loop_outside(name: str, n: int) -> ValueError:
+    """The refusal of a call of transformers' per-expert loop routed outside [0, ``n``]."""
+    return ValueError(
+        f"{name!r} was routed to an expert index outside [0, {n}] (transformers' per-expert "
+        f"loop skips {n} and raises for the others). Route to experts of the layer only"
+    )
 
 
 class RoutedOutside:
@@ -57,8 +67,11 @@ class RoutedOutside:
             self.limits = torch.tensor([[layer.experts - 1, layer.experts] for layer in layers],
                                        dtype=torch.int64, device=dev)  # fmt: skip
             self.ids = torch.arange(1, len(layers) + 1, dtype=torch.int64, device=dev)
-            self.outside = torch.zeros(1, dtype=torch.int64, device=dev)
-            self.seen = torch.zeros(1, dtype=torch.int64, pin_memory=cuda)
+            # replays that routed outside a layer, and the last such layer (1 + its index)
+            self.outside = torch.zeros(2, dtype=torch.int64, device=dev)
+            self.seen = torch.zeros(2, dtype=torch.int64, pin_memory=cuda)
+        self.pinned = cuda  # ``seen`` is pinned: copied to without blocking
+        self.acked = 0  # the count last reported
         self.routed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def call(self, li: int, index: torch.Tensor, impl: str) -> None:
@@ -69,19 +82,14 @@ class RoutedOutside:
         if self.rt.graphing:
             self.routed.append((index, self.limits[li, int(impl == "eager")], self.ids[li]))
             return
-        bad = [i for i in index.tolist() if not 0 <= i <= top]
-        if bad:
+        if any(not 0 <= i <= top for i in index.tolist()):
             if impl == "eager":  # the resident loop's one_hot refuses it
-                raise ValueError(
-                    f"{layer.name!r} was routed to expert index {bad[0]}, outside [0, "
-                    f"{layer.experts}] (transformers' per-expert loop raises for it). Route "
-                    "to experts of the layer only"
-                )
+                raise loop_outside(layer.name, layer.experts)
             raise outside(layer.name, layer.experts, impl)
 
     def record(self) -> None:
-        """At the end of a captured function (inside the capture): the last layer its calls
-        routed outside, kept on the device (the largest until reported) and copied to
+        """At the end of a captured function (inside the capture): whether its calls routed
+        outside a layer counted, and the last such layer, on the device, both copied to
         ``seen``. Nothing where no call was kept."""
         if not self.routed:
             return
@@ -91,25 +99,30 @@ class RoutedOutside:
             index, top, ids = (torch.stack(r) for r in zip(*self.routed, strict=True))
         top = top.unsqueeze(1)
         self.routed.clear()
-        bad = ((index < 0) | (index > top)).any(1)
-        torch.maximum(self.outside, (bad * ids).amax(), out=self.outside)
-        self.seen.copy_(self.outside, non_blocking=self.seen.is_pinned())
+        last = (((index < 0) | (index > top)).any(1) * ids).amax()  # 0: none
+        hit = (last > 0).long()
+        self.outside.add_(torch.stack([hit, (last - self.outside[1]) * hit]))
+        self.seen.copy_(self.outside, non_blocking=self.pinned)
 
     def forget(self) -> None:
         """A capture that failed: its kept routing is dropped."""
         self.routed.clear()
 
     def check(self) -> None:
-        """Raise, once, where a replay routed outside a layer (reads pinned host memory: no
-        sync)."""
-        v = int(self.seen[0])
-        if not v:
-            return
-        self.seen.zero_()
-        with torch.inference_mode(False), torch.no_grad():
-            self.outside.zero_()
+        """Raise `report`'s error, if any."""
+        error = self.report()
+        if error is not None:
+            raise error
+
+    def report(self) -> RuntimeError | None:
+        """The error of replays that routed outside a layer since the last report, once
+        (reads pinned host memory: no sync)."""
+        count, v = self.seen.tolist()
+        if count <= self.acked:
+            return None
+        self.acked = count
         layer = self.rt.layout.layers[v - 1]
-        raise RuntimeError(
+        return RuntimeError(
             f"an earlier graph call of stream_experts routed {layer.name!r} to an expert index "
             f"outside [0, {layer.experts}) (Note: [Routed outside a layer] in "
             "torchoffload/moe/_outside.py): that call computed the expert as adding zeros, which "

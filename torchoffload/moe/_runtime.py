@@ -329,11 +329,16 @@ class ExpertRuntime:
             if any(b.active for b in self.blocks):
                 raise RuntimeError("remove() inside a forward of the streamed model")
             self._sync()
+            # a replay's routing outside a layer, reported once the removal is done (Note:
+            # [Routed outside a layer] in _outside.py)
+            error = None if self.tables is None else self.tables.outside.report()
             self.removed = True
             self.block_graphs = None  # before the tables: its graphs read the cache
             self.tables = None
             self.cache.release()  # first: the experts may come back to the same device
             self.store.restore()
+        if error is not None:
+            raise error
 
     def reset(self) -> None:
         if self.tables is not None:
