@@ -8,7 +8,8 @@ sentinel, ``n`` the layer's expert count) and raises for any other outside [0, `
 negative one or one past ``n``); ``batched_mm`` indexes its weights with it (an IndexError, or
 for -1 the last expert); ``grouped_mm`` leaves or mixes up rows (Note: [Grouped experts, one
 group at a time] in _grouped.py). A host-routed call refuses every index the resident call
-would not serve (`_grouped.outside`; the eager loop's own error). A device-routed call (a
+would not serve with a ValueError before it computes (`_grouped.outside`, `loop_outside`: the
+per-expert loop's one_hot would fail, on a GPU with a device assert). A device-routed call (a
 graph's, a block graph's, or the eager run of one) counts such an index as none (it adds
 zeros: `_graphed._none_outside`, the routing kernel), so that no table or address goes wrong,
 and then:
