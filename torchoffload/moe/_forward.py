@@ -101,10 +101,10 @@ class FusedForward(_Entry):
             try:
                 final_hidden_states = torch.zeros_like(hidden_states)
                 with torch.no_grad():  # Note: [One host read per block call]
-                    # an index outside [0, n] as n + 1, found with the rest and refused below
-                    # (one_hot would fail on it, on a GPU with a device assert)
-                    index = torch.where((top_k_index >= 0) & (top_k_index <= n), top_k_index,
-                                        n + 1)  # fmt: skip
+                    # an index outside [0, n] as n + 1 (-1 too, by the remainder), found with
+                    # the rest and refused below (one_hot would fail on it, on a GPU with a
+                    # device assert); two small kernels
+                    index = top_k_index.clamp(-1, n + 1).remainder(n + 2)
                     expert_mask = F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
                     # rows (expert, top-k position, token), experts n and n + 1 last
                     found = expert_mask.nonzero()

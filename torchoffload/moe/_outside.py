@@ -79,11 +79,11 @@ class RoutedOutside:
         """A device-routed block call of layer ``li`` routed to ``index`` (one token's, the
         router's order): kept for the capture's check, or checked now when run eagerly."""
         layer = self.rt.layout.layers[li]
-        top = layer.experts if impl == "eager" else layer.experts - 1
+        loop = int(impl == "eager")  # ``limits``' column: the loop serves index n
         if self.rt.graphing:
-            self.routed.append((index, self.limits[li, int(impl == "eager")], self.ids[li]))
+            self.routed.append((index, self.limits[li, loop], self.ids[li]))
             return
-        if any(not 0 <= i <= top for i in index.tolist()):
+        if any(not 0 <= i < layer.experts + loop for i in index.tolist()):
             if impl == "eager":  # the resident loop's one_hot refuses it
                 raise loop_outside(layer.name, layer.experts)
             raise outside(layer.name, layer.experts, impl)
