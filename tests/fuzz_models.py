@@ -8,6 +8,7 @@ tests/test_optim.py."""
 
 from __future__ import annotations
 
+import linecache
 from dataclasses import dataclass
 
 import torch
@@ -292,3 +293,47 @@ class MoEModel(nn.Module):
 
 def build_moe(s: MoESpec) -> MoEModel:
     return MoEModel(s)
+
+
+_EXPERTS_517: dict[type, type] = {}
+
+
+def experts_517(cls: type) -> type:
+    """A subclass of transformers 5.24's fused experts class ``cls`` (Qwen3MoeExperts) whose
+    forward is 5.17's per-expert loop: 5.24's with ``one_hot(..., num_classes=
+    self.num_experts)`` (no padding class, so an index of the expert count fails instead of
+    being skipped). The GPU machine has 5.17, the CPU's package index 5.24."""
+    import inspect
+    import textwrap
+
+    if cls not in _EXPERTS_517:
+        fn = cls.forward
+        src = textwrap.dedent(inspect.getsource(getattr(fn, "__wrapped__", fn)))
+        src = "\n".join(line for line in src.splitlines() if not line.startswith("@"))
+        old = "num_classes=self.num_experts + 1)"
+        if old not in src and "num_classes=self.num_experts)" in src:
+            return cls  # transformers 5.17's own
+        assert src.count(old) == 1, "transformers' loop changed: update experts_517"
+        ns: dict = {}
+        # the imports of transformers' module: a call on an imported module's attribute
+        # compiles differently from one on a global (torchoffload compares the code)
+        text = "import torch\nfrom torch import nn\n" + src.replace(
+            old, "num_classes=self.num_experts)"
+        )
+        name = f"<experts_517 of {cls.__qualname__}>"
+        linecache.cache[name] = (len(text), None, text.splitlines(True), name)  # inspect reads it
+        exec(compile(text, name, "exec"), ns)
+        _EXPERTS_517[cls] = type(f"{cls.__name__}517", (cls,), {"forward": ns["forward"]})
+    return _EXPERTS_517[cls]
+
+
+def skips_sentinel(experts) -> bool:
+    """Whether the plain fused ``experts`` serve the index of their expert count: transformers
+    5.24's per-expert loop skips it (its mask has a padding class); 5.17's one_hot fails on it
+    (on a GPU with a device assert) and its grouped_mm and batched_mm leave or index it."""
+    import inspect
+
+    if getattr(experts.config, "_experts_implementation", "eager") not in (None, "eager"):
+        return False
+    fn = type(experts).forward
+    return "num_classes=self.num_experts + 1)" in inspect.getsource(getattr(fn, "__wrapped__", fn))

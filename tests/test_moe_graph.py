@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from fuzz_models import skips_sentinel
 from test_moe import qwen3  # tests/ is on sys.path
 
 import torchoffload as to
@@ -512,6 +513,23 @@ def test_a_none_expert_anywhere_in_the_routers_order_adds_zeros(impl, none):
     h.remove()
 
 
+def transformers_loop_skips() -> bool:
+    """Whether the installed transformers' per-expert loop skips the sentinel (5.24, not
+    5.17)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    return skips_sentinel(Qwen3MoeExperts(qwen3(layers=1).config))
+
+
+def loop_517(model) -> None:
+    """Every fused experts module of ``model`` (a Qwen3-MoE) runs transformers 5.17's
+    per-expert loop (`fuzz_models.experts_517`)."""
+    from fuzz_models import experts_517
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = experts_517(type(layer.mlp.experts))
+
+
 def route_outside(model, li: int, index: int) -> torch.Tensor:
     """Layer ``li``'s router routes its first place to ``index`` while the returned switch (a
     tensor on the model's device, read on the device: a graph replays it) holds 1."""
@@ -528,7 +546,7 @@ def route_outside(model, li: int, index: int) -> torch.Tensor:
     return switch
 
 
-@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("impl", ["eager", "eager 5.17", "grouped_mm", "batched_mm"])
 @pytest.mark.parametrize("index", [-1, 8, 9])
 @pytest.mark.parametrize("blocks", [False, True])
 def test_a_call_routed_outside_a_layer_is_refused_or_reported_at_the_next(impl, index, blocks):
@@ -536,15 +554,18 @@ def test_a_call_routed_outside_a_layer_is_refused_or_reported_at_the_next(impl, 
     expert index the resident call does not serve returns, and the handle's next call raises
     a RuntimeError naming the layer; an eager device-routed call (block graphs: every one on
     the CPU) raises the host path's ValueError before computing. Calls after the report run
-    as before. Transformers' per-expert loop skips index 8 (the expert count) as the graph
-    call does: served, no error."""
+    as before. Transformers 5.24's per-expert loop skips index 8 (the expert count) as the
+    graph call does: served, no error; 5.17's ("eager 5.17") fails on it: refused."""
+    impl, _, loop = impl.partition(" ")
     model, ref = qwen3(impl=impl, layers=2), qwen3(impl=impl, layers=2)
+    if loop:
+        loop_517(model)
     switch = route_outside(model, 1, index)
     h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
                           pin_memory=False, block_graphs=blocks)  # fmt: skip
     call = model if blocks else h.cuda_graph(model)
     ids = torch.tensor([[3]])
-    served = impl == "eager" and index == 8
+    served = index == 8 and skips_sentinel(ref.model.layers[1].mlp.experts) and not loop
     with torch.inference_mode():
         want = ref(ids).logits
         for _ in range(3):  # eager, captured, replayed
@@ -870,25 +891,39 @@ def test_a_capture_inside_an_exception_handler_still_checks_its_routing():
 
 @pytest.mark.parametrize("index", [-1, 8, 9])
 @pytest.mark.parametrize("tokens", [1, 3])
-def test_the_per_expert_loop_routed_on_the_host_outside_a_layer(index, tokens):
-    """Note: [Routed outside a layer]: transformers' per-expert loop routed on the host skips
-    index 8 (the expert count) as the resident loop does, bitwise, and refuses -1 and 9 with a
-    ValueError before it computes (the resident loop's one_hot fails there too: on a GPU with
-    a device assert); calls after it are served."""
+@pytest.mark.parametrize("loop", ["5.24", "5.17"])
+@pytest.mark.parametrize("host", [False, True])
+def test_the_per_expert_loop_routed_on_the_host_outside_a_layer(index, tokens, loop, host):
+    """Note: [Routed outside a layer]: transformers 5.24's per-expert loop routed on the host
+    skips index 8 (the expert count) as the resident loop does, bitwise, and refuses -1 and 9
+    with a ValueError before it computes (the resident loop's one_hot fails there too: on a GPU
+    with a device assert); 5.17's loop refuses 8 too (its one_hot has 8 classes). Calls after
+    it are served. The same with the misses computed on the host (Note: [Cold experts on the
+    host]), whose one_hot would fail as the resident's."""
     model, ref = qwen3(impl="eager", layers=2), qwen3(impl="eager", layers=2)
+    if loop == "5.17":
+        loop_517(model)
+        loop_517(ref)
     switches = [route_outside(m, 1, index) for m in (model, ref)]
     h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
-                          pin_memory=False, block_graphs=False)  # fmt: skip
+                          pin_memory=False, block_graphs=False, host_compute=host)  # fmt: skip
+    skips = skips_sentinel(ref.model.layers[1].mlp.experts)  # 5.17 installed: never
+    assert skips == (loop == "5.24" and transformers_loop_skips())
+    assert h._runtime.layout.layers[1].sentinel == skips
     ids = torch.arange(3, 3 + tokens).unsqueeze(0)
     with torch.inference_mode():
         for s in switches:
             s.fill_(1)
-        if index == 8:
+        if index == 8 and skips:
             assert torch.equal(model(ids).logits, ref(ids).logits)
         else:
+            served = "\\[0, 8\\]" if skips else "\\[0, 8\\)"
             with pytest.raises(ValueError, match="'model.layers.1.mlp.experts' was routed to an "
-                               "expert index outside \\[0, 8\\]"):  # fmt: skip
+                               f"expert index outside {served}"):  # fmt: skip
                 model(ids)
+            if index == 8:  # the resident loop fails too
+                with pytest.raises(RuntimeError, match="Class values must be smaller"):
+                    ref(ids)
         for s in switches:
             s.fill_(0)
         assert torch.equal(model(ids).logits, ref(ids).logits)

@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from torchoffload._pool import pinned_buffer
 from torchoffload._validate import check_int, check_number
 from torchoffload.moe._layout import ExpertLayout, LayoutKind, implementation, round_up
+from torchoffload.moe._outside import loop_outside
 
 __all__ = [
     "HostCompute",
@@ -452,8 +453,15 @@ def host_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
         try:
             final_hidden_states = torch.zeros_like(hidden_states)
             with torch.no_grad():
-                expert_mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
-                counts = expert_mask.sum(dim=(-1, -2))[:n].tolist()  # one host sync
+                # an index outside [0, n] as n + 1 (as `FusedForward.body` maps it; one_hot
+                # would fail on it, on a GPU with a device assert), refused below
+                index = top_k_index.clamp(-1, n + 1).remainder(n + 2)
+                expert_mask = F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
+                counts = expert_mask.sum(dim=(-1, -2)).tolist()  # one host sync
+            layer = rt.layout.layers[li]
+            if counts[n + 1] or counts[n] and not layer.sentinel:
+                raise loop_outside(layer.name, n, layer.sentinel)  # Note: [Routed outside a layer]
+            counts = counts[:n]  # the sentinel n skipped
             routed = [e for e, c in enumerate(counts) if c]
             misses = [e for e in routed if rt.cache.lookup((li, e)) is None]
             dtypes = (hidden_states.dtype, top_k_weights.dtype)

@@ -122,6 +122,9 @@ class ExpertLayer:
     host_bytes: int
     slot_bytes: int
     router: nn.Module | None = None  # list: the router whose output predicts the routing
+    # fused: the per-expert loop skips the index ``experts`` (transformers 5.24's mask has a
+    # padding class; 5.17's one_hot fails on it): Note: [Routed outside a layer] in _outside.py
+    sentinel: bool = False
 
     @property
     def expert_bytes(self) -> int:
@@ -499,8 +502,11 @@ def _fused_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
     for attr, t in tensors:
         pieces.append(Piece.of(t, f"{name}.{attr}", module, attr, off))
         off = round_up(off + pieces[-1].nbytes, HOST_ALIGN)
+    fn = type(module).forward
+    code = getattr(getattr(fn, "__wrapped__", fn), "__code__", None)
+    sentinel = _same_code(code, _reference_codes()[0])  # 5.24's loop, not 5.17's
     return ExpertLayer(name, LayoutKind.FUSED, module, block, e, top_k, tuple(members),
-                       tuple(pieces), off, region)  # fmt: skip
+                       tuple(pieces), off, region, sentinel=sentinel)  # fmt: skip
 
 
 def _list_layer(name: str, module: nn.Module, block: nn.Module) -> ExpertLayer:
@@ -680,7 +686,8 @@ def forward(
 
 # transformers 5.17 builds the mask without the padding class (``num_classes=num_experts``):
 # the same operations on every expert a router can pick (an index of num_experts, which
-# 5.24's mask skips, makes 5.17's one_hot raise).
+# 5.24's mask skips, makes 5.17's one_hot raise, on a GPU with a device assert). The first
+# reference is 5.24's: `ExpertLayer.sentinel`.
 _REFERENCES = (
     _REFERENCE,
     _REFERENCE.replace("num_classes=self.num_experts + 1)", "num_classes=self.num_experts)"),

@@ -2,17 +2,18 @@
 tell, reported at the next call where only the device can (Note: [Routed outside a layer]).
 
 Note: [Routed outside a layer]
-A router may name an expert index the layer does not have. transformers' experts give it no
-one meaning: the per-expert loop ("eager") skips the index ``n`` (the expert-parallel
-sentinel, ``n`` the layer's expert count) and raises for any other outside [0, ``n``) (a
-negative one or one past ``n``); ``batched_mm`` indexes its weights with it (an IndexError, or
-for -1 the last expert); ``grouped_mm`` leaves or mixes up rows (Note: [Grouped experts, one
-group at a time] in _grouped.py). A host-routed call refuses every index the resident call
-would not serve with a ValueError before it computes (`_grouped.outside`, `loop_outside`: the
-per-expert loop's one_hot would fail, on a GPU with a device assert). A device-routed call (a
-graph's, a block graph's, or the eager run of one) counts such an index as none (it adds
-zeros: `_graphed._none_outside`, the routing kernel), so that no table or address goes wrong,
-and then:
+A router may name an expert index the layer does not have. transformers' experts give it no one
+meaning: the per-expert loop ("eager") of transformers 5.24 skips the index ``n`` (the
+expert-parallel sentinel, ``n`` the layer's expert count) and raises for any other outside [0,
+``n``) (a negative one or one past ``n``), 5.17's raises for ``n`` too (its one_hot has ``n``
+classes; `ExpertLayer.sentinel` says which loop a layer runs); ``batched_mm`` indexes its
+weights with it (an IndexError, or for -1 the last expert); ``grouped_mm`` leaves or mixes up
+rows (Note: [Grouped experts, one group at a time] in _grouped.py). A host-routed call refuses
+every index the resident call would not serve with a ValueError before it computes
+(`_grouped.outside`, `loop_outside`: the per-expert loop's one_hot would fail, on a GPU with a
+device assert). A device-routed call (a graph's, a block graph's, or the eager run of one)
+counts such an index as none (it adds zeros: `_graphed._none_outside`, the routing kernel), so
+that no table or address goes wrong, and then:
 - run eagerly (not inside a capture), the call checks its routing on the host and raises the
   host path's error before it computes anything: one read of ``top_k`` indices, a host sync on
   a GPU. Eager device-routed calls are block graphs' warm-ups (one per layer and signature) on
@@ -32,8 +33,11 @@ So a replay routed outside has returned an output computed as if the expert adde
 result the resident model does not give), and a later call of the handle raises instead of
 going on: the next one once the device has run that replay (a host running ahead of the
 device learns it a call or two later), and any call that synchronizes. Allowed: the indices
-[0, ``n``) of each layer, and ``n`` too where the experts are transformers' per-expert loop,
-whose resident call skips it as the device-routed call does.
+[0, ``n``) of each layer, and ``n`` too where the experts are transformers 5.24's per-expert
+loop, whose resident call skips it as the device-routed call does.
+A report may also come inside the call that routed outside, from a later layer's block call
+(a block graph checks before its replay, and the device may have run the earlier layer's):
+the call raises instead of returning; the report is not repeated.
 """
 
 from __future__ import annotations
@@ -47,11 +51,17 @@ from torchoffload.moe._grouped import outside
 __all__ = ["RoutedOutside", "loop_outside"]
 
 
-def loop_outside(name: str, n: int) -> ValueError:
-    """The refusal of a call of transformers' per-expert loop routed outside [0, ``n``]."""
+def loop_outside(name: str, n: int, sentinel: bool) -> ValueError:
+    """The refusal of a call of transformers' per-expert loop routed outside [0, ``n``]
+    (``sentinel``: the loop skips ``n``) or [0, ``n``)."""
+    if sentinel:
+        served = f"[0, {n}] (transformers' per-expert loop skips {n} and raises for the others)"
+    else:
+        served = (f"[0, {n}) (this transformers' per-expert loop, 5.17's, raises for the "
+                  "others: its one_hot has as many classes as experts)")  # fmt: skip
     return ValueError(
-        f"{name!r} was routed to an expert index outside [0, {n}] (transformers' per-expert "
-        f"loop skips {n} and raises for the others). Route to experts of the layer only"
+        f"{name!r} was routed to an expert index outside {served}. Route to experts of the "
+        "layer only"
     )
 
 
@@ -64,9 +74,11 @@ class RoutedOutside:
         dev = rt.device
         cuda = dev.type == "cuda"
         with torch.inference_mode(False), torch.no_grad():
-            # per layer, the largest index served: strict (n - 1) and the eager loop's (n)
-            self.limits = torch.tensor([[layer.experts - 1, layer.experts] for layer in layers],
-                                       dtype=torch.int64, device=dev)  # fmt: skip
+            # per layer, the largest index served: strict (n - 1) and the per-expert loop's
+            # (n where it skips the sentinel n)
+            self.top = [(layer.experts - 1, layer.experts - 1 + layer.sentinel)
+                        for layer in layers]  # fmt: skip
+            self.limits = torch.tensor(self.top, dtype=torch.int64, device=dev)
             self.ids = torch.arange(1, len(layers) + 1, dtype=torch.int64, device=dev)
             # replays that routed outside a layer, and the last such layer (1 + its index)
             self.outside = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -79,13 +91,14 @@ class RoutedOutside:
         """A device-routed block call of layer ``li`` routed to ``index`` (one token's, the
         router's order): kept for the capture's check, or checked now when run eagerly."""
         layer = self.rt.layout.layers[li]
-        loop = int(impl == "eager")  # ``limits``' column: the loop serves index n
+        loop = int(impl == "eager")  # ``limits``' column: the per-expert loop's
         if self.rt.graphing:
             self.routed.append((index, self.limits[li, loop], self.ids[li]))
             return
-        if any(not 0 <= i < layer.experts + loop for i in index.tolist()):
+        top = self.top[li][loop]
+        if any(not 0 <= i <= top for i in index.tolist()):
             if impl == "eager":  # the resident loop's one_hot refuses it
-                raise loop_outside(layer.name, layer.experts)
+                raise loop_outside(layer.name, layer.experts, layer.sentinel)
             raise outside(layer.name, layer.experts, impl)
 
     def record(self) -> None:
