@@ -23,6 +23,12 @@ then prefill:
   the cache, filled first by untimed forwards of ``--fill`` tokens, in chunks too small to stage
   a whole layer: the graph's compute term, no copies), and ``graph prefetch N``
   (``prefetch=N``, each of ``--prefetch``) at each cache size.
+- ``resident graph beside`` (CUDA, ``--impl grouped_mm``, where the device holds the experts
+  twice): the resident graph captured before the experts leave the device and replayed beside
+  ``graph all cached``, one step of each in turn (`ResidentBeside`), that row's bound. The same
+  resident graph took 11.43 ms a step as a process's first graph and 13.10 ms after other
+  graphs and a cache had come and gone (H200, torch 2.11, 2026-11-30): rows measured minutes
+  apart differ by more than the 5% the all-cached graph is held to.
 - ``stream_weights B GiB``: today's engine, every weight streamed per token (``--stream-weights``
   budgets).
 - ``accelerate cpu_offload``: every weight copied from pageable host memory at every forward, so
@@ -276,7 +282,7 @@ def _noisy(router, routing: Routing, li: int):
 
 def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, handle,
            graph: bool = False, cache_len: int | None = None,
-           after_prompt=None):  # fmt: skip
+           after_prompt=None, beside=None):  # fmt: skip
     """Teacher-forced decode after a prompt (``ids[0]``), one token a step (``ids[1 + i]``)
     over a static cache of ``cache_len`` positions (default: room for ``ids``), the step
     replayed by ``handle.cuda_graph`` when ``graph``: ms of each timed step, every step's
@@ -284,7 +290,9 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
     ``cache_len``: attention over a longer cache rounds differently on the CPU.
     ``after_prompt``: called after the prompt's forward (the ``graph all cached`` row's fill:
     a prompt of ``STAGE_ROWS`` rows or more per expert stages its layers whole, which leaves
-    the staging slots' experts uncached)."""
+    the staging slots' experts uncached). ``beside``: (a step function, a list) another
+    model's step run with each step, first on even steps and second on odd ones, its timed
+    steps' ms appended to the list."""
     from transformers import StaticCache
 
     device = ids.device
@@ -311,13 +319,16 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
                 handle.reset_stats()
             routing.step(i)
             routing.at(positions[n + i : n + i + 1])
-            sync(device)
-            t0 = time.perf_counter()
-            out = f(ids[:, n + i : n + i + 1], positions[n + i : n + i + 1])
-            sync(device)
-            if i >= warmup:
-                times.append((time.perf_counter() - t0) * 1e3)
-            logits.append(out.clone())
+            args = (ids[:, n + i : n + i + 1], positions[n + i : n + i + 1])
+            for fn, into in [(f, times), beside][:: 1 if i % 2 else -1] if beside else [(f, times)]:
+                sync(device)
+                t0 = time.perf_counter()
+                out = fn(*args)
+                sync(device)
+                if i >= warmup:
+                    into.append((time.perf_counter() - t0) * 1e3)
+                if fn is f:
+                    logits.append(out.clone())
     return times, torch.stack(logits), handle.stats() if handle is not None else None
 
 
@@ -408,6 +419,7 @@ class Row:
     copies: int | None = None  # bytes copied per forward, where no stats count them
     routings: int | None = None  # under the first n routings only (None: every one)
     fill: bool = False  # an untimed eager forward of --fill tokens first: every expert cached
+    beside: Any = None  # a `ResidentBeside` replayed step by step beside this row's (graph)
 
 
 @dataclasses.dataclass
@@ -422,6 +434,7 @@ class Bench:
     policies: list[str]
     expert_bytes: int
     weight_bytes: int
+    beside: tuple | None = None  # `ResidentBeside`'s routings, ids, prompt and cache length
 
 
 @contextlib.contextmanager
@@ -511,6 +524,47 @@ class ResidentGraph:
         return None
 
 
+class ResidentBeside:
+    """The resident model's decode step captured in a CUDA graph (`ResidentGraph`) per routing
+    while the experts are on the device, then replayed beside a stream_experts graph row
+    (`decode`'s ``beside``): both measured in one process state. Keeps the experts' device
+    tensors (their parameters move to the host): the device holds them twice."""
+
+    def __init__(self, b: Bench, routings: dict, ids: torch.Tensor, prompt: int,
+                 cache_len: int):  # fmt: skip
+        from transformers import StaticCache
+
+        model = b.model
+        self.kept = [p.data for layer in model.model.layers for p in layer.mlp.experts.parameters()]
+        self.steps = {}
+        positions = torch.arange(ids.shape[1], device=b.device)
+        for kind, routing in routings.items():
+            cache = StaticCache(config=model.config, max_cache_len=cache_len + 2)
+
+            def step(x, pos, cache=cache):
+                out = model(input_ids=x, position_ids=pos.unsqueeze(0), cache_position=pos,
+                            past_key_values=cache, use_cache=True)  # fmt: skip
+                return out.logits[:, -1]
+
+            f = ResidentGraph().cuda_graph(step)
+            routing.start()
+            with torch.inference_mode():
+                routing.at(positions[:prompt])
+                model(input_ids=ids[:, :prompt], cache_position=positions[:prompt],
+                      past_key_values=cache, use_cache=True)  # fmt: skip
+                for i in range(2):  # eager, then captured: the graph replays from here
+                    routing.at(positions[prompt + i : prompt + i + 1])
+                    f(ids[:, prompt + i : prompt + i + 1], positions[prompt + i : prompt + i + 1])
+            routing.stop()
+            self.steps[kind] = f
+
+    @staticmethod
+    def fits(b: Bench) -> bool:
+        """Whether the device has room for the experts a second time, and a margin."""
+        free, _ = torch.cuda.mem_get_info(b.device)
+        return free > 1.1 * b.expert_bytes + 4 * GIB
+
+
 def resident_graph_rows(b: Bench) -> Iterator[Row]:
     """The resident model's decode steps replayed in a CUDA graph of its own (CUDA and
     grouped_mm experts only): the compute term of the graph rows' bound."""
@@ -551,10 +605,22 @@ def graph_rows(b: Bench) -> Iterator[Row]:
     eager rows, then prefetch=N (each of --prefetch) at each cache size."""
     if b.args.no_graph or b.device.type != "cuda":
         return
+    beside = None
+    if b.beside is not None and b.args.impl == "grouped_mm":
+        if ResidentBeside.fits(b):
+            beside = ResidentBeside(b, *b.beside)
+        else:
+            print("# resident graph beside skipped: the device cannot hold the experts twice",
+                  flush=True)  # fmt: skip
     with experts_on_host(b):
         every = 2 * b.expert_bytes  # more than every expert needs: capped
-        yield from streamed_row(b, "stream_experts graph all cached", every, "lru", graph=True,
-                                fill=True)  # fmt: skip
+        for row in streamed_row(b, "stream_experts graph all cached", every, "lru", graph=True,
+                                fill=True):  # fmt: skip
+            row.beside = beside
+            yield row
+            row.beside = None
+        del beside  # the experts' second copy freed before the next rows
+        empty_cache(b.device)
         for policy in b.policies:
             for label, cache in cache_sizes(b):
                 name = f"stream_experts {label} {policy} graph"
@@ -702,15 +768,19 @@ def main(argv=None) -> int:
             if row.fill:
                 filled = functools.partial(fill, model, fill_ids, routing, fill_chunk, row.handle)
             # the same prompt and the first warmup + n of the resident row's steps
+            beside = None if row.beside is None else (row.beside.steps[kind], [])
             try:
                 times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
                                            routing, row.handle, row.graph,
-                                           cache_len=ids.shape[1] + 1,
-                                           after_prompt=filled)  # fmt: skip
+                                           cache_len=ids.shape[1] + 1, after_prompt=filled,
+                                           beside=beside)  # fmt: skip
             except CaptureFailed as e:
                 print(f"# {row.name} ({kind}) skipped: its capture failed ({e})", flush=True)
                 routing.stop()
                 continue
+            if beside is not None:  # this row's bound, measured step by step beside it
+                add(Row("resident graph beside", graph=True), kind, "decode",
+                    statistics.median(beside[1]), 0, None, None)  # fmt: skip
             per, hit = moved(st, n, weight_bytes)
             add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
             guess = None
@@ -732,8 +802,12 @@ def main(argv=None) -> int:
         if row.name == "resident graph" or (row.name.endswith("graph all cached")
                                             and (kind, "graph") not in resident):  # fmt: skip
             resident[(kind, "graph")] = (ms, None)
+        if row.name == "resident graph beside":
+            resident[(kind, "beside")] = (ms, None)
         link = per / (bw * 1e9) * 1e3 if bw == bw else 0.0
         floor = resident.get((kind, "graph"), (math.nan,))[0] if row.graph else resident[key][0]
+        if row.name.endswith("graph all cached") and (kind, "beside") in resident:
+            floor = resident.pop((kind, "beside"))[0]  # measured beside it
         bound = max(floor, link) if floor == floor else link
         serial = floor + link if row.graph and floor == floor else None
         want = resident[(kind, "decode")][1]  # of the same steps: the first len(logits)
@@ -757,6 +831,8 @@ def main(argv=None) -> int:
         prefill(model, long, first, None, runs=1)
     first.stop()
     b = Bench(model, device, args, caches, budgets, policies, expert_bytes, weight_bytes)
+    if device.type == "cuda":
+        b.beside = (routings, ids, args.prompt, ids.shape[1] + 1)
     for builder in ROWS:
         for row in builder(b):
             measure(row)
