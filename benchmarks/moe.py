@@ -290,9 +290,9 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
     ``cache_len``: attention over a longer cache rounds differently on the CPU.
     ``after_prompt``: called after the prompt's forward (the ``graph all cached`` row's fill:
     a prompt of ``STAGE_ROWS`` rows or more per expert stages its layers whole, which leaves
-    the staging slots' experts uncached). ``beside``: (a step function, a list) another
+    the staging slots' experts uncached). ``beside``: (a step function, two lists) another
     model's step run with each step, first on even steps and second on odd ones, its timed
-    steps' ms appended to the list."""
+    steps' ms appended to the first list and every step's logits to the second."""
     from transformers import StaticCache
 
     device = ids.device
@@ -320,15 +320,17 @@ def decode(model, ids: torch.Tensor, warmup: int, steps: int, routing: Routing, 
             routing.step(i)
             routing.at(positions[n + i : n + i + 1])
             args = (ids[:, n + i : n + i + 1], positions[n + i : n + i + 1])
-            for fn, into in [(f, times), beside][:: 1 if i % 2 else -1] if beside else [(f, times)]:
+            both = [(f, times, logits)]
+            if beside is not None:
+                both = [both[0], beside][:: 1 if i % 2 else -1]
+            for fn, into, outs in both:
                 sync(device)
                 t0 = time.perf_counter()
                 out = fn(*args)
                 sync(device)
                 if i >= warmup:
                     into.append((time.perf_counter() - t0) * 1e3)
-                if fn is f:
-                    logits.append(out.clone())
+                outs.append(out.clone())
     return times, torch.stack(logits), handle.stats() if handle is not None else None
 
 
@@ -528,7 +530,10 @@ class ResidentBeside:
     """The resident model's decode step captured in a CUDA graph (`ResidentGraph`) per routing
     while the experts are on the device, then replayed beside a stream_experts graph row
     (`decode`'s ``beside``): both measured in one process state. Keeps the experts' device
-    tensors (their parameters move to the host): the device holds them twice."""
+    tensors (their parameters move to the host): the device holds them twice. After the
+    capture its static cache is emptied and given the prompt again, so its replays compute
+    the resident decode's steps: their logits are compared with the resident row's (a check
+    that the kept experts are the ones it computes with)."""
 
     def __init__(self, b: Bench, routings: dict, ids: torch.Tensor, prompt: int,
                  cache_len: int):  # fmt: skip
@@ -548,19 +553,30 @@ class ResidentBeside:
 
             f = ResidentGraph().cuda_graph(step)
             routing.start()
-            with torch.inference_mode():
-                routing.at(positions[:prompt])
-                model(input_ids=ids[:, :prompt], cache_position=positions[:prompt],
-                      past_key_values=cache, use_cache=True)  # fmt: skip
-                for i in range(2):  # eager, then captured: the graph replays from here
-                    routing.at(positions[prompt + i : prompt + i + 1])
-                    f(ids[:, prompt + i : prompt + i + 1], positions[prompt + i : prompt + i + 1])
-            routing.stop()
+            at = slice(prompt, prompt + 1)  # the first decode step's position
+            try:
+                with torch.inference_mode():
+                    # the prompt, then its first step: run eagerly, then captured (and
+                    # replayed once); the cache emptied (in place: the graph reads the same
+                    # tensors) and given the prompt again after each, so the row's replays
+                    # compute its steps from the first
+                    for call in ("eager", "capture", None):
+                        routing.at(positions[:prompt])
+                        model(input_ids=ids[:, :prompt], cache_position=positions[:prompt],
+                              past_key_values=cache, use_cache=True)  # fmt: skip
+                        if call is None:
+                            break
+                        routing.at(positions[at])
+                        f(ids[:, at], positions[at])
+                        cache.reset()
+            finally:
+                routing.stop()
             self.steps[kind] = f
 
     @staticmethod
     def fits(b: Bench) -> bool:
         """Whether the device has room for the experts a second time, and a margin."""
+        empty_cache(b.device)
         free, _ = torch.cuda.mem_get_info(b.device)
         return free > 1.1 * b.expert_bytes + 4 * GIB
 
@@ -608,7 +624,10 @@ def graph_rows(b: Bench) -> Iterator[Row]:
     beside = None
     if b.beside is not None and b.args.impl == "grouped_mm":
         if ResidentBeside.fits(b):
-            beside = ResidentBeside(b, *b.beside)
+            try:
+                beside = ResidentBeside(b, *b.beside)
+            except CaptureFailed as e:
+                print(f"# resident graph beside skipped: its capture failed ({e})", flush=True)
         else:
             print("# resident graph beside skipped: the device cannot hold the experts twice",
                   flush=True)  # fmt: skip
@@ -768,7 +787,7 @@ def main(argv=None) -> int:
             if row.fill:
                 filled = functools.partial(fill, model, fill_ids, routing, fill_chunk, row.handle)
             # the same prompt and the first warmup + n of the resident row's steps
-            beside = None if row.beside is None else (row.beside.steps[kind], [])
+            beside = None if row.beside is None else (row.beside.steps[kind], [], [])
             try:
                 times, logits, st = decode(model, ids[:, : args.prompt + warmup + n], warmup, n,
                                            routing, row.handle, row.graph,
@@ -780,7 +799,7 @@ def main(argv=None) -> int:
                 continue
             if beside is not None:  # this row's bound, measured step by step beside it
                 add(Row("resident graph beside", graph=True), kind, "decode",
-                    statistics.median(beside[1]), 0, None, None)  # fmt: skip
+                    statistics.median(beside[1]), 0, None, torch.stack(beside[2]))  # fmt: skip
             per, hit = moved(st, n, weight_bytes)
             add(row, kind, "decode", statistics.median(times), row.copies or per, hit, logits)
             guess = None

@@ -560,7 +560,7 @@ def test_a_call_routed_outside_a_layer_is_refused_or_reported_at_the_next(impl, 
     model, ref = qwen3(impl=impl, layers=2), qwen3(impl=impl, layers=2)
     if loop:
         loop_517(model)
-    switch = route_outside(model, 1, index)
+    switch, ref_switch = route_outside(model, 1, index), route_outside(ref, 1, index)
     h = to.stream_experts(model, "cpu", cache_bytes=to.minimum_cache_bytes(model) * 4,
                           pin_memory=False, block_graphs=blocks)  # fmt: skip
     call = model if blocks else h.cuda_graph(model)
@@ -575,7 +575,12 @@ def test_a_call_routed_outside_a_layer_is_refused_or_reported_at_the_next(impl, 
             with pytest.raises(ValueError, match="model.layers.1.mlp.experts"):
                 call(ids)
         else:
-            assert not torch.equal(call(ids).logits, want)  # another routing: another result
+            got = call(ids).logits
+            assert not torch.equal(got, want)  # another routing: another result
+            if served:  # the resident loop's, bitwise
+                ref_switch.fill_(1)
+                assert torch.equal(got, ref(ids).logits)
+                ref_switch.fill_(0)
             switch.fill_(0)
             if not served:
                 with pytest.raises(RuntimeError, match="an earlier graph call of stream_experts "

@@ -136,9 +136,12 @@ class RoutedOutside:
             return None
         self.acked = count
         layer = self.rt.layout.layers[v - 1]
+        served = f"[0, {layer.experts})"
+        if layer.sentinel:
+            served += f" ({layer.experts} too where its experts run the per-expert loop)"
         return RuntimeError(
             f"an earlier graph call of stream_experts routed {layer.name!r} to an expert index "
-            f"outside [0, {layer.experts}) (Note: [Routed outside a layer] in "
+            f"outside {served} (Note: [Routed outside a layer] in "
             "torchoffload/moe/_outside.py): that call computed the expert as adding zeros, which "
             "the resident model does not do, so its output and any token generated from it are "
             "wrong. Route to experts of the layer only"
