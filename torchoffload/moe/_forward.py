@@ -112,11 +112,9 @@ class FusedForward(_Entry):
                     routed, counts = torch.unique_consecutive(found[:, 0].cpu(),
                                                               return_counts=True)  # fmt: skip
                 routed, counts = routed.tolist(), counts.tolist()
-                layer = rt.layout.layers[li]
+                layer = rt.layout.layers[li]  # Note: [Routed outside a layer]
                 if routed and (routed[-1] == n + 1 or routed[-1] == n and not layer.sentinel):
-                    raise loop_outside(
-                        layer.name, n, layer.sentinel
-                    )  # Note: [Routed outside a layer]
+                    raise loop_outside(layer.name, n, layer.sentinel)
                 if routed and routed[-1] == n:  # the expert-parallel sentinel: skipped
                     routed, counts = routed[:-1], counts[:-1]
                 rt.route(li, routed)
