@@ -6,7 +6,12 @@ nvcc). Compared with the same bytes copied by plain memcpy nodes (fixed sources)
 `copy_routed`, the Triton kernel graph mode copies with today (about 48 GB/s against the copy
 engine's 55 in earlier runs), and checked: the stage holds the routed experts' bytes.
 
-    PYTHONPATH=. python3 benchmarks/switch_copy.py [--layers 8] [--experts 128] [--k 8]
+    PYTHONPATH=. python3 benchmarks/switch_copy.py [--layers 8] [--route so|ptx]
+
+Two routes to the same graph: ``so`` builds ``switch_copy.cu`` with nvcc into a library whose
+``add_routed_copies`` adds the nodes; ``ptx`` does the same through ctypes (torch's CUDA
+runtime for the graph, the driver for the setter kernel, whose PTX nvcc made from
+``switch_setter.cu`` and is kept here), so that no compiler is needed at run time.
 
 Written in session 43 (2026-11-30) and compiled there with nvcc 13.0 on a machine without a
 GPU: not yet run on one. It prints one line per measurement and "FAILED ..." where a step
@@ -26,6 +31,184 @@ import time
 from pathlib import Path
 
 import torch
+
+# `nvcc -ptx -arch=compute_75 switch_setter.cu` (nvcc 13.0; its comment lines left out): the
+# setter kernel of the "ptx" route, loaded by the driver, no compiler needed at run time
+SETTER_PTX = r"""
+.version 9.0
+.target sm_75
+.address_size 64
+
+	// .globl	set_switches
+.extern .func cudaGraphSetConditional
+(
+	.param .b64 cudaGraphSetConditional_param_0,
+	.param .b32 cudaGraphSetConditional_param_1
+)
+;
+
+.visible .entry set_switches(
+	.param .align 8 .b8 set_switches_param_0[256],
+	.param .u64 set_switches_param_1,
+	.param .u64 set_switches_param_2,
+	.param .u32 set_switches_param_3,
+	.param .u32 set_switches_param_4
+)
+{
+	.reg .pred 	%p<5>;
+	.reg .b16 	%rs<2>;
+	.reg .b32 	%r<8>;
+	.reg .b64 	%rd<16>;
+
+
+	mov.b64 	%rd1, set_switches_param_0;
+	ld.param.u64 	%rd2, [set_switches_param_1];
+	ld.param.u64 	%rd3, [set_switches_param_2];
+	ld.param.u32 	%r5, [set_switches_param_3];
+	ld.param.u32 	%r7, [set_switches_param_4];
+	mov.u32 	%r1, %tid.x;
+	setp.ge.s32 	%p1, %r1, %r5;
+	@%p1 bra 	$L__BB0_5;
+
+	setp.eq.s64 	%p2, %rd3, 0;
+	@%p2 bra 	$L__BB0_3;
+
+	cvt.s64.s32 	%rd4, %r1;
+	cvta.to.global.u64 	%rd5, %rd3;
+	add.s64 	%rd6, %rd5, %rd4;
+	ld.global.u8 	%rs1, [%rd6];
+	setp.eq.s16 	%p3, %rs1, 0;
+	@%p3 bra 	$L__BB0_4;
+
+$L__BB0_3:
+	cvta.to.global.u64 	%rd7, %rd2;
+	mul.wide.s32 	%rd8, %r1, 8;
+	add.s64 	%rd9, %rd7, %rd8;
+	cvt.u64.u32 	%rd10, %r7;
+	ld.global.u64 	%rd11, [%rd9];
+	setp.lt.u64 	%p4, %rd11, %rd10;
+	cvt.u32.u64 	%r6, %rd11;
+	selp.b32 	%r7, %r6, %r7, %p4;
+
+$L__BB0_4:
+	mul.wide.s32 	%rd13, %r1, 8;
+	add.s64 	%rd14, %rd1, %rd13;
+	ld.param.u64 	%rd15, [%rd14];
+	{ // callseq 0, 0
+	.reg .b32 temp_param_reg;
+	.param .b64 param0;
+	st.param.b64 	[param0+0], %rd15;
+	.param .b32 param1;
+	st.param.b32 	[param1+0], %r7;
+	call.uni
+	cudaGraphSetConditional,
+	(
+	param0,
+	param1
+	);
+	} // callseq 0
+
+$L__BB0_5:
+	ret;
+
+}
+"""
+
+
+class _Cond(ctypes.Structure):  # cudaConditionalNodeParams (CUDA 13: 24 bytes)
+    _fields_ = [("handle", ctypes.c_ulonglong), ("type", ctypes.c_int), ("size", ctypes.c_uint),
+                ("phGraph_out", ctypes.c_void_p)]  # fmt: skip
+
+
+class _NodeParams(ctypes.Structure):  # cudaGraphNodeParams (256 bytes, the union at 16)
+    _fields_ = [("type", ctypes.c_int), ("reserved0", ctypes.c_int * 3), ("cond", _Cond),
+                ("pad", ctypes.c_byte * (232 - 24)), ("reserved2", ctypes.c_longlong)]  # fmt: skip
+
+
+assert ctypes.sizeof(_NodeParams) == 256 and _NodeParams.cond.offset == 16
+
+
+class PtxRoute:
+    """`add_routed_copies` of switch_copy.cu through ctypes: the CUDA runtime (torch's
+    libcudart) for the graph, the driver for the PTX setter kernel."""
+
+    def __init__(self):
+        torch.cuda.init()
+        self.rt = ctypes.CDLL("libcudart.so.13")
+        self.drv = ctypes.CDLL("libcuda.so.1")
+        self.mod = ctypes.c_void_p()
+        self.fn = ctypes.c_void_p()
+        torch.cuda.current_stream().synchronize()  # the primary context current on this thread
+        self._ok(self.drv.cuModuleLoadData(ctypes.byref(self.mod), SETTER_PTX.encode() + b"\0"),
+                 "cuModuleLoadData")  # fmt: skip
+        self._ok(self.drv.cuModuleGetFunction(ctypes.byref(self.fn), self.mod, b"set_switches"),
+                 "cuModuleGetFunction")  # fmt: skip
+
+    @staticmethod
+    def _ok(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what}: CUDA error {rc}")
+
+    def _deps(self, stream):
+        status, cid, graph = ctypes.c_int(), ctypes.c_ulonglong(), ctypes.c_void_p()
+        deps, edges, n = ctypes.POINTER(ctypes.c_void_p)(), ctypes.c_void_p(), ctypes.c_size_t()
+        self._ok(self.rt.cudaStreamGetCaptureInfo(stream, ctypes.byref(status), ctypes.byref(cid),
+                                                  ctypes.byref(graph), ctypes.byref(deps),
+                                                  ctypes.byref(edges), ctypes.byref(n)),
+                 "cudaStreamGetCaptureInfo")  # fmt: skip
+        if status.value != 1:
+            raise RuntimeError("the stream is not capturing")
+        return graph, [deps[i] for i in range(n.value)]
+
+    def add_routed_copies(self, stream, k, experts, members, src, dst, nbytes, routed, miss,
+                          chain) -> int:  # fmt: skip
+        stream = ctypes.c_void_p(stream.value)
+        graph, _ = self._deps(stream)
+        handles = (ctypes.c_ulonglong * 32)()
+        for r in range(k):
+            h = ctypes.c_ulonglong()
+            self._ok(self.rt.cudaGraphConditionalHandleCreate(ctypes.byref(h), graph,
+                                                              ctypes.c_uint(experts),
+                                                              ctypes.c_uint(1)),
+                     "cudaGraphConditionalHandleCreate")  # fmt: skip
+            handles[r] = h.value
+        args = [handles, ctypes.c_void_p(routed.value), ctypes.c_void_p(miss.value),
+                ctypes.c_int(k), ctypes.c_uint(experts)]  # fmt: skip
+        params = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p)
+                                                 for a in args])  # fmt: skip
+        self._ok(self.drv.cuLaunchKernel(self.fn, 1, 1, 1, 32, 1, 1, 0, stream, params, None),
+                 "cuLaunchKernel")  # fmt: skip
+        graph, after = self._deps(stream)
+        ends: list = []
+        for r in range(k):
+            p = _NodeParams()
+            p.type = 13  # cudaGraphNodeTypeConditional
+            p.cond.handle, p.cond.type, p.cond.size = handles[r], 2, experts  # a SWITCH
+            d = ends[-1:] if chain and ends else after
+            deps = (ctypes.c_void_p * max(len(d), 1))(*d)
+            node = ctypes.c_void_p()
+            self._ok(self.rt.cudaGraphAddNode(ctypes.byref(node), graph, deps, None,
+                                              ctypes.c_size_t(len(d)), ctypes.byref(p)),
+                     "cudaGraphAddNode")  # fmt: skip
+            bodies = ctypes.cast(p.cond.phGraph_out, ctypes.POINTER(ctypes.c_void_p))
+            for e in range(experts):
+                for m in range(members):
+                    mn = ctypes.c_void_p()
+                    self._ok(self.rt.cudaGraphAddMemcpyNode1D(
+                        ctypes.byref(mn), ctypes.c_void_p(bodies[e]), None, ctypes.c_size_t(0),
+                        ctypes.c_void_p(dst[r * members + m]),
+                        ctypes.c_void_p(src[e * members + m]), ctypes.c_size_t(nbytes[m]),
+                        ctypes.c_int(1)), "cudaGraphAddMemcpyNode1D")  # fmt: skip
+            if chain and ends:
+                ends[-1] = node.value
+            else:
+                ends.append(node.value)
+        nodes = (ctypes.c_void_p * len(ends))(*ends)
+        self._ok(self.rt.cudaStreamUpdateCaptureDependencies(stream, nodes, None,
+                                                             ctypes.c_size_t(len(ends)),
+                                                             ctypes.c_uint(1)),
+                 "cudaStreamUpdateCaptureDependencies")  # fmt: skip
+        return 0
 
 
 def build(nvcc: str) -> ctypes.CDLL:
@@ -65,12 +248,17 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--width", type=int, default=768)
+    p.add_argument("--route", choices=["so", "ptx"], default="so",
+                   help="so: switch_copy.cu built with nvcc; ptx: ctypes and the PTX setter "
+                        "(no compiler at run time)")  # fmt: skip
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a GPU")
         return 0
-    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    lib = build(nvcc)
+    if args.route == "so":
+        lib = build(shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+    else:
+        lib = PtxRoute()
     dev = torch.device("cuda")
     E, K = args.experts, args.k
     sizes = [2 * args.width * args.hidden * 2, args.width * args.hidden * 2]  # gate_up, down
