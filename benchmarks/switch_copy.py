@@ -304,16 +304,17 @@ def main(argv=None) -> int:
         print(f"{name}: {ms:.3f} ms, {gbs:.1f} GB/s of routed bytes", flush=True)
 
     try:
+        chosen = routed.tolist()  # read before the capture (a read inside would sync)
 
         def plain():
             for r in range(K):
-                stage[r].copy_(host[int(routed[r])], non_blocking=True)
+                stage[r].copy_(host[chosen[r]], non_blocking=True)
 
         g, _ = capture(plain)
         report("memcpy nodes, fixed sources (copy engine)", time_graph(g))
         from torchoffload.moe._kernels import copy_routed
 
-        srcs = torch.tensor([[host[int(routed[r])].data_ptr() + o for o in (0, sizes[0])]
+        srcs = torch.tensor([[host[chosen[r]].data_ptr() + o for o in (0, sizes[0])]
                              for r in range(K)], dtype=torch.int64, device=dev)  # fmt: skip
         dsts = torch.tensor([[stage[r].data_ptr() + o for o in (0, sizes[0])] for r in range(K)],
                             dtype=torch.int64, device=dev)  # fmt: skip
