@@ -4,24 +4,9 @@
 #include <cuda_runtime.h>
 #include <vector>
 
-#define MAXK 32
+#include "switch_setter.cu"  // Handles, set_switches
 
-struct Handles {
-    cudaGraphConditionalHandle h[MAXK];
-};
-
-__global__ void set_switches(Handles hs, const long long* routed, const unsigned char* miss, int k,
-                             unsigned int none) {
-    int r = threadIdx.x;
-    if (r < k) {
-        unsigned int v = none;
-        if (miss == nullptr || miss[r]) {
-            long long e = routed[r];
-            v = (e >= 0 && e < (long long)none) ? (unsigned int)e : none;
-        }
-        cudaGraphSetConditional(hs.h[r], v);
-    }
-}
+#define MAXK ((int)(sizeof(Handles) / sizeof(cudaGraphConditionalHandle)))
 
 static int err(cudaError_t e, int where) { return e == cudaSuccess ? 0 : (where * 1000 + (int)e); }
 #define CHECK(x, w) do { int _r = err((x), (w)); if (_r) return _r; } while (0)

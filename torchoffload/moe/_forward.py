@@ -19,7 +19,7 @@ from torchoffload.moe._graphed import graphed_forward
 from torchoffload.moe._grouped import kernel_forward
 from torchoffload.moe._host import check_host_implementation, host_forward
 from torchoffload.moe._layout import ExpertLayer, LayoutKind, check_grouped, check_held
-from torchoffload.moe._outside import loop_outside
+from torchoffload.moe._outside import check_loop, loop_mask
 from torchoffload.moe._runtime import ExpertRuntime
 
 __all__ = ["NO_COPY", "install"]
@@ -101,20 +101,15 @@ class FusedForward(_Entry):
             try:
                 final_hidden_states = torch.zeros_like(hidden_states)
                 with torch.no_grad():  # Note: [One host read per block call]
-                    # an index outside [0, n] as n + 1 (-1 too, by the remainder), found with
-                    # the rest and refused below (one_hot would fail on it, on a GPU with a
-                    # device assert); two small kernels
-                    index = top_k_index.clamp(-1, n + 1).remainder(n + 2)
-                    expert_mask = F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
+                    expert_mask = loop_mask(top_k_index, n)  # Note: [Routed outside a layer]
                     # rows (expert, top-k position, token), experts n and n + 1 last
                     found = expert_mask.nonzero()
                     places = found[:, 1:].t().contiguous()
                     routed, counts = torch.unique_consecutive(found[:, 0].cpu(),
                                                               return_counts=True)  # fmt: skip
                 routed, counts = routed.tolist(), counts.tolist()
-                layer = rt.layout.layers[li]  # Note: [Routed outside a layer]
-                if routed and (routed[-1] == n + 1 or routed[-1] == n and not layer.sentinel):
-                    raise loop_outside(layer.name, n, layer.sentinel)
+                last = routed[-1] if routed else None
+                check_loop(rt.layout.layers[li], last == n, last == n + 1)
                 if routed and routed[-1] == n:  # the expert-parallel sentinel: skipped
                     routed, counts = routed[:-1], counts[:-1]
                 rt.route(li, routed)

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torchoffload._pool import pinned_buffer
 from torchoffload._validate import check_int, check_number
 from torchoffload.moe._layout import ExpertLayout, LayoutKind, implementation, round_up
-from torchoffload.moe._outside import loop_outside
+from torchoffload.moe._outside import check_loop, loop_mask
 
 __all__ = [
     "HostCompute",
@@ -453,14 +453,9 @@ def host_forward(rt: Any, li: int, module: Any, hidden_states: torch.Tensor,
         try:
             final_hidden_states = torch.zeros_like(hidden_states)
             with torch.no_grad():
-                # an index outside [0, n] as n + 1 (as `FusedForward.body` maps it; one_hot
-                # would fail on it, on a GPU with a device assert), refused below
-                index = top_k_index.clamp(-1, n + 1).remainder(n + 2)
-                expert_mask = F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
+                expert_mask = loop_mask(top_k_index, n)  # Note: [Routed outside a layer]
                 counts = expert_mask.sum(dim=(-1, -2)).tolist()  # one host sync
-            layer = rt.layout.layers[li]
-            if counts[n + 1] or counts[n] and not layer.sentinel:
-                raise loop_outside(layer.name, n, layer.sentinel)  # Note: [Routed outside a layer]
+            check_loop(rt.layout.layers[li], counts[n] > 0, counts[n + 1] > 0)
             counts = counts[:n]  # the sentinel n skipped
             routed = [e for e, c in enumerate(counts) if c]
             misses = [e for e in routed if rt.cache.lookup((li, e)) is None]

@@ -45,10 +45,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from torchoffload.moe._grouped import outside
 
-__all__ = ["RoutedOutside", "loop_outside"]
+__all__ = ["RoutedOutside", "check_loop", "loop_mask", "loop_outside"]
 
 
 def loop_outside(name: str, n: int, sentinel: bool) -> ValueError:
@@ -63,6 +64,23 @@ def loop_outside(name: str, n: int, sentinel: bool) -> ValueError:
         f"{name!r} was routed to an expert index outside {served}. Route to experts of the "
         "layer only"
     )
+
+
+def loop_mask(top_k_index: torch.Tensor, n: int) -> torch.Tensor:
+    """transformers' per-expert loop's mask (expert, top-k position, token) over ``n + 2``
+    experts: an index outside [0, ``n``] as ``n + 1`` (-1 too, by the remainder), found with
+    the rest and refused by `check_loop` (one_hot would fail on it, on a GPU with a device
+    assert); ``n`` the sentinel. Two small kernels more than the resident loop's."""
+    index = top_k_index.clamp(-1, n + 1).remainder(n + 2)
+    return F.one_hot(index, num_classes=n + 2).permute(2, 1, 0)
+
+
+def check_loop(layer: Any, sentinel: bool, beyond: bool) -> None:
+    """Refuse a host-routed call of the per-expert loop of ``layer`` that routed to the index
+    ``n`` (``sentinel``) where its loop does not skip it, or outside [0, ``n``] (``beyond``):
+    `loop_mask`'s experts ``n`` and ``n + 1``."""
+    if beyond or sentinel and not layer.sentinel:
+        raise loop_outside(layer.name, layer.experts, layer.sentinel)
 
 
 class RoutedOutside:
